@@ -1,0 +1,63 @@
+"""TensorCast: a shared, programmable tensor pool for LLM infrastructure.
+
+    import tensorcast as tc
+    with tc.LocalCluster(workers=2) as cluster:
+        client = tc.connect(cluster.address)
+        art = client.put({"w": w}, key="demo/model@v1")
+        w2 = client.artifact("demo/model@v1").tensor("w")
+"""
+
+from typing import Any
+
+from tensorcast import errors
+from tensorcast.client.sync import Artifact, Client, connect, get_client, init
+from tensorcast.cluster import LocalCluster
+from tensorcast.config import Config
+from tensorcast.context import CallContext, context
+from tensorcast.wire.messages import ArtifactInfo, ReplicaInfo, TensorMeta, WorkerInfo
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Artifact",
+    "ArtifactInfo",
+    "CallContext",
+    "Client",
+    "Config",
+    "LocalCluster",
+    "ReplicaInfo",
+    "TensorMeta",
+    "WorkerInfo",
+    "__version__",
+    "artifact",
+    "connect",
+    "context",
+    "delete",
+    "errors",
+    "get_client",
+    "init",
+    "list_workers",
+    "ls",
+    "put",
+]
+
+
+def put(tensors: Any, key: str | None = None, *, ttl: float | None = None, timeout: float | None = None) -> Artifact:
+    """``put`` on the process-default client (see ``init``)."""
+    return get_client().put(tensors, key, ttl=ttl, timeout=timeout)
+
+
+def artifact(key_or_id: str) -> Artifact:
+    return get_client().artifact(key_or_id)
+
+
+def ls(prefix: str = "") -> list[Artifact]:
+    return get_client().ls(prefix)
+
+
+def delete(key_or_id: str) -> str:
+    return get_client().delete(key_or_id)
+
+
+def list_workers() -> list[WorkerInfo]:
+    return get_client().list_workers()

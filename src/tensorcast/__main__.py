@@ -1,0 +1,3 @@
+from tensorcast.cli import main
+
+main()

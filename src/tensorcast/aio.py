@@ -1,0 +1,5 @@
+"""The asyncio API: ``await tensorcast.aio.connect(address)`` returns an ``AsyncClient``."""
+
+from tensorcast.client.aio import AsyncArtifact, AsyncClient, connect
+
+__all__ = ["AsyncArtifact", "AsyncClient", "connect"]

@@ -1,0 +1,175 @@
+"""The synchronous caller SDK: ``Client`` and ``Artifact``, plus the process-default client.
+
+Owns: running the asyncio client on a private event-loop thread and blocking the caller on results, and
+``init``/``get_client`` for module-level calls (``tensorcast.put(...)``). Does not own: protocol logic,
+which lives once in ``client.aio``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Coroutine, Mapping
+from typing import Any, TypeVar
+
+from tensorcast.client.aio import AsyncArtifact, AsyncClient
+from tensorcast.client.artifact import ArtifactBase
+from tensorcast.config import Config
+from tensorcast.context import CallContext
+from tensorcast.errors import InvalidArgument
+from tensorcast.wire.messages import WorkerInfo
+
+__all__ = ["Artifact", "Client", "connect", "get_client", "init"]
+
+T = TypeVar("T")
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()  # type: ignore[no-any-return]
+    except ImportError:
+        return asyncio.new_event_loop()
+
+
+class _LoopThread:
+    def __init__(self) -> None:
+        self.loop = new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="tensorcast-client", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if threading.current_thread() is self.thread:
+            raise RuntimeError("synchronous TensorCast call made from its own event loop thread")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+class Artifact(ArtifactBase):
+    """An immutable set of named tensors in the pool. Materialized only on ``tensor``/``tensor_dict``."""
+
+    def __init__(self, client: Client, inner: AsyncArtifact) -> None:
+        super().__init__(inner.info)
+        self._client = client
+        self._inner = inner
+
+    def tensor(self, name: str | None = None, like: str = "torch") -> Any:
+        """One tensor. Same host: a copy-on-write mapping of the pool's memory (no copy; writes stay
+        private). Another host: streamed and digest-checked."""
+        return self._client._run(self._inner.tensor(name, like))
+
+    def tensor_dict(self, like: str = "torch") -> dict[str, Any]:
+        return self._client._run(self._inner.tensor_dict(like))
+
+    def tensor_dict_into(self, targets: Mapping[str, Any]) -> None:
+        """Fill caller-owned tensors in place (e.g. ``model.state_dict()``)."""
+        self._client._run(self._inner.tensor_dict_into(targets))
+
+    def renew(self, ttl: float) -> Artifact:
+        """Extend a caller lease to ``ttl`` seconds from now."""
+        self._client._run(self._inner.renew(ttl))
+        self.info = self._inner.info
+        return self
+
+    def release(self) -> None:
+        """End a caller lease now: the artifact is deleted."""
+        self._client._run(self._inner.release())
+
+    def refresh(self) -> Artifact:
+        self._client._run(self._inner.refresh())
+        self.info = self._inner.info
+        return self
+
+
+class Client:
+    """Synchronous client of a TensorCast cluster (connect to a gateway worker's address)."""
+
+    def __init__(self, address: str, token: str | None = None, *, config: Config | None = None) -> None:
+        self._loop = _LoopThread()
+        self.aio = AsyncClient(address, token, config=config)
+        self.address = address
+        self._closed = False
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._closed:
+            coro.close()
+            raise InvalidArgument("client is closed")
+        return self._loop.run(coro)
+
+    def _wrap(self, inner: AsyncArtifact) -> Artifact:
+        return Artifact(self, inner)
+
+    def put(self, tensors: Any, key: str | None = None, *, ttl: float | None = None,
+            timeout: float | None = None, ctx: CallContext | None = None) -> Artifact:
+        """Store a tensor or ``{name: tensor}`` as one artifact. See ``AsyncClient.put``."""
+        return self._wrap(self._run(self.aio.put(tensors, key, ttl=ttl, timeout=timeout, ctx=ctx)))
+
+    def artifact(self, key_or_id: str, *, timeout: float | None = None) -> Artifact:
+        return self._wrap(self._run(self.aio.artifact(key_or_id, timeout=timeout)))
+
+    def ls(self, prefix: str = "", *, limit: int = 10_000) -> list[Artifact]:
+        return [self._wrap(a) for a in self._run(self.aio.ls(prefix, limit=limit))]
+
+    def delete(self, key_or_id: str) -> str:
+        return self._run(self.aio.delete(key_or_id))
+
+    def list_workers(self) -> list[WorkerInfo]:
+        return self._run(self.aio.list_workers())
+
+    def ping(self) -> None:
+        self._run(self.aio._channel(self.address).connect())
+
+    def close(self) -> None:
+        if not self._closed:
+            self._run(self.aio.close())
+            self._closed = True
+            self._loop.stop()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect(address: str, token: str | None = None, *, config: Config | None = None) -> Client:
+    """Connect to a cluster through a gateway worker (``HOST:PORT``); raises ``Unavailable`` if unreachable."""
+    client = Client(address, token, config=config)
+    try:
+        client.ping()
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+_default: Client | None = None
+_default_lock = threading.Lock()
+
+
+def init(address: str | None = None, token: str | None = None, *, config: Config | None = None) -> Client:
+    """Set this process's default client (address from the argument or ``TENSORCAST_ADDRESS``)."""
+    global _default
+    address = address or os.environ.get("TENSORCAST_ADDRESS")
+    if not address:
+        raise InvalidArgument("tensorcast.init needs an address (or set TENSORCAST_ADDRESS)")
+    with _default_lock:
+        if _default is not None:
+            _default.close()
+        _default = connect(address, token, config=config)
+        return _default
+
+
+def get_client() -> Client:
+    if _default is None:
+        if os.environ.get("TENSORCAST_ADDRESS"):
+            return init()
+        raise InvalidArgument("no default client: call tensorcast.init(address) first")
+    return _default

@@ -1,0 +1,254 @@
+"""``LocalCluster``: a global store and N workers as separate processes on loopback.
+
+Owns: starting and stopping those processes (by PID), waiting for their ready files, writing
+``cluster.json``, and the fault hooks tests and demos use (kill -9, restart, SIGSTOP/SIGCONT, restart of
+the global store on the same data directory and port). Does not own: what the processes do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from tensorcast.config import default_host_id
+from tensorcast.errors import InvalidArgument, Unavailable
+from tensorcast.pool.segments import remove_stale_segments
+
+__all__ = ["LocalCluster", "ProcessHandle"]
+
+
+@dataclass
+class ProcessHandle:
+    name: str
+    args: list[str]
+    ready_file: Path
+    log_path: Path
+    popen: subprocess.Popen[bytes] | None = None
+    info: dict[str, Any] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+    @property
+    def address(self) -> str:
+        assert self.info is not None
+        return str(self.info["address"])
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+
+class LocalCluster:
+    """A local cluster for demos, tests and benchmarks.
+
+    ``hosts`` > 1 gives workers distinct host ids (worker i is on host i % hosts; host 0 is this machine),
+    so traffic between "hosts" takes the network path although everything runs here.
+    """
+
+    def __init__(
+        self,
+        workers: int = 1,
+        hosts: int = 1,
+        data_dir: str | os.PathLike[str] | None = None,
+        *,
+        token: str | None = None,
+        memory_capacity: str | int | None = None,
+        config: dict[str, Any] | None = None,
+        startup_timeout: float = 30.0,
+    ) -> None:
+        if workers < 1 or hosts < 1 or hosts > workers:
+            raise InvalidArgument("need workers >= 1 and 1 <= hosts <= workers")
+        self._tmp = None if data_dir is not None else tempfile.TemporaryDirectory(prefix="tensorcast-")
+        self.data_dir = Path(data_dir if data_dir is not None else self._tmp.name).absolute()  # type: ignore[union-attr]
+        self.n_workers = workers
+        self.hosts = hosts
+        self.token = token
+        self.memory_capacity = memory_capacity
+        self.config = dict(config or {})
+        self.startup_timeout = startup_timeout
+        self.gs: ProcessHandle | None = None
+        self.workers: dict[str, ProcessHandle] = {}
+        self._gs_port = 0
+        self._logs: list[IO[bytes]] = []
+        # Unique per cluster so concurrent clusters never share segment names.
+        self.shm_prefix = f"tc{os.getpid()}x{int(time.time() * 1000) % 10**8}"
+
+    # ----------------------------------------------------------------- lifecycle
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def address(self) -> str:
+        """The gateway address callers connect to (the first worker)."""
+        return next(iter(self.workers.values())).address
+
+    @property
+    def gs_address(self) -> str:
+        assert self.gs is not None
+        return self.gs.address
+
+    @property
+    def worker_ids(self) -> list[str]:
+        return list(self.workers)
+
+    def host_id_of(self, index: int) -> str:
+        host = index % self.hosts
+        return default_host_id() if host == 0 else f"{default_host_id()}-h{host}"
+
+    def start(self) -> None:
+        (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
+        try:
+            self._start_gs()
+            for i in range(self.n_workers):
+                wid = f"w{i}"
+                self.workers[wid] = self._worker_handle(wid, i)
+            for handle in self.workers.values():
+                self._spawn(handle)
+            for handle in self.workers.values():
+                self._wait_ready(handle)
+        except BaseException:
+            self.stop()
+            raise
+        (self.data_dir / "cluster.json").write_text(json.dumps({
+            "address": self.address,
+            "gs_address": self.gs_address,
+            "workers": {w: {"address": h.address, "pid": h.pid} for w, h in self.workers.items()},
+        }, indent=2))
+
+    def stop(self) -> None:
+        handles = list(self.workers.values()) + ([self.gs] if self.gs else [])
+        for h in handles:
+            if h.alive():
+                assert h.popen is not None
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(h.pid, signal.SIGCONT)
+                h.popen.terminate()
+        for h in handles:
+            if h.popen is not None:
+                try:
+                    h.popen.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    h.popen.kill()
+                    h.popen.wait(timeout=10)
+        for wid in self.workers:
+            remove_stale_segments(self._worker_prefix(wid))
+        for f in self._logs:
+            f.close()
+        self._logs.clear()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    # ----------------------------------------------------------------- processes
+    def _common_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.token is not None:
+            env["TENSORCAST_TOKEN"] = self.token
+        return env
+
+    def _overrides(self) -> list[str]:
+        return [f"--set={k}={v}" for k, v in self.config.items()]
+
+    def _start_gs(self) -> None:
+        ready = self.data_dir / "gs.ready"
+        args = [sys.executable, "-m", "tensorcast", "gs", "--data-dir", str(self.data_dir / "gs"),
+                "--port", str(self._gs_port), "--ready-file", str(ready), *self._overrides()]
+        self.gs = ProcessHandle("gs", args, ready, self.data_dir / "logs" / "gs.log")
+        self._spawn(self.gs)
+        self._wait_ready(self.gs)
+        self._gs_port = int(self.gs.address.rsplit(":", 1)[1])
+
+    def _worker_prefix(self, wid: str) -> str:
+        return f"{self.shm_prefix}-{wid}"
+
+    def _worker_handle(self, wid: str, index: int) -> ProcessHandle:
+        assert self.gs is not None
+        ready = self.data_dir / f"{wid}.ready"
+        args = [sys.executable, "-m", "tensorcast", "worker", "--gs", self.gs.address, "--id", wid,
+                "--ready-file", str(ready), "--host-id", self.host_id_of(index),
+                f"--set=worker.shm_prefix={self.shm_prefix}", *self._overrides()]
+        if self.memory_capacity is not None:
+            args += ["--memory", str(self.memory_capacity)]
+        return ProcessHandle(wid, args, ready, self.data_dir / "logs" / f"{wid}.log")
+
+    def _spawn(self, handle: ProcessHandle) -> None:
+        handle.ready_file.unlink(missing_ok=True)
+        handle.info = None
+        log = open(handle.log_path, "ab")  # noqa: SIM115 - kept open for the child's lifetime
+        self._logs.append(log)
+        handle.popen = subprocess.Popen(handle.args, stdout=log, stderr=subprocess.STDOUT, env=self._common_env(),
+                                        stdin=subprocess.DEVNULL)
+
+    def _wait_ready(self, handle: ProcessHandle) -> None:
+        deadline = time.time() + self.startup_timeout
+        while time.time() < deadline:
+            if handle.ready_file.exists():
+                handle.info = json.loads(handle.ready_file.read_text())
+                return
+            if not handle.alive():
+                tail = handle.log_path.read_text(errors="replace")[-2000:]
+                raise Unavailable(f"{handle.name} exited during start-up:\n{tail}")
+            time.sleep(0.02)
+        raise Unavailable(f"{handle.name} not ready after {self.startup_timeout}s (log: {handle.log_path})")
+
+    # ----------------------------------------------------------------- fault hooks
+    def _worker(self, worker_id: str) -> ProcessHandle:
+        try:
+            return self.workers[worker_id]
+        except KeyError:
+            raise InvalidArgument(f"no worker {worker_id!r}; workers: {list(self.workers)}") from None
+
+    def kill_worker(self, worker_id: str) -> None:
+        """SIGKILL: the worker's memory replicas are lost."""
+        h = self._worker(worker_id)
+        if h.alive():
+            assert h.popen is not None
+            h.popen.kill()
+            h.popen.wait()
+
+    def restart_worker(self, worker_id: str) -> None:
+        h = self._worker(worker_id)
+        if h.alive():
+            self.kill_worker(worker_id)
+        self._spawn(h)
+        self._wait_ready(h)
+
+    def pause_worker(self, worker_id: str) -> None:
+        os.kill(self._worker(worker_id).pid, signal.SIGSTOP)
+
+    def resume_worker(self, worker_id: str) -> None:
+        os.kill(self._worker(worker_id).pid, signal.SIGCONT)
+
+    def kill_global_store(self) -> None:
+        assert self.gs is not None and self.gs.popen is not None
+        if self.gs.alive():
+            self.gs.popen.kill()
+            self.gs.popen.wait()
+
+    def restart_global_store(self) -> None:
+        """kill -9 the global store and start it again on the same data directory and port."""
+        self.kill_global_store()
+        assert self.gs is not None
+        self._spawn(self.gs)
+        self._wait_ready(self.gs)
+
+    def pids(self) -> dict[str, int]:
+        out = {w: h.pid for w, h in self.workers.items() if h.popen is not None}
+        if self.gs is not None and self.gs.popen is not None:
+            out["gs"] = self.gs.pid
+        return out

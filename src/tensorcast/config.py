@@ -1,0 +1,214 @@
+"""Every tunable of TensorCast: one named key, one default, one place.
+
+Keys are grouped by process (``wire``, ``gs``, ``worker``, ``client``). Values come, lowest priority first,
+from the defaults below, a TOML file (``--config FILE`` or ``TENSORCAST_CONFIG``), environment variables
+(``TENSORCAST_<SECTION>_<KEY>``, e.g. ``TENSORCAST_WORKER_MEMORY_CAPACITY=8GiB``) and command-line flags.
+Sizes accept integers or strings with a unit (``512MiB``, ``4GB``). Unknown keys and bad values raise
+``InvalidArgument`` naming the key. This module reads configuration; it does not act on it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from tensorcast.errors import InvalidArgument
+
+__all__ = ["ClientConfig", "Config", "GSConfig", "WireConfig", "WorkerConfig", "default_host_id", "parse_size"]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+
+
+def parse_size(value: int | float | str, key: str = "size") -> int:
+    """``"4GiB"`` -> 4294967296. Raises ``InvalidArgument`` naming ``key`` on garbage."""
+    if isinstance(value, bool):
+        raise InvalidArgument(f"{key}: expected a size, got {value!r}")
+    if isinstance(value, int | float):
+        if value < 0:
+            raise InvalidArgument(f"{key}: size must be >= 0, got {value}")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise InvalidArgument(f"{key}: cannot parse size {value!r} (examples: 1048576, 512MiB, 4GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def default_host_id() -> str:
+    """The machine's identity for same-host decisions (shared memory is only tried between equal ids)."""
+    return socket.gethostname()
+
+
+class WireConfig(msgspec.Struct, frozen=True, kw_only=True):
+    # Largest control message body accepted; anything larger is refused with ResourceExhausted.
+    max_frame_bytes: int = 64 * 1024**2
+    # Largest payload a peer may push without a receiver-chosen destination buffer.
+    max_unsolicited_payload_bytes: int = 64 * 1024**2
+    # Payloads are written in chunks of this size so flow control can pause the sender.
+    send_chunk_bytes: int = 4 * 1024**2
+    # A connection that has not completed its handshake by then is closed.
+    handshake_timeout: float = 10.0
+    connect_timeout: float = 10.0
+
+
+class GSConfig(msgspec.Struct, frozen=True, kw_only=True):
+    host: str = "127.0.0.1"
+    port: int = 0
+    # SQLite durability: FULL syncs the WAL on every commit (survives power loss); NORMAL survives
+    # process crashes only.
+    sqlite_synchronous: str = "FULL"
+    # A worker is dead once no heartbeat arrived for this long.
+    worker_liveness_timeout: float = 5.0
+    # How often expired caller leases are turned into deletions.
+    lease_reap_interval: float = 0.5
+
+
+class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    host: str = "127.0.0.1"
+    port: int = 0
+    roles: tuple[str, ...] = ("basic", "gateway")
+    # Bytes of tensor data the memory tier may hold; puts beyond it fail with ResourceExhausted.
+    memory_capacity: int = 4 * 1024**3
+    heartbeat_interval: float = 1.0
+    # A put that was begun but neither committed nor aborted is reclaimed after this long.
+    put_timeout: float = 600.0
+    # Re-hash bytes that a same-host caller wrote into shared memory before accepting them.
+    # Bytes that crossed a network are always verified.
+    verify_local_puts: bool = False
+    # Identity of the host for same-host (shared memory) decisions; tests fake several hosts with it.
+    host_id: str = ""
+    # Prefix of this worker's shared-memory segment names (under /dev/shm).
+    shm_prefix: str = "tensorcast"
+
+
+class ClientConfig(msgspec.Struct, frozen=True, kw_only=True):
+    # Default deadline of a call, in seconds, when the caller gives none (None = wait forever).
+    timeout: float | None = 300.0
+    host_id: str = ""
+    # Verify the digest of tensor bytes read across a network before handing them out.
+    verify_remote_reads: bool = True
+    # Try shared memory when the worker reports the same host id.
+    use_shared_memory: bool = True
+
+
+class Config(msgspec.Struct, frozen=True, kw_only=True):
+    token: str | None = None
+    wire: WireConfig = WireConfig()
+    gs: GSConfig = GSConfig()
+    worker: WorkerConfig = WorkerConfig()
+    client: ClientConfig = ClientConfig()
+
+    @classmethod
+    def load(
+        cls, path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None
+    ) -> Config:
+        """Defaults < TOML file < environment < ``overrides`` (``{"worker.memory_capacity": "1GiB"}``)."""
+        data: dict[str, Any] = {}
+        path = path or os.environ.get("TENSORCAST_CONFIG")
+        if path:
+            try:
+                data = tomllib.loads(Path(path).read_text())
+            except (OSError, tomllib.TOMLDecodeError) as exc:
+                raise InvalidArgument(f"config file {path}: {exc}") from exc
+        flat = _flatten(data)
+        for name, value in os.environ.items():
+            if name.startswith("TENSORCAST_") and name != "TENSORCAST_CONFIG":
+                dotted = _env_to_key(name)
+                if dotted:
+                    flat[dotted] = value
+        flat.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        return cls.from_flat(flat)
+
+    @classmethod
+    def from_flat(cls, flat: dict[str, Any]) -> Config:
+        nested: dict[str, Any] = {}
+        for dotted, value in flat.items():
+            section, _, key = dotted.partition(".")
+            if not key:
+                if section != "token":
+                    raise InvalidArgument(f"unknown config key {dotted!r}")
+                nested["token"] = value
+                continue
+            sub = _SECTIONS.get(section)
+            if sub is None or key not in sub.__struct_fields__:
+                raise InvalidArgument(f"unknown config key {dotted!r}")
+            nested.setdefault(section, {})[key] = _coerce(sub, key, value, dotted)
+        try:
+            return msgspec.convert(nested, cls, strict=False)
+        except msgspec.ValidationError as exc:
+            raise InvalidArgument(f"invalid configuration: {exc}") from exc
+
+
+_SECTIONS: dict[str, type[msgspec.Struct]] = {
+    "wire": WireConfig,
+    "gs": GSConfig,
+    "worker": WorkerConfig,
+    "client": ClientConfig,
+}
+_SIZE_KEYS = {
+    "max_frame_bytes",
+    "max_unsolicited_payload_bytes",
+    "send_chunk_bytes",
+    "memory_capacity",
+}
+
+
+def _env_to_key(name: str) -> str | None:
+    rest = name[len("TENSORCAST_") :].lower()
+    if rest == "token":
+        return "token"
+    for section in _SECTIONS:
+        if rest.startswith(section + "_"):
+            return f"{section}.{rest[len(section) + 1 :]}"
+    return None
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _coerce(struct: type[msgspec.Struct], key: str, value: Any, dotted: str) -> Any:
+    if key in _SIZE_KEYS:
+        return parse_size(value, dotted)
+    if key == "roles" and isinstance(value, str):
+        return tuple(r.strip() for r in value.split(",") if r.strip())
+    if isinstance(value, str):
+        default = getattr(struct(), key)
+        try:
+            if isinstance(default, bool):
+                if value.lower() not in {"1", "0", "true", "false", "yes", "no"}:
+                    raise ValueError(value)
+                return value.lower() in {"1", "true", "yes"}
+            if isinstance(default, int):
+                return int(value)
+            if isinstance(default, float) or (default is None and key == "timeout"):
+                return None if value.lower() in {"none", ""} else float(value)
+        except ValueError as exc:
+            raise InvalidArgument(f"{dotted}: cannot parse {value!r}") from exc
+    return value

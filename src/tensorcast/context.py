@@ -1,0 +1,75 @@
+"""CallContext: the trace id, absolute deadline and idempotency key that travel with an operation.
+
+Owns: creating contexts (``tensorcast.context(...)``), the task-local "current" context used for logging,
+and deadline arithmetic. The deadline is absolute wall-clock time (``time.time()``), computed once from the
+timeout, so every process an operation touches sees the same instant. Does not own: retries or plans.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+
+from tensorcast.errors import DeadlineExceeded
+
+__all__ = ["CallContext", "context", "current_trace_id", "new_trace_id"]
+
+_current_trace: contextvars.ContextVar[str] = contextvars.ContextVar("tensorcast_trace", default="")
+
+
+def new_trace_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def current_trace_id() -> str:
+    return _current_trace.get()
+
+
+def set_current_trace(trace_id: str) -> contextvars.Token[str]:
+    return _current_trace.set(trace_id)
+
+
+@dataclass(frozen=True, slots=True)
+class CallContext:
+    trace_id: str = field(default_factory=new_trace_id)
+    deadline: float | None = None
+    idempotency_key: str | None = None
+    tags: tuple[tuple[str, str], ...] = ()
+
+    def remaining(self) -> float | None:
+        """Seconds left before the deadline (may be negative), or None without a deadline."""
+        return None if self.deadline is None else self.deadline - time.time()
+
+    def check(self, what: str = "call") -> None:
+        """Raise ``DeadlineExceeded`` if the deadline has passed: never start work that cannot finish."""
+        left = self.remaining()
+        if left is not None and left <= 0:
+            raise DeadlineExceeded(
+                f"{what}: deadline passed {-left:.3f}s ago", trace_id=self.trace_id
+            )
+
+    def with_timeout(self, timeout: float | None) -> CallContext:
+        """A context whose deadline is the earlier of this one's and ``now + timeout``."""
+        if timeout is None:
+            return self
+        deadline = time.time() + timeout
+        if self.deadline is not None:
+            deadline = min(deadline, self.deadline)
+        return replace(self, deadline=deadline)
+
+
+def context(
+    timeout: float | None = None,
+    idempotency_key: str | None = None,
+    trace_id: str | None = None,
+    tags: dict[str, str] | None = None,
+) -> CallContext:
+    """Make a CallContext; ``timeout`` seconds from now becomes the absolute deadline."""
+    return CallContext(
+        trace_id=trace_id or new_trace_id(),
+        deadline=None if timeout is None else time.time() + timeout,
+        idempotency_key=idempotency_key,
+        tags=tuple(sorted((tags or {}).items())),
+    )

@@ -1,0 +1,110 @@
+"""Every error TensorCast raises, and the codes they travel under on the wire.
+
+The tree::
+
+    TensorCastError                 code            retryable
+    ├── NotFound                    NOT_FOUND        no   unknown artifact, key, worker, tensor name
+    ├── InvalidArgument             INVALID_ARGUMENT no   bad dtype/shape/key/config, malformed or unknown message
+    ├── DeadlineExceeded            DEADLINE_EXCEEDED yes the call's deadline passed (before or during the work)
+    ├── Unauthenticated             UNAUTHENTICATED  no   missing or wrong cluster token, no handshake
+    ├── ResourceExhausted           RESOURCE_EXHAUSTED yes pool capacity, oversized frame
+    ├── Unavailable                 UNAVAILABLE      yes  peer down, connection lost, no live replica
+    ├── StaleFencingToken           STALE_FENCING_TOKEN yes a shard lease changed hands; refresh and retry
+    └── InternalError               INTERNAL         no   a bug: the remote side failed unexpectedly
+
+Each class carries a wire ``code`` and whether a retry may succeed (``retryable``). A remote failure is
+raised on the caller side as the same class with the remote message, so ``except tc.errors.NotFound``
+works across processes. This module owns the mapping; it does not decide retry policy.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+__all__ = [
+    "DeadlineExceeded",
+    "InternalError",
+    "InvalidArgument",
+    "NotFound",
+    "ResourceExhausted",
+    "StaleFencingToken",
+    "TensorCastError",
+    "Unauthenticated",
+    "Unavailable",
+    "error_from_code",
+]
+
+
+class TensorCastError(Exception):
+    """Base of every TensorCast error."""
+
+    code: ClassVar[str] = "UNKNOWN"
+    retryable: ClassVar[bool] = False
+
+    def __init__(self, message: str = "", *, trace_id: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.trace_id = trace_id
+
+    def __str__(self) -> str:
+        suffix = f" [trace {self.trace_id}]" if self.trace_id else ""
+        return f"{self.code}: {self.message}{suffix}"
+
+
+class NotFound(TensorCastError):
+    code = "NOT_FOUND"
+
+
+class InvalidArgument(TensorCastError):
+    code = "INVALID_ARGUMENT"
+
+
+class DeadlineExceeded(TensorCastError):
+    code = "DEADLINE_EXCEEDED"
+    retryable = True
+
+
+class Unauthenticated(TensorCastError):
+    code = "UNAUTHENTICATED"
+
+
+class ResourceExhausted(TensorCastError):
+    code = "RESOURCE_EXHAUSTED"
+    retryable = True
+
+
+class Unavailable(TensorCastError):
+    code = "UNAVAILABLE"
+    retryable = True
+
+
+class StaleFencingToken(TensorCastError):
+    code = "STALE_FENCING_TOKEN"
+    retryable = True
+
+
+class InternalError(TensorCastError):
+    code = "INTERNAL"
+
+
+_BY_CODE: dict[str, type[TensorCastError]] = {
+    cls.code: cls
+    for cls in (
+        NotFound,
+        InvalidArgument,
+        DeadlineExceeded,
+        Unauthenticated,
+        ResourceExhausted,
+        Unavailable,
+        StaleFencingToken,
+        InternalError,
+    )
+}
+
+
+def error_from_code(code: str, message: str, trace_id: str | None = None) -> TensorCastError:
+    """Rebuild the typed error a peer reported; unknown codes become ``InternalError``."""
+    cls = _BY_CODE.get(code, InternalError)
+    if cls is InternalError and code != InternalError.code:
+        message = f"{code}: {message}"
+    return cls(message, trace_id=trace_id)

@@ -1,0 +1,101 @@
+"""The global store's storage-backend interface and the pure rules every backend applies.
+
+Owns: ``MetadataBackend`` (what the GS service needs from a database, in domain terms: workers,
+artifacts, keys, replicas, pending drops) and the lease-merging rule. A backend commits durably before
+its coroutine returns, so the service acknowledges only what is on disk. Does not own: SQL (``gs.sqlite``)
+or the RPC surface (``gs.service``). A later backend (etcd) implements the same class.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+from tensorcast.wire.messages import ArtifactInfo, WorkerInfo
+
+__all__ = ["ArtifactRow", "MetadataBackend", "merge_lease"]
+
+
+@dataclass(frozen=True, slots=True)
+class ArtifactRow:
+    """An artifact's durable record (identity + ownership); replicas and keys are joined on read."""
+
+    info: ArtifactInfo  # tensors, nbytes, created_at; keys/replicas empty
+    lease_expiry: float | None  # None: system-owned
+
+
+def merge_lease(existing: float | bool | None, new: float | None) -> float | None:
+    """Ownership after a put of an artifact that may already exist.
+
+    ``existing`` is False when the artifact is new. System ownership (None) always wins: a caller lease
+    never downgrades a system-owned artifact, and a system-owned put upgrades a leased one. Two leases
+    keep the later expiry.
+    """
+    if existing is False:
+        return new
+    if existing is None or new is None:
+        return None
+    assert isinstance(existing, float)
+    return max(existing, new)
+
+
+class MetadataBackend(abc.ABC):
+    @abc.abstractmethod
+    async def open(self) -> None: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    # ----------------------------------------------------------------- workers
+    @abc.abstractmethod
+    async def register_worker(self, worker: WorkerInfo, now: float) -> int:
+        """Insert or replace a worker; bump and return its incarnation. Its memory replicas (from a
+        previous incarnation) are removed: memory does not survive a restart."""
+
+    @abc.abstractmethod
+    async def heartbeat(self, worker_id: str, incarnation: int, stats: dict[str, int], now: float,
+                        dropped: tuple[str, ...]) -> tuple[bool, tuple[str, ...]]:
+        """Record liveness and usage; acknowledge dropped artifacts. Returns (known, to_drop)."""
+
+    @abc.abstractmethod
+    async def list_workers(self) -> list[WorkerInfo]: ...
+
+    @abc.abstractmethod
+    async def get_worker(self, worker_id: str) -> WorkerInfo | None: ...
+
+    # ----------------------------------------------------------------- artifacts
+    @abc.abstractmethod
+    async def commit_artifact(self, info: ArtifactInfo, worker_id: str, key: str | None,
+                              lease_expiry: float | None, now: float) -> None:
+        """Atomically: record the artifact if new (ownership merged with ``merge_lease``), point ``key``
+        at it (moving the key if it existed), and record ``worker_id``'s memory replica."""
+
+    @abc.abstractmethod
+    async def resolve_key(self, key: str) -> str | None: ...
+
+    @abc.abstractmethod
+    async def get_artifact(self, artifact_id: str) -> ArtifactRow | None: ...
+
+    @abc.abstractmethod
+    async def keys_of(self, artifact_id: str) -> tuple[str, ...]: ...
+
+    @abc.abstractmethod
+    async def replicas_of(self, artifact_id: str) -> list[tuple[str, str]]:
+        """(worker_id, tier) pairs."""
+
+    @abc.abstractmethod
+    async def list_artifacts(self, prefix: str, limit: int) -> list[str]:
+        """Ids of artifacts with a key starting with ``prefix`` (all artifacts when it is empty)."""
+
+    @abc.abstractmethod
+    async def set_lease(self, artifact_id: str, lease_expiry: float | None) -> bool: ...
+
+    @abc.abstractmethod
+    async def delete_artifact(self, artifact_id: str) -> list[str]:
+        """Remove the record and its keys; its replicas become pending drops. Returns holder ids."""
+
+    @abc.abstractmethod
+    async def expired_artifacts(self, now: float) -> list[str]: ...
+
+    @abc.abstractmethod
+    async def remove_replica(self, artifact_id: str, worker_id: str) -> None: ...

@@ -1,0 +1,224 @@
+"""The global store service: control-plane metadata over RPC, durable in a ``MetadataBackend``.
+
+Owns: the GS handlers (worker registry and heartbeats, artifact records, keys, replica locations, caller
+leases and their reaping) and the GS process entry point. Tensor bytes never come here. Every mutation is
+committed by the backend before the reply is sent. Does not own: storage (``gs.sqlite``) or placement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import msgspec
+
+from tensorcast.config import Config
+from tensorcast.errors import InvalidArgument, NotFound
+from tensorcast.gs.backend import MetadataBackend
+from tensorcast.gs.sqlite import SqliteBackend
+from tensorcast.tensors import ARTIFACT_ID_RE
+from tensorcast.wire.messages import (
+    Ack,
+    ArtifactInfo,
+    ArtifactList,
+    CommitArtifact,
+    DeleteArtifact,
+    Deleted,
+    GetArtifact,
+    Heartbeat,
+    HeartbeatReply,
+    ListArtifacts,
+    ListWorkers,
+    Registered,
+    RegisterWorker,
+    ReleaseLease,
+    RemoveReplica,
+    RenewLease,
+    ReplicaInfo,
+    WorkerInfo,
+    WorkerList,
+)
+from tensorcast.wire.rpc import HandlerRegistry, Request, RpcServer
+
+__all__ = ["GlobalStore", "run_global_store"]
+
+log = logging.getLogger("tensorcast.gs")
+
+
+class GlobalStore:
+    def __init__(self, backend: MetadataBackend, config: Config) -> None:
+        self.backend = backend
+        self.config = config
+        # Requests served, by message type: lets tests prove which paths touch the GS.
+        self.request_counts: collections.Counter[str] = collections.Counter()
+        self.registry = HandlerRegistry()
+        for msg_type, handler in (
+            (RegisterWorker, self.register_worker),
+            (Heartbeat, self.heartbeat),
+            (ListWorkers, self.list_workers),
+            (CommitArtifact, self.commit_artifact),
+            (GetArtifact, self.get_artifact),
+            (ListArtifacts, self.list_artifacts),
+            (DeleteArtifact, self.delete_artifact),
+            (RenewLease, self.renew_lease),
+            (ReleaseLease, self.release_lease),
+            (RemoveReplica, self.remove_replica),
+        ):
+            self.registry.register(msg_type, self._counted(msg_type.__name__, handler))
+
+    def _counted(self, name, handler):  # type: ignore[no-untyped-def]
+        async def run(msg, req):  # type: ignore[no-untyped-def]
+            self.request_counts[name] += 1
+            return await handler(msg, req)
+
+        return run
+
+    # ----------------------------------------------------------------- helpers
+    def _alive(self, w: WorkerInfo, now: float) -> bool:
+        return now - w.last_heartbeat < self.config.gs.worker_liveness_timeout
+
+    async def _workers(self) -> dict[str, WorkerInfo]:
+        now = time.time()
+        return {w.worker_id: msgspec.structs.replace(w, alive=self._alive(w, now))
+                for w in await self.backend.list_workers()}
+
+    async def resolve(self, key_or_id: str) -> str:
+        if not key_or_id:
+            raise InvalidArgument("empty artifact key or id")
+        if ARTIFACT_ID_RE.match(key_or_id):
+            return key_or_id
+        aid = await self.backend.resolve_key(key_or_id)
+        if aid is None:
+            raise NotFound(f"no artifact with key {key_or_id!r}")
+        return aid
+
+    async def info(self, artifact_id: str, workers: dict[str, WorkerInfo] | None = None) -> ArtifactInfo:
+        row = await self.backend.get_artifact(artifact_id)
+        if row is None or (row.lease_expiry is not None and row.lease_expiry <= time.time()):
+            raise NotFound(f"no artifact {artifact_id}")
+        workers = workers if workers is not None else await self._workers()
+        replicas = []
+        for wid, tier in await self.backend.replicas_of(artifact_id):
+            w = workers.get(wid)
+            replicas.append(ReplicaInfo(worker_id=wid, address=w.address if w else "",
+                                        host_id=w.host_id if w else "", tier=tier,
+                                        alive=bool(w and w.alive)))
+        return ArtifactInfo(
+            id=artifact_id, tensors=row.info.tensors, nbytes=row.info.nbytes,
+            keys=await self.backend.keys_of(artifact_id),
+            owner="system" if row.lease_expiry is None else "lease",
+            lease_expiry=row.lease_expiry, created_at=row.info.created_at, replicas=tuple(replicas),
+        )
+
+    # ----------------------------------------------------------------- handlers
+    async def register_worker(self, msg: RegisterWorker, req: Request) -> Registered:
+        incarnation = await self.backend.register_worker(msg.worker, time.time())
+        log.info("worker %s registered at %s (incarnation %d)", msg.worker.worker_id, msg.worker.address,
+                 incarnation)
+        return Registered(incarnation=incarnation)
+
+    async def heartbeat(self, msg: Heartbeat, req: Request) -> HeartbeatReply:
+        known, drop = await self.backend.heartbeat(
+            msg.worker_id, msg.incarnation,
+            {"memory_used": msg.memory_used, "memory_capacity": msg.memory_capacity, "artifacts": msg.artifacts},
+            time.time(), msg.dropped)
+        return HeartbeatReply(drop=drop, reregister=not known)
+
+    async def list_workers(self, msg: ListWorkers, req: Request) -> WorkerList:
+        return WorkerList(workers=tuple((await self._workers()).values()))
+
+    async def commit_artifact(self, msg: CommitArtifact, req: Request) -> ArtifactInfo:
+        if msg.key is not None:
+            validate_key(msg.key)
+        now = time.time()
+        lease = None if msg.ttl is None else now + msg.ttl
+        await self.backend.commit_artifact(msg.artifact, msg.worker_id, msg.key, lease, now)
+        return await self.info(msg.artifact.id)
+
+    async def get_artifact(self, msg: GetArtifact, req: Request) -> ArtifactInfo:
+        return await self.info(await self.resolve(msg.key_or_id))
+
+    async def list_artifacts(self, msg: ListArtifacts, req: Request) -> ArtifactList:
+        workers = await self._workers()
+        out = []
+        for aid in await self.backend.list_artifacts(msg.prefix, msg.limit):
+            try:
+                out.append(await self.info(aid, workers))
+            except NotFound:
+                continue  # expired, not reaped yet
+        return ArtifactList(artifacts=tuple(out))
+
+    async def delete_artifact(self, msg: DeleteArtifact, req: Request) -> Deleted:
+        aid = await self.resolve(msg.key_or_id)
+        if await self.backend.get_artifact(aid) is None:
+            raise NotFound(f"no artifact {msg.key_or_id}")
+        workers = await self._workers()
+        holders = await self.backend.delete_artifact(aid)
+        log.info("deleted artifact %s", aid)
+        return Deleted(artifact_id=aid, replicas=tuple(
+            ReplicaInfo(worker_id=w, address=workers[w].address if w in workers else "") for w in holders))
+
+    async def renew_lease(self, msg: RenewLease, req: Request) -> ArtifactInfo:
+        if msg.ttl <= 0:
+            raise InvalidArgument(f"ttl must be > 0, got {msg.ttl}")
+        info = await self.info(msg.artifact_id)
+        if info.owner == "system":
+            raise InvalidArgument(f"artifact {msg.artifact_id} is system-owned: it has no lease to renew")
+        await self.backend.set_lease(msg.artifact_id, time.time() + msg.ttl)
+        return await self.info(msg.artifact_id)
+
+    async def release_lease(self, msg: ReleaseLease, req: Request) -> Deleted:
+        info = await self.info(msg.artifact_id)
+        if info.owner == "system":
+            raise InvalidArgument(f"artifact {msg.artifact_id} is system-owned: delete it instead of releasing")
+        return await self.delete_artifact(DeleteArtifact(key_or_id=msg.artifact_id), req)
+
+    async def remove_replica(self, msg: RemoveReplica, req: Request) -> Ack:
+        await self.backend.remove_replica(msg.artifact_id, msg.worker_id)
+        return Ack()
+
+    # ----------------------------------------------------------------- background
+    async def reap_leases(self) -> None:
+        """Turn expired caller leases into deletions (holders drop them at their next heartbeat)."""
+        while True:
+            await asyncio.sleep(self.config.gs.lease_reap_interval)
+            try:
+                for aid in await self.backend.expired_artifacts(time.time()):
+                    await self.backend.delete_artifact(aid)
+                    log.info("lease of artifact %s expired", aid)
+            except Exception:
+                log.exception("lease reaper failed")
+
+
+def validate_key(key: str) -> None:
+    if not key or len(key) > 1024 or any(ord(c) < 32 for c in key):
+        raise InvalidArgument(f"invalid key {key!r}: 1..1024 printable characters")
+    if ARTIFACT_ID_RE.match(key):
+        raise InvalidArgument(f"invalid key {key!r}: keys may not look like artifact ids")
+
+
+async def run_global_store(config: Config, data_dir: Path, ready_file: Path | None = None,
+                           stop: asyncio.Event | None = None) -> None:
+    """Serve the GS until ``stop`` is set (or forever). Writes ``{address, pid}`` to ``ready_file``."""
+    backend = SqliteBackend(data_dir / "gs.sqlite3", config.gs.sqlite_synchronous)
+    await backend.open()
+    gs = GlobalStore(backend, config)
+    server = RpcServer(gs.registry, config.wire, token=config.token, server_id="gs", host_id="", roles=("gs",))
+    address = await server.start(config.gs.host, config.gs.port)
+    reaper = asyncio.ensure_future(gs.reap_leases())
+    log.info("global store serving at %s (data %s)", address, data_dir)
+    if ready_file is not None:
+        tmp = ready_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"address": address, "pid": os.getpid()}))
+        tmp.replace(ready_file)
+    try:
+        await (stop.wait() if stop is not None else asyncio.Event().wait())
+    finally:
+        reaper.cancel()
+        await server.close()
+        await backend.close()

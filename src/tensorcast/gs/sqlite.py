@@ -1,0 +1,237 @@
+"""SQLite backend of the global store: the embedded default.
+
+Owns: the schema and the SQL. WAL journal, one writer (the GS event loop), ``synchronous`` from config
+(FULL by default: every commit is on disk before the service acknowledges). Each public method is one
+transaction. Does not own: lease rules (``gs.backend.merge_lease``) or the RPC surface.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import msgspec
+
+from tensorcast.errors import InvalidArgument
+from tensorcast.gs.backend import ArtifactRow, MetadataBackend, merge_lease
+from tensorcast.wire.messages import ArtifactInfo, TensorMeta, WorkerInfo
+
+__all__ = ["SqliteBackend"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS workers (
+    worker_id TEXT PRIMARY KEY,
+    address TEXT NOT NULL,
+    host_id TEXT NOT NULL,
+    roles TEXT NOT NULL,
+    pid INTEGER NOT NULL,
+    incarnation INTEGER NOT NULL,
+    registered_at REAL NOT NULL,
+    last_heartbeat REAL NOT NULL,
+    memory_used INTEGER NOT NULL DEFAULT 0,
+    memory_capacity INTEGER NOT NULL DEFAULT 0,
+    artifacts INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS artifacts (
+    artifact_id TEXT PRIMARY KEY,
+    tensors BLOB NOT NULL,
+    nbytes INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    lease_expiry REAL
+);
+CREATE INDEX IF NOT EXISTS artifacts_lease ON artifacts(lease_expiry) WHERE lease_expiry IS NOT NULL;
+CREATE TABLE IF NOT EXISTS keys (
+    key TEXT PRIMARY KEY,
+    artifact_id TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS keys_artifact ON keys(artifact_id);
+CREATE TABLE IF NOT EXISTS replicas (
+    artifact_id TEXT NOT NULL,
+    worker_id TEXT NOT NULL,
+    tier TEXT NOT NULL,
+    PRIMARY KEY (artifact_id, worker_id, tier)
+);
+CREATE INDEX IF NOT EXISTS replicas_worker ON replicas(worker_id);
+CREATE TABLE IF NOT EXISTS drops (
+    artifact_id TEXT NOT NULL,
+    worker_id TEXT NOT NULL,
+    PRIMARY KEY (artifact_id, worker_id)
+);
+"""
+
+_TENSORS = msgspec.msgpack.Encoder()
+_TENSORS_DEC = msgspec.msgpack.Decoder(tuple[TensorMeta, ...])
+
+
+class SqliteBackend(MetadataBackend):
+    def __init__(self, path: str | Path, synchronous: str = "FULL") -> None:
+        if synchronous.upper() not in {"OFF", "NORMAL", "FULL", "EXTRA"}:
+            raise InvalidArgument(f"gs.sqlite_synchronous must be OFF/NORMAL/FULL/EXTRA, got {synchronous!r}")
+        self.path = Path(path)
+        self.synchronous = synchronous.upper()
+        self._db: sqlite3.Connection | None = None
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise RuntimeError("backend not opened")
+        return self._db
+
+    async def open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(f"PRAGMA synchronous={self.synchronous}")
+        self._db.executescript(_SCHEMA)
+
+    async def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    def _tx(self) -> sqlite3.Connection:
+        self.db.execute("BEGIN IMMEDIATE")
+        return self.db
+
+    # ----------------------------------------------------------------- workers
+    async def register_worker(self, worker: WorkerInfo, now: float) -> int:
+        db = self._tx()
+        try:
+            row = db.execute("SELECT incarnation FROM workers WHERE worker_id=?", (worker.worker_id,)).fetchone()
+            incarnation = (row[0] if row else 0) + 1
+            db.execute(
+                "INSERT OR REPLACE INTO workers VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                (worker.worker_id, worker.address, worker.host_id, json.dumps(list(worker.roles)), worker.pid,
+                 incarnation, now, now, worker.memory_used, worker.memory_capacity, worker.artifacts),
+            )
+            db.execute("DELETE FROM replicas WHERE worker_id=? AND tier='memory'", (worker.worker_id,))
+            db.execute("DELETE FROM drops WHERE worker_id=?", (worker.worker_id,))
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        return incarnation
+
+    async def heartbeat(self, worker_id: str, incarnation: int, stats: dict[str, int], now: float,
+                        dropped: tuple[str, ...]) -> tuple[bool, tuple[str, ...]]:
+        db = self._tx()
+        try:
+            cur = db.execute(
+                "UPDATE workers SET last_heartbeat=?, memory_used=?, memory_capacity=?, artifacts=? "
+                "WHERE worker_id=? AND incarnation=?",
+                (now, stats["memory_used"], stats["memory_capacity"], stats["artifacts"], worker_id, incarnation),
+            )
+            if cur.rowcount == 0:
+                db.execute("COMMIT")
+                return False, ()
+            for aid in dropped:
+                # Only an outstanding drop removes the replica: the artifact may have been put again since.
+                gone = db.execute("DELETE FROM drops WHERE artifact_id=? AND worker_id=?", (aid, worker_id))
+                if gone.rowcount:
+                    db.execute("DELETE FROM replicas WHERE artifact_id=? AND worker_id=?", (aid, worker_id))
+            todo = tuple(r[0] for r in db.execute("SELECT artifact_id FROM drops WHERE worker_id=?", (worker_id,)))
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        return True, todo
+
+    @staticmethod
+    def _worker(row: tuple[object, ...]) -> WorkerInfo:
+        (wid, address, host_id, roles, pid, inc, reg, hb, used, cap, arts) = row
+        return WorkerInfo(
+            worker_id=str(wid), address=str(address), host_id=str(host_id),
+            roles=tuple(json.loads(str(roles))), pid=int(pid), incarnation=int(inc),  # type: ignore[call-overload]
+            registered_at=float(reg), last_heartbeat=float(hb), memory_used=int(used),  # type: ignore[arg-type]
+            memory_capacity=int(cap), artifacts=int(arts),  # type: ignore[call-overload]
+        )
+
+    async def list_workers(self) -> list[WorkerInfo]:
+        return [self._worker(r) for r in self.db.execute("SELECT * FROM workers ORDER BY worker_id")]
+
+    async def get_worker(self, worker_id: str) -> WorkerInfo | None:
+        row = self.db.execute("SELECT * FROM workers WHERE worker_id=?", (worker_id,)).fetchone()
+        return None if row is None else self._worker(row)
+
+    # ----------------------------------------------------------------- artifacts
+    async def commit_artifact(self, info: ArtifactInfo, worker_id: str, key: str | None,
+                              lease_expiry: float | None, now: float) -> None:
+        db = self._tx()
+        try:
+            row = db.execute("SELECT lease_expiry FROM artifacts WHERE artifact_id=?", (info.id,)).fetchone()
+            lease = merge_lease(False if row is None else row[0], lease_expiry)
+            if row is None:
+                db.execute("INSERT INTO artifacts VALUES (?,?,?,?,?)",
+                           (info.id, _TENSORS.encode(info.tensors), info.nbytes, now, lease))
+            else:
+                db.execute("UPDATE artifacts SET lease_expiry=? WHERE artifact_id=?", (lease, info.id))
+            if key is not None:
+                db.execute("INSERT OR REPLACE INTO keys VALUES (?,?)", (key, info.id))
+            db.execute("INSERT OR IGNORE INTO replicas VALUES (?,?,?)", (info.id, worker_id, "memory"))
+            db.execute("DELETE FROM drops WHERE artifact_id=? AND worker_id=?", (info.id, worker_id))
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+    async def resolve_key(self, key: str) -> str | None:
+        row = self.db.execute("SELECT artifact_id FROM keys WHERE key=?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    async def get_artifact(self, artifact_id: str) -> ArtifactRow | None:
+        row = self.db.execute(
+            "SELECT tensors, nbytes, created_at, lease_expiry FROM artifacts WHERE artifact_id=?", (artifact_id,)
+        ).fetchone()
+        if row is None:
+            return None
+        info = ArtifactInfo(id=artifact_id, tensors=_TENSORS_DEC.decode(row[0]), nbytes=row[1], created_at=row[2])
+        return ArtifactRow(info, row[3])
+
+    async def keys_of(self, artifact_id: str) -> tuple[str, ...]:
+        return tuple(r[0] for r in self.db.execute(
+            "SELECT key FROM keys WHERE artifact_id=? ORDER BY key", (artifact_id,)))
+
+    async def replicas_of(self, artifact_id: str) -> list[tuple[str, str]]:
+        return [(r[0], r[1]) for r in self.db.execute(
+            "SELECT worker_id, tier FROM replicas WHERE artifact_id=? ORDER BY worker_id", (artifact_id,))]
+
+    async def list_artifacts(self, prefix: str, limit: int) -> list[str]:
+        if not prefix:
+            rows = self.db.execute("SELECT artifact_id FROM artifacts ORDER BY created_at LIMIT ?", (limit,))
+        else:
+            # Range scan on the key index: [prefix, prefix + U+10FFFF).
+            rows = self.db.execute(
+                "SELECT DISTINCT artifact_id FROM keys WHERE key >= ? AND key < ? ORDER BY key LIMIT ?",
+                (prefix, prefix + "\U0010ffff", limit))
+        return [r[0] for r in rows]
+
+    async def set_lease(self, artifact_id: str, lease_expiry: float | None) -> bool:
+        db = self._tx()
+        cur = db.execute("UPDATE artifacts SET lease_expiry=? WHERE artifact_id=?", (lease_expiry, artifact_id))
+        db.execute("COMMIT")
+        return cur.rowcount > 0
+
+    async def delete_artifact(self, artifact_id: str) -> list[str]:
+        db = self._tx()
+        try:
+            holders = [r[0] for r in db.execute(
+                "SELECT DISTINCT worker_id FROM replicas WHERE artifact_id=?", (artifact_id,))]
+            db.execute("DELETE FROM artifacts WHERE artifact_id=?", (artifact_id,))
+            db.execute("DELETE FROM keys WHERE artifact_id=?", (artifact_id,))
+            for wid in holders:
+                db.execute("INSERT OR IGNORE INTO drops VALUES (?,?)", (artifact_id, wid))
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        return holders
+
+    async def expired_artifacts(self, now: float) -> list[str]:
+        return [r[0] for r in self.db.execute(
+            "SELECT artifact_id FROM artifacts WHERE lease_expiry IS NOT NULL AND lease_expiry <= ?", (now,))]
+
+    async def remove_replica(self, artifact_id: str, worker_id: str) -> None:
+        db = self._tx()
+        db.execute("DELETE FROM replicas WHERE artifact_id=? AND worker_id=?", (artifact_id, worker_id))
+        db.execute("COMMIT")

@@ -1,0 +1,50 @@
+"""Structured logging: one JSON object per line, with the process role and the current trace id.
+
+Owns: the formatter and ``setup_logging``. Every record logged while a request is handled carries that
+request's trace id (a context variable set by the RPC layer), so one operation can be followed across
+processes with ``grep <trace id>``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+
+from tensorcast.context import current_trace_id
+
+__all__ = ["JsonFormatter", "setup_logging"]
+
+
+class JsonFormatter(logging.Formatter):
+    def __init__(self, process_name: str) -> None:
+        super().__init__()
+        self.process_name = process_name
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "proc": self.process_name,
+            "pid": os.getpid(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        trace = getattr(record, "trace_id", None) or current_trace_id()
+        if trace:
+            doc["trace_id"] = trace
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str)
+
+
+def setup_logging(process_name: str, level: str | None = None, path: str | None = None) -> None:
+    handler: logging.Handler = logging.FileHandler(path) if path else logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter(process_name))
+    root = logging.getLogger("tensorcast")
+    root.handlers[:] = [handler]
+    root.setLevel((level or os.environ.get("TENSORCAST_LOG_LEVEL", "INFO")).upper())
+    root.propagate = False
+    logging.Formatter.converter = time.gmtime

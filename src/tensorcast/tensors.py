@@ -1,0 +1,182 @@
+"""Tensor identity and conversion: dtypes, per-tensor metadata, content digests, artifact ids.
+
+Owns: the table of supported dtypes (names shared by numpy, ml_dtypes and torch), turning caller inputs
+(numpy arrays, torch CPU tensors, mappings of them) into contiguous byte views plus ``TensorMeta``, the
+canonical artifact id, and wrapping raw bytes back into numpy arrays or torch tensors without copying.
+Does not own: where bytes live (``pool``), how they travel (``wire``).
+
+Identity: a tensor's digest is BLAKE3 of its bytes (row-major, little-endian); an artifact's id is BLAKE3
+of its sorted ``(name, dtype, shape, digest)`` list. Equal content gives equal ids on every host, which is
+what lets the pool store identical tensors once.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import blake3
+import ml_dtypes
+import msgspec
+import numpy as np
+
+from tensorcast.errors import InvalidArgument
+from tensorcast.wire.messages import TensorMeta
+
+__all__ = [
+    "ARTIFACT_ID_RE",
+    "DTYPES",
+    "TensorInput",
+    "artifact_id",
+    "digest_bytes",
+    "normalize_tensors",
+    "numpy_dtype",
+    "wrap_bytes",
+]
+
+# name -> numpy dtype; torch dtypes are resolved lazily so torch stays optional.
+DTYPES: dict[str, np.dtype[Any]] = {
+    name: np.dtype(dt)
+    for name, dt in {
+        "bool": np.bool_,
+        "uint8": np.uint8,
+        "int8": np.int8,
+        "uint16": np.uint16,
+        "int16": np.int16,
+        "uint32": np.uint32,
+        "int32": np.int32,
+        "uint64": np.uint64,
+        "int64": np.int64,
+        "float16": np.float16,
+        "float32": np.float32,
+        "float64": np.float64,
+        "complex64": np.complex64,
+        "complex128": np.complex128,
+        "bfloat16": ml_dtypes.bfloat16,
+        "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
+        "float8_e5m2": ml_dtypes.float8_e5m2,
+        "float8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz,
+        "float8_e5m2fnuz": ml_dtypes.float8_e5m2fnuz,
+        "float8_e8m0fnu": ml_dtypes.float8_e8m0fnu,
+    }.items()
+}
+_NAME_BY_NUMPY = {dt: name for name, dt in DTYPES.items()}
+
+ARTIFACT_ID_RE = re.compile(r"^tc-[0-9a-f]{32}$")
+# Above this many bytes BLAKE3 hashes with all cores.
+_MULTITHREAD_HASH_BYTES = 8 * 1024**2
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def numpy_dtype(name: str) -> np.dtype[Any]:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise InvalidArgument(f"unsupported dtype {name!r}; supported: {', '.join(DTYPES)}") from None
+
+
+def digest_bytes(data: memoryview | bytes | np.ndarray[Any, Any]) -> str:
+    """BLAKE3 hex digest of a contiguous buffer."""
+    view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
+    threads = blake3.blake3.AUTO if len(view) >= _MULTITHREAD_HASH_BYTES else 1
+    return str(blake3.blake3(view, max_threads=threads).hexdigest())
+
+
+def artifact_id(metas: list[TensorMeta] | tuple[TensorMeta, ...]) -> str:
+    canon = sorted((m.name, m.dtype, list(m.shape), m.digest) for m in metas)
+    return "tc-" + str(blake3.blake3(_ENCODER.encode(canon)).hexdigest())[:32]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInput:
+    """One caller tensor ready to store: metadata plus a contiguous uint8 view of its bytes."""
+
+    meta: TensorMeta
+    data: np.ndarray[Any, np.dtype[np.uint8]]
+
+
+def _torch_to_numpy(t: Any) -> np.ndarray[Any, Any]:
+    import torch
+
+    if t.device.type != "cpu":
+        raise InvalidArgument(f"only CPU tensors can be put directly, got device {t.device}")
+    name = str(t.dtype).removeprefix("torch.")
+    np_dtype = numpy_dtype(name)
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    flat = t.contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return np.empty(tuple(t.shape), dtype=np_dtype)
+    raw = flat.view(torch.uint8).numpy()
+    return raw.view(np_dtype).reshape(tuple(t.shape))
+
+
+def _is_torch(obj: Any) -> bool:
+    return type(obj).__module__.startswith("torch") and hasattr(obj, "dtype") and hasattr(obj, "device")
+
+
+def _as_numpy(name: str, value: Any) -> np.ndarray[Any, Any]:
+    if _is_torch(value):
+        return _torch_to_numpy(value)
+    if isinstance(value, np.ndarray | np.generic):
+        arr = np.asarray(value)
+        if arr.dtype.byteorder == ">":
+            arr = arr.astype(arr.dtype.newbyteorder("="))
+        return arr
+    raise InvalidArgument(
+        f"tensor {name!r}: expected a numpy array or a torch CPU tensor, got {type(value).__name__}"
+    )
+
+
+def normalize_tensors(tensors: Any) -> list[TensorInput]:
+    """Caller input -> sorted list of ``TensorInput`` (digests computed)."""
+    if isinstance(tensors, Mapping):
+        items = list(tensors.items())
+        if not items:
+            raise InvalidArgument("an artifact needs at least one tensor")
+    else:
+        items = [("tensor", tensors)]
+    out: list[TensorInput] = []
+    for name, value in items:
+        if not isinstance(name, str) or not name:
+            raise InvalidArgument(f"tensor names must be non-empty strings, got {name!r}")
+        arr = _as_numpy(name, value)
+        dtype_name = _NAME_BY_NUMPY.get(arr.dtype)
+        if dtype_name is None:
+            raise InvalidArgument(f"tensor {name!r}: unsupported dtype {arr.dtype}")
+        contiguous = np.ascontiguousarray(arr)
+        raw = contiguous.reshape(-1).view(np.uint8)
+        meta = TensorMeta(
+            name=name,
+            dtype=dtype_name,
+            shape=tuple(int(s) for s in arr.shape),
+            nbytes=int(raw.nbytes),
+            digest=digest_bytes(raw),
+        )
+        out.append(TensorInput(meta, raw))
+    out.sort(key=lambda t: t.meta.name)
+    return out
+
+
+def wrap_bytes(buf: Any, meta: TensorMeta, like: str) -> Any:
+    """View ``buf`` (a buffer of at least ``meta.nbytes`` bytes) as a numpy array or torch tensor, no copy."""
+    np_dtype = numpy_dtype(meta.dtype)
+    count = meta.nbytes // np_dtype.itemsize if np_dtype.itemsize else 0
+    if like == "numpy":
+        if meta.nbytes == 0:
+            return np.empty(meta.shape, dtype=np_dtype)
+        return np.frombuffer(buf, dtype=np_dtype, count=count).reshape(meta.shape)
+    if like == "torch":
+        import torch
+
+        tdtype = getattr(torch, meta.dtype)
+        if meta.nbytes == 0:
+            return torch.empty(meta.shape, dtype=tdtype)
+        raw = torch.frombuffer(buf, dtype=torch.uint8, count=meta.nbytes)
+        return raw.view(tdtype).reshape(meta.shape)
+    raise InvalidArgument(f"like must be 'torch' or 'numpy', got {like!r}")

@@ -1,0 +1,55 @@
+"""Frame layout: a fixed 16-byte header, a msgpack body, an optional raw payload.
+
+::
+
+    offset  size  field
+    0       2     magic  b"TC"
+    2       1     protocol version (messages.PROTOCOL_VERSION)
+    3       1     flags (reserved, 0)
+    4       4     body length, big-endian u32   (<= wire.max_frame_bytes)
+    8       8     payload length, big-endian u64
+
+The body is an ``Envelope``; the payload is tensor bytes that the receiver reads straight into a buffer
+it chose from the body (a shared-memory segment, a caller's array), so bulk bytes are never parsed or
+copied through msgpack. This module only packs and checks headers.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from tensorcast.errors import InvalidArgument, ResourceExhausted
+from tensorcast.wire.messages import PROTOCOL_VERSION
+
+__all__ = ["HEADER", "MAGIC", "FrameHeader", "pack_header", "parse_header"]
+
+MAGIC = b"TC"
+HEADER = struct.Struct("!2sBBIQ")
+
+
+class FrameHeader(tuple[int, int]):
+    __slots__ = ()
+
+    @property
+    def body_len(self) -> int:
+        return self[0]
+
+    @property
+    def payload_len(self) -> int:
+        return self[1]
+
+
+def pack_header(body_len: int, payload_len: int) -> bytes:
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, body_len, payload_len)
+
+
+def parse_header(data: bytes | memoryview, max_body: int) -> FrameHeader:
+    """Validate a header; raise ``InvalidArgument`` (garbage) or ``ResourceExhausted`` (too big)."""
+    magic, version, _flags, body_len, payload_len = HEADER.unpack(data)
+    if magic != MAGIC:
+        raise InvalidArgument(f"malformed frame: bad magic {bytes(magic)!r}")
+    if version != PROTOCOL_VERSION:
+        raise InvalidArgument(f"unsupported protocol version {version} (this side speaks {PROTOCOL_VERSION})")
+    if body_len > max_body:
+        raise ResourceExhausted(f"frame body of {body_len} bytes exceeds the limit of {max_body} bytes")
+    return FrameHeader((body_len, payload_len))

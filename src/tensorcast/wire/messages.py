@@ -1,0 +1,308 @@
+"""Every message TensorCast processes exchange, as frozen, tagged msgspec Structs.
+
+Owns: the message types and the records they carry. A frame's body is an ``Envelope`` (request id, kind,
+trace id, absolute deadline) whose ``body`` is one of ``Message``; decoding an unknown tag fails cleanly.
+Does not own: framing and connections (``wire.frames``, ``wire.rpc``) or what a handler does.
+
+Adding a message: define a Struct with ``tag=True`` here, add it to ``Message``, register a handler.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class _Msg(msgspec.Struct, frozen=True, tag=True, kw_only=True, omit_defaults=True):
+    pass
+
+
+class _Rec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    pass
+
+
+# --------------------------------------------------------------------------- records
+
+
+class TensorMeta(_Rec):
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    digest: str
+
+
+class ReplicaInfo(_Rec):
+    worker_id: str
+    address: str = ""
+    host_id: str = ""
+    tier: str = "memory"
+    alive: bool = True
+
+
+class ArtifactInfo(_Msg):
+    """An artifact's record; also the reply to GetArtifact, CommitArtifact and RenewLease."""
+
+    id: str
+    tensors: tuple[TensorMeta, ...]
+    nbytes: int
+    keys: tuple[str, ...] = ()
+    owner: Literal["system", "lease"] = "system"
+    lease_expiry: float | None = None
+    created_at: float = 0.0
+    replicas: tuple[ReplicaInfo, ...] = ()
+
+
+class WorkerInfo(_Rec):
+    worker_id: str
+    address: str
+    host_id: str
+    roles: tuple[str, ...]
+    pid: int = 0
+    incarnation: int = 0
+    memory_used: int = 0
+    memory_capacity: int = 0
+    artifacts: int = 0
+    alive: bool = True
+    last_heartbeat: float = 0.0
+    registered_at: float = 0.0
+
+
+class SegmentRef(_Rec):
+    """A shared-memory segment (under /dev/shm) holding one tensor's bytes from offset 0."""
+
+    name: str
+    size: int
+
+
+# --------------------------------------------------------------------------- connection set-up
+
+
+class Hello(_Msg):
+    protocol_version: int
+    token: str | None = None
+    peer_id: str = ""
+    host_id: str = ""
+
+
+class Welcome(_Msg):
+    protocol_version: int
+    server_id: str
+    host_id: str
+    roles: tuple[str, ...] = ()
+
+
+# --------------------------------------------------------------------------- generic replies
+
+
+class Ack(_Msg):
+    pass
+
+
+class ErrorReply(_Msg):
+    code: str
+    message: str
+    retryable: bool = False
+
+
+# --------------------------------------------------------------------------- caller <-> worker
+
+
+class PutBegin(_Msg):
+    """Start storing an artifact. The worker answers with a ``PutPlan``."""
+
+    tensors: tuple[TensorMeta, ...]
+    key: str | None = None
+    ttl: float | None = None
+    # The caller can map this worker's shared memory (same host id and reachable /dev/shm).
+    same_host: bool = False
+
+
+class PutPlan(_Msg):
+    put_id: str
+    artifact_id: str
+    # One entry per tensor (in PutBegin order): where to write it, or None when the worker already
+    # holds those bytes (dedup) or the tensor is empty. Empty when the whole artifact exists.
+    segments: tuple[SegmentRef | None, ...] = ()
+    # True: bytes go as PutData payloads over this connection instead of through shared memory.
+    stream: bool = False
+    exists: bool = False
+
+
+class PutData(_Msg):
+    """Payload frame: bytes ``[offset, offset + len(payload))`` of tensor ``index`` of a put."""
+
+    put_id: str
+    index: int
+    offset: int
+
+
+class PutCommit(_Msg):
+    put_id: str
+
+
+class PutAbort(_Msg):
+    put_id: str
+
+
+class PutDone(_Msg):
+    artifact: ArtifactInfo
+
+
+class MapTensors(_Msg):
+    """Same host: name the segments holding an artifact's tensors so the caller maps them."""
+
+    artifact_id: str
+    names: tuple[str, ...] = ()
+
+
+class Mapped(_Msg):
+    segments: tuple[SegmentRef | None, ...]
+
+
+class ReadTensor(_Msg):
+    """Stream ``length`` bytes of one tensor from ``offset``; the reply carries them as payload."""
+
+    artifact_id: str
+    name: str
+    offset: int = 0
+    length: int = -1
+
+
+class DropArtifact(_Msg):
+    """Gateway -> holder: forget this artifact's replica now (it was deleted)."""
+
+    artifact_id: str
+
+
+# --------------------------------------------------------------------------- metadata (GS; gateways forward)
+
+
+class GetArtifact(_Msg):
+    key_or_id: str
+
+
+class ListArtifacts(_Msg):
+    prefix: str = ""
+    limit: int = 10_000
+
+
+class ArtifactList(_Msg):
+    artifacts: tuple[ArtifactInfo, ...]
+
+
+class DeleteArtifact(_Msg):
+    key_or_id: str
+
+
+class Deleted(_Msg):
+    artifact_id: str
+    replicas: tuple[ReplicaInfo, ...] = ()
+
+
+class RenewLease(_Msg):
+    artifact_id: str
+    ttl: float
+
+
+class ReleaseLease(_Msg):
+    artifact_id: str
+
+
+class ListWorkers(_Msg):
+    pass
+
+
+class WorkerList(_Msg):
+    workers: tuple[WorkerInfo, ...]
+
+
+# --------------------------------------------------------------------------- worker <-> GS
+
+
+class RegisterWorker(_Msg):
+    worker: WorkerInfo
+
+
+class Registered(_Msg):
+    incarnation: int
+
+
+class Heartbeat(_Msg):
+    worker_id: str
+    incarnation: int
+    memory_used: int
+    memory_capacity: int
+    artifacts: int
+    # Artifact ids this worker dropped since the last heartbeat (acknowledges HeartbeatReply.drop).
+    dropped: tuple[str, ...] = ()
+
+
+class HeartbeatReply(_Msg):
+    # Artifacts deleted or expired that this worker still holds: drop them.
+    drop: tuple[str, ...] = ()
+    # The GS does not know this worker (e.g. its database was replaced): register again.
+    reregister: bool = False
+
+
+class CommitArtifact(_Msg):
+    """A worker holds a complete replica: record the artifact (if new), its key and the replica."""
+
+    artifact: ArtifactInfo
+    worker_id: str
+    key: str | None = None
+    ttl: float | None = None
+
+
+class RemoveReplica(_Msg):
+    artifact_id: str
+    worker_id: str
+
+
+Message = (
+    Hello
+    | Welcome
+    | Ack
+    | ErrorReply
+    | PutBegin
+    | PutPlan
+    | PutData
+    | PutCommit
+    | PutAbort
+    | PutDone
+    | ArtifactInfo
+    | MapTensors
+    | Mapped
+    | ReadTensor
+    | DropArtifact
+    | GetArtifact
+    | ListArtifacts
+    | ArtifactList
+    | DeleteArtifact
+    | Deleted
+    | RenewLease
+    | ReleaseLease
+    | ListWorkers
+    | WorkerList
+    | RegisterWorker
+    | Registered
+    | Heartbeat
+    | HeartbeatReply
+    | CommitArtifact
+    | RemoveReplica
+)
+
+REQUEST, RESPONSE, ERROR = 0, 1, 2
+
+
+class Envelope(msgspec.Struct, frozen=True, array_like=True):
+    """Frame body: who/what/when around one message. ``deadline`` is absolute (``time.time()``)."""
+
+    request_id: int
+    kind: int
+    trace_id: str
+    deadline: float | None
+    body: msgspec.Raw

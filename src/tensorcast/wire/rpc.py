@@ -1,0 +1,379 @@
+"""Request/response RPC over framed connections: handler registry, server and client channel.
+
+Owns: the handshake (``Hello`` -> ``Welcome``, cluster-token check), multiplexing many requests on one
+connection by request id, deadlines (a request whose absolute deadline has passed is refused with
+``DeadlineExceeded`` before its handler starts; a handler still running at the deadline is cancelled),
+the trace id of each request in the logging context, and turning handler exceptions into typed
+``ErrorReply`` frames (and back into exceptions on the caller side). Does not own: what handlers do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from tensorcast.config import WireConfig
+from tensorcast.context import CallContext, set_current_trace
+from tensorcast.errors import (
+    DeadlineExceeded,
+    InternalError,
+    InvalidArgument,
+    TensorCastError,
+    Unauthenticated,
+    Unavailable,
+    error_from_code,
+)
+from tensorcast.wire.connection import Connection, Frame, encode_envelope
+from tensorcast.wire.messages import (
+    ERROR,
+    PROTOCOL_VERSION,
+    REQUEST,
+    RESPONSE,
+    Envelope,
+    ErrorReply,
+    Hello,
+    Welcome,
+)
+
+__all__ = ["HandlerRegistry", "Reply", "Request", "RpcChannel", "RpcServer", "parse_address"]
+
+log = logging.getLogger("tensorcast.rpc")
+M = TypeVar("M")
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise InvalidArgument(f"address must be HOST:PORT, got {address!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+@dataclass(slots=True)
+class Request:
+    """What a handler sees besides its message."""
+
+    conn: Connection
+    ctx: CallContext
+    payload: memoryview | None
+    peer: Hello
+
+
+@dataclass(slots=True)
+class Reply:
+    message: Any
+    payload: memoryview | None = None
+    # Called after the reply (and its payload) was written, e.g. to release a read lease.
+    on_sent: Callable[[], None] | None = None
+
+
+Handler = Callable[[Any, Request], Awaitable[Any]]
+Sink = Callable[[Any, Connection], memoryview | None]
+
+
+class HandlerRegistry:
+    """Message type -> handler (and, for messages that carry a payload, where to put it)."""
+
+    def __init__(self) -> None:
+        self._handlers: dict[type, tuple[Handler, Sink | None]] = {}
+
+    def register(self, msg_type: type, handler: Handler, sink: Sink | None = None) -> None:
+        if msg_type in self._handlers:
+            raise ValueError(f"handler for {msg_type.__name__} already registered")
+        self._handlers[msg_type] = (handler, sink)
+
+    def get(self, msg_type: type) -> tuple[Handler, Sink | None] | None:
+        return self._handlers.get(msg_type)
+
+    def merge(self, other: HandlerRegistry) -> None:
+        for t, (h, s) in other._handlers.items():
+            self.register(t, h, s)
+
+
+class RpcServer:
+    def __init__(
+        self,
+        registry: HandlerRegistry,
+        config: WireConfig,
+        *,
+        token: str | None,
+        server_id: str,
+        host_id: str,
+        roles: tuple[str, ...] = (),
+    ) -> None:
+        self.registry = registry
+        self.config = config
+        self.token = token
+        self.welcome = Welcome(protocol_version=PROTOCOL_VERSION, server_id=server_id, host_id=host_id,
+                               roles=roles)
+        self._server: asyncio.Server | None = None
+        self._conns: set[Connection] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.address = ""
+
+    async def start(self, host: str, port: int) -> str:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._make_conn, host, port)
+        sock_host, sock_port = self._server.sockets[0].getsockname()[:2]
+        self.address = f"{sock_host}:{sock_port}"
+        return self.address
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self._conns):
+            conn.close()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    def _make_conn(self) -> Connection:
+        conn = Connection(self.config, self._on_frame, self._choose_sink, self._on_lost)
+        self._conns.add(conn)
+        loop = asyncio.get_running_loop()
+        loop.call_later(self.config.handshake_timeout, self._check_handshake, conn)
+        return conn
+
+    def _check_handshake(self, conn: Connection) -> None:
+        if not conn.authenticated and not conn.closed.is_set():
+            conn.fail(Unauthenticated("no handshake within the timeout"))
+
+    def _on_lost(self, conn: Connection, exc: Exception | None) -> None:
+        self._conns.discard(conn)
+
+    def _choose_sink(self, conn: Connection, env: Envelope, message: Any, size: int) -> memoryview | None:
+        if not conn.authenticated:
+            raise Unauthenticated("payload before handshake")
+        entry = self.registry.get(type(message))
+        if entry is None or entry[1] is None:
+            raise InvalidArgument(f"{type(message).__name__} does not take a payload")
+        view = entry[1](message, conn)
+        if view is None:
+            return None
+        if len(view) < size:
+            raise InvalidArgument(f"payload of {size} bytes overruns its {len(view)}-byte destination")
+        return view[:size]
+
+    def _on_frame(self, conn: Connection, frame: Frame) -> None:
+        env = frame.envelope
+        if env.kind != REQUEST:
+            conn.fail(InvalidArgument("server expects requests only"))
+            return
+        if not conn.authenticated:
+            self._handshake(conn, frame)
+            return
+        task = asyncio.ensure_future(self._handle(conn, frame))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _handshake(self, conn: Connection, frame: Frame) -> None:
+        env, msg = frame.envelope, frame.message
+        if not isinstance(msg, Hello):
+            self._write_error(conn, env, Unauthenticated("the first message must be Hello"))
+            conn.close()
+            return
+        if msg.protocol_version != PROTOCOL_VERSION:
+            self._write_error(conn, env, InvalidArgument(
+                f"protocol version {msg.protocol_version} not supported (server speaks {PROTOCOL_VERSION})"))
+            conn.close()
+            return
+        if self.token is not None and not hmac.compare_digest(
+            (msg.token or "").encode(), self.token.encode()
+        ):
+            log.warning("rejected connection from %s: bad cluster token", msg.peer_id or "?")
+            self._write_error(conn, env, Unauthenticated("wrong or missing cluster token"))
+            conn.close()
+            return
+        conn.authenticated = True
+        conn.peer = msg
+        body = encode_envelope(env.request_id, RESPONSE, env.trace_id, None, self.welcome)
+        asyncio.ensure_future(self._send(conn, body))
+
+    async def _handle(self, conn: Connection, frame: Frame) -> None:
+        env = frame.envelope
+        ctx = CallContext(trace_id=env.trace_id, deadline=env.deadline)
+        set_current_trace(env.trace_id)
+        reply: Reply | None = None
+        try:
+            if frame.error is not None:
+                raise frame.error
+            entry = self.registry.get(type(frame.message))
+            if entry is None:
+                raise InvalidArgument(f"{type(frame.message).__name__} is not served here")
+            ctx.check(type(frame.message).__name__)
+            coro = entry[0](frame.message, Request(conn, ctx, frame.payload, conn.peer))
+            left = ctx.remaining()
+            try:
+                result = await (coro if left is None else asyncio.wait_for(coro, left))
+            except TimeoutError:
+                raise DeadlineExceeded(f"{type(frame.message).__name__}: deadline passed while running",
+                                       trace_id=env.trace_id) from None
+            reply = result if isinstance(result, Reply) else Reply(result)
+            body = encode_envelope(env.request_id, RESPONSE, env.trace_id, None, reply.message)
+            await conn.send(body, reply.payload)
+        except TensorCastError as exc:
+            self._write_error(conn, env, exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("handler for %s failed", type(frame.message).__name__)
+            self._write_error(conn, env, InternalError(f"{type(exc).__name__}: {exc}"))
+        finally:
+            if reply is not None and reply.on_sent is not None:
+                reply.on_sent()
+
+    def _write_error(self, conn: Connection, env: Envelope, exc: TensorCastError) -> None:
+        body = encode_envelope(env.request_id, ERROR, env.trace_id, None,
+                               ErrorReply(code=exc.code, message=exc.message, retryable=exc.retryable))
+        asyncio.ensure_future(self._send(conn, body))
+
+    @staticmethod
+    async def _send(conn: Connection, body: bytes) -> None:
+        try:
+            await conn.send(body)
+        except TensorCastError:
+            pass
+
+
+class RpcChannel:
+    """A client's connection to one server, reconnecting on demand.
+
+    ``call`` sends one request and waits for its reply; many calls may be in flight at once.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        config: WireConfig,
+        *,
+        token: str | None,
+        peer_id: str = "",
+        host_id: str = "",
+    ) -> None:
+        self.address = address
+        self.config = config
+        self.hello = Hello(protocol_version=PROTOCOL_VERSION, token=token, peer_id=peer_id, host_id=host_id)
+        self.welcome: Welcome | None = None
+        self._conn: Connection | None = None
+        self._connecting: asyncio.Lock | None = None
+        self._ids = itertools.count(1)
+        self._pending: dict[int, tuple[asyncio.Future[Frame], memoryview | None]] = {}
+
+    async def connect(self) -> Welcome:
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:
+            if self._conn is not None and not self._conn.closed.is_set():
+                assert self.welcome is not None
+                return self.welcome
+            host, port = parse_address(self.address)
+            loop = asyncio.get_running_loop()
+            try:
+                _, conn = await asyncio.wait_for(
+                    loop.create_connection(
+                        lambda: Connection(self.config, self._on_frame, self._choose_sink, self._on_lost),
+                        host, port),
+                    self.config.connect_timeout,
+                )
+            except (OSError, TimeoutError) as exc:
+                raise Unavailable(f"cannot connect to {self.address}: {exc}") from None
+            try:
+                frame = await self._roundtrip(conn, self.hello, CallContext(
+                    deadline=time.time() + self.config.handshake_timeout), None, None)
+                if not isinstance(frame.message, Welcome):
+                    raise InvalidArgument(f"unexpected handshake reply {type(frame.message).__name__}")
+            except BaseException:
+                conn.close()
+                raise
+            conn.authenticated = True
+            self._conn = conn
+            self.welcome = frame.message
+            return frame.message
+
+    async def call(
+        self,
+        message: Any,
+        ctx: CallContext,
+        *,
+        payload: memoryview | None = None,
+        sink: memoryview | None = None,
+    ) -> Frame:
+        """Send ``message`` and return the reply frame; raise the typed error the server reported."""
+        ctx.check(type(message).__name__)
+        await self.connect()
+        assert self._conn is not None
+        return await self._roundtrip(self._conn, message, ctx, payload, sink)
+
+    async def _roundtrip(
+        self,
+        conn: Connection,
+        message: Any,
+        ctx: CallContext,
+        payload: memoryview | None,
+        sink: memoryview | None,
+    ) -> Frame:
+        request_id = next(self._ids)
+        fut: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = (fut, sink)
+        try:
+            body = encode_envelope(request_id, REQUEST, ctx.trace_id, ctx.deadline, message)
+            left = ctx.remaining()
+            try:
+                async with asyncio.timeout(left):
+                    await conn.send(body, payload)
+                    frame = await fut
+            except TimeoutError:
+                raise DeadlineExceeded(f"{type(message).__name__} to {self.address}: deadline exceeded",
+                                       trace_id=ctx.trace_id) from None
+        finally:
+            self._pending.pop(request_id, None)
+        if frame.envelope.kind == ERROR:
+            err = frame.message
+            if isinstance(err, ErrorReply):
+                raise error_from_code(err.code, err.message, ctx.trace_id)
+            raise InternalError("malformed error reply", trace_id=ctx.trace_id)
+        if frame.error is not None:
+            raise frame.error
+        return frame
+
+    def _choose_sink(self, conn: Connection, env: Envelope, message: Any, size: int) -> memoryview | None:
+        entry = self._pending.get(env.request_id)
+        return None if entry is None else entry[1]
+
+    def _on_frame(self, conn: Connection, frame: Frame) -> None:
+        env = frame.envelope
+        entry = self._pending.get(env.request_id)
+        if entry is not None:
+            if not entry[0].done():
+                entry[0].set_result(frame)
+            return
+        if env.request_id == 0 and env.kind == ERROR and isinstance(frame.message, ErrorReply):
+            # A connection-level error (the server is about to close): fail everything in flight.
+            exc = error_from_code(frame.message.code, frame.message.message)
+            for fut, _ in list(self._pending.values()):
+                if not fut.done():
+                    fut.set_exception(exc)
+
+    def _on_lost(self, conn: Connection, exc: Exception | None) -> None:
+        for fut, _ in list(self._pending.values()):
+            if not fut.done():
+                fut.set_exception(Unavailable(f"connection to {self.address} lost"))
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+async def call_typed(channel: RpcChannel, message: Any, ctx: CallContext, expect: type[M]) -> M:
+    """``channel.call`` that checks the reply type."""
+    frame = await channel.call(message, ctx)
+    if not isinstance(frame.message, expect):
+        raise InternalError(f"expected {expect.__name__}, got {type(frame.message).__name__}")
+    return frame.message
