@@ -79,7 +79,6 @@ class LocalCluster:
         self.startup_timeout = startup_timeout
         self.gs: ProcessHandle | None = None
         self.workers: dict[str, ProcessHandle] = {}
-        self._gs_port = 0
         self._logs: list[IO[bytes]] = []
         # Unique per cluster so concurrent clusters never share segment names.
         self.shm_prefix = f"tc{os.getpid()}x{int(time.time() * 1000) % 10**8}"
@@ -167,11 +166,12 @@ class LocalCluster:
     def _start_gs(self) -> None:
         ready = self.data_dir / "gs.ready"
         args = [sys.executable, "-m", "tensorcast", "gs", "--data-dir", str(self.data_dir / "gs"),
-                "--port", str(self._gs_port), "--ready-file", str(ready), *self._overrides()]
+                "--port", "0", "--ready-file", str(ready), *self._overrides()]
         self.gs = ProcessHandle("gs", args, ready, self.data_dir / "logs" / "gs.log")
         self._spawn(self.gs)
         self._wait_ready(self.gs)
-        self._gs_port = int(self.gs.address.rsplit(":", 1)[1])
+        # Restarts reuse the port so that workers and callers reconnect to the same address.
+        self.gs.args[self.gs.args.index("--port") + 1] = self.gs.address.rsplit(":", 1)[1]
 
     def _worker_prefix(self, wid: str) -> str:
         return f"{self.shm_prefix}-{wid}"

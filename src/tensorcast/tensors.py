@@ -79,7 +79,7 @@ def numpy_dtype(name: str) -> np.dtype[Any]:
 
 def digest_bytes(data: memoryview | bytes | np.ndarray[Any, Any]) -> str:
     """BLAKE3 hex digest of a contiguous buffer."""
-    view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
+    view = data if isinstance(data, bytes) else memoryview(data).cast("B")  # type: ignore[arg-type]
     threads = blake3.blake3.AUTO if len(view) >= _MULTITHREAD_HASH_BYTES else 1
     return str(blake3.blake3(view, max_threads=threads).hexdigest())
 
@@ -112,7 +112,7 @@ def _torch_to_numpy(t: Any) -> np.ndarray[Any, Any]:
     flat = t.contiguous().reshape(-1)
     if flat.numel() == 0:
         return np.empty(tuple(t.shape), dtype=np_dtype)
-    raw = flat.view(torch.uint8).numpy()
+    raw: np.ndarray[Any, Any] = flat.view(torch.uint8).numpy()
     return raw.view(np_dtype).reshape(tuple(t.shape))
 
 

@@ -9,6 +9,7 @@ on bytes that crossed a network, and turning records into artifacts. Does not ow
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -165,7 +166,7 @@ class AsyncClient:
                 for i, ref in enumerate(plan.segments):
                     if ref is not None:
                         await self._call(PutData(put_id=plan.put_id, index=i, offset=0), object, ctx,
-                                         payload=memoryview(inputs[i].data))
+                                         payload=memoryview(inputs[i].data))  # type: ignore[arg-type]
             done: PutDone = await self._call(PutCommit(put_id=plan.put_id), PutDone, ctx)
         except BaseException:
             await self._abort(plan.put_id)
@@ -173,10 +174,9 @@ class AsyncClient:
         return AsyncArtifact(self, done.artifact)
 
     async def _abort(self, put_id: str) -> None:
-        try:
+        # Best effort: the worker reclaims abandoned puts after worker.put_timeout anyway.
+        with contextlib.suppress(TensorCastError, asyncio.CancelledError):
             await self._call(PutAbort(put_id=put_id), object, CallContext().with_timeout(5.0))
-        except (TensorCastError, asyncio.CancelledError):
-            pass  # the worker reclaims abandoned puts after worker.put_timeout
 
     async def artifact(self, key_or_id: str, *, timeout: float | None = None) -> AsyncArtifact:
         """The artifact a key points at, or with this id; ``NotFound`` otherwise."""

@@ -14,6 +14,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -43,7 +44,7 @@ from tensorcast.wire.messages import (
     WorkerInfo,
     WorkerList,
 )
-from tensorcast.wire.rpc import HandlerRegistry, Request, RpcServer
+from tensorcast.wire.rpc import Handler, HandlerRegistry, Request, RpcServer
 
 __all__ = ["GlobalStore", "run_global_store"]
 
@@ -71,8 +72,8 @@ class GlobalStore:
         ):
             self.registry.register(msg_type, self._counted(msg_type.__name__, handler))
 
-    def _counted(self, name, handler):  # type: ignore[no-untyped-def]
-        async def run(msg, req):  # type: ignore[no-untyped-def]
+    def _counted(self, name: str, handler: Handler) -> Handler:
+        async def run(msg: Any, req: Request) -> Any:
             self.request_counts[name] += 1
             return await handler(msg, req)
 

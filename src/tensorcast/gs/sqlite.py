@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -138,13 +139,12 @@ class SqliteBackend(MetadataBackend):
         return True, todo
 
     @staticmethod
-    def _worker(row: tuple[object, ...]) -> WorkerInfo:
+    def _worker(row: tuple[Any, ...]) -> WorkerInfo:
         (wid, address, host_id, roles, pid, inc, reg, hb, used, cap, arts) = row
         return WorkerInfo(
-            worker_id=str(wid), address=str(address), host_id=str(host_id),
-            roles=tuple(json.loads(str(roles))), pid=int(pid), incarnation=int(inc),  # type: ignore[call-overload]
-            registered_at=float(reg), last_heartbeat=float(hb), memory_used=int(used),  # type: ignore[arg-type]
-            memory_capacity=int(cap), artifacts=int(arts),  # type: ignore[call-overload]
+            worker_id=wid, address=address, host_id=host_id, roles=tuple(json.loads(roles)), pid=pid,
+            incarnation=inc, registered_at=reg, last_heartbeat=hb, memory_used=used, memory_capacity=cap,
+            artifacts=arts,
         )
 
     async def list_workers(self) -> list[WorkerInfo]:

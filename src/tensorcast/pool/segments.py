@@ -10,6 +10,7 @@ Does not own: accounting or placement (``pool.state``).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import glob
 import logging
@@ -71,10 +72,8 @@ class Segment:
         """Remove the name (new mappings become impossible); existing mappings stay valid."""
         if not self._unlinked:
             self._unlinked = True
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(SHM_DIR, self.name))
-            except FileNotFoundError:
-                pass
 
     def try_close(self) -> bool:
         """Unmap if nobody in this process still reads from it; True when closed."""

@@ -28,7 +28,7 @@ log = logging.getLogger("tensorcast.wire")
 _STAGING = 256 * 1024
 _DISCARD = 1024 * 1024
 _ENVELOPE_DECODER = msgspec.msgpack.Decoder(Envelope)
-_MESSAGE_DECODER = msgspec.msgpack.Decoder(Message)  # type: ignore[var-annotated]
+_MESSAGE_DECODER = msgspec.msgpack.Decoder(Message)
 _ENCODER = msgspec.msgpack.Encoder()
 
 

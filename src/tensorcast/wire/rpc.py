@@ -10,11 +10,12 @@ the trace id of each request in the logging context, and turning handler excepti
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -168,32 +169,27 @@ class RpcServer:
         if not conn.authenticated:
             self._handshake(conn, frame)
             return
-        task = asyncio.ensure_future(self._handle(conn, frame))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._spawn(self._handle(conn, frame))
 
     def _handshake(self, conn: Connection, frame: Frame) -> None:
         env, msg = frame.envelope, frame.message
         if not isinstance(msg, Hello):
-            self._write_error(conn, env, Unauthenticated("the first message must be Hello"))
-            conn.close()
+            conn.fail(Unauthenticated("the first message must be Hello"))
             return
         if msg.protocol_version != PROTOCOL_VERSION:
-            self._write_error(conn, env, InvalidArgument(
+            conn.fail(InvalidArgument(
                 f"protocol version {msg.protocol_version} not supported (server speaks {PROTOCOL_VERSION})"))
-            conn.close()
             return
         if self.token is not None and not hmac.compare_digest(
             (msg.token or "").encode(), self.token.encode()
         ):
             log.warning("rejected connection from %s: bad cluster token", msg.peer_id or "?")
-            self._write_error(conn, env, Unauthenticated("wrong or missing cluster token"))
-            conn.close()
+            conn.fail(Unauthenticated("wrong or missing cluster token"))
             return
         conn.authenticated = True
         conn.peer = msg
         body = encode_envelope(env.request_id, RESPONSE, env.trace_id, None, self.welcome)
-        asyncio.ensure_future(self._send(conn, body))
+        self._spawn(self._send(conn, body))
 
     async def _handle(self, conn: Connection, frame: Frame) -> None:
         env = frame.envelope
@@ -231,14 +227,17 @@ class RpcServer:
     def _write_error(self, conn: Connection, env: Envelope, exc: TensorCastError) -> None:
         body = encode_envelope(env.request_id, ERROR, env.trace_id, None,
                                ErrorReply(code=exc.code, message=exc.message, retryable=exc.retryable))
-        asyncio.ensure_future(self._send(conn, body))
+        self._spawn(self._send(conn, body))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)  # keep a reference until done
+        task.add_done_callback(self._tasks.discard)
 
     @staticmethod
     async def _send(conn: Connection, body: bytes) -> None:
-        try:
+        with contextlib.suppress(TensorCastError):
             await conn.send(body)
-        except TensorCastError:
-            pass
 
 
 class RpcChannel:

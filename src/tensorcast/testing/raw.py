@@ -1,0 +1,59 @@
+"""A raw TCP peer that speaks (or deliberately mis-speaks) the frame protocol, for robustness tests."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import msgspec
+
+from tensorcast.wire.connection import encode_envelope
+from tensorcast.wire.frames import HEADER, pack_header
+from tensorcast.wire.messages import PROTOCOL_VERSION, REQUEST, Envelope, Hello, Message
+
+__all__ = ["RawPeer"]
+
+_ENV = msgspec.msgpack.Decoder(Envelope)
+_MSG = msgspec.msgpack.Decoder(Message)
+
+
+class RawPeer:
+    def __init__(self, address: str, timeout: float = 5.0) -> None:
+        host, port = address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=timeout)
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def send(self, message: Any, request_id: int = 1, payload: bytes = b"", trace_id: str = "raw") -> None:
+        body = encode_envelope(request_id, REQUEST, trace_id, None, message)
+        self.sock.sendall(pack_header(len(body), len(payload)) + body + payload)
+
+    def hello(self, token: str | None = None) -> tuple[Envelope, Any]:
+        self.send(Hello(protocol_version=PROTOCOL_VERSION, token=token, peer_id="raw"))
+        return self.recv()
+
+    def _recv_exact(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                raise ConnectionError("peer closed the connection")
+            buf += chunk
+        return bytes(buf)
+
+    def recv(self) -> tuple[Envelope, Any]:
+        _magic, _ver, _flags, body_len, payload_len = HEADER.unpack(self._recv_exact(HEADER.size))
+        env = _ENV.decode(self._recv_exact(body_len))
+        if payload_len:
+            self._recv_exact(payload_len)
+        return env, _MSG.decode(env.body)
+
+    def closed_by_peer(self) -> bool:
+        try:
+            return self.sock.recv(1) == b""
+        except (ConnectionResetError, TimeoutError):
+            return True
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+import tensorcast as tc
+from tensorcast.cluster import LocalCluster
+from tensorcast.testing import running_cluster
+
+
+@pytest.fixture(scope="session")
+def shared_cluster() -> Iterator[LocalCluster]:
+    """One two-worker cluster for tests that do not break anything."""
+    with running_cluster(workers=2, memory_capacity="1GiB") as cluster:
+        yield cluster
+
+
+@pytest.fixture()
+def client(shared_cluster: LocalCluster) -> Iterator[tc.Client]:
+    with tc.connect(shared_cluster.address) as c:
+        yield c
+
+
+@pytest.fixture()
+def remote_client(shared_cluster: LocalCluster) -> Iterator[tc.Client]:
+    """A client that believes it is on another host: every byte takes the network path."""
+    config = tc.Config.from_flat({"client.host_id": "another-host"})
+    with tc.connect(shared_cluster.address, config=config) as c:
+        yield c

@@ -1,0 +1,30 @@
+"""Pin the public surface: a change here is a change users see."""
+
+from __future__ import annotations
+
+import tensorcast
+import tensorcast.aio
+from tensorcast import errors
+
+
+def test_exports() -> None:
+    assert sorted(tensorcast.__all__) == sorted([
+        "Artifact", "ArtifactInfo", "CallContext", "Client", "Config", "LocalCluster", "ReplicaInfo",
+        "TensorMeta", "WorkerInfo", "__version__", "artifact", "connect", "context", "delete", "errors",
+        "get_client", "init", "list_workers", "ls", "put",
+    ])
+    for name in tensorcast.__all__:
+        assert hasattr(tensorcast, name), name
+    assert sorted(tensorcast.aio.__all__) == ["AsyncArtifact", "AsyncClient", "connect"]
+
+
+def test_error_tree_and_codes() -> None:
+    leaves = [errors.NotFound, errors.InvalidArgument, errors.DeadlineExceeded, errors.Unauthenticated,
+              errors.ResourceExhausted, errors.Unavailable, errors.StaleFencingToken, errors.InternalError]
+    assert len({c.code for c in leaves}) == len(leaves)
+    for cls in leaves:
+        assert issubclass(cls, errors.TensorCastError)
+        rebuilt = errors.error_from_code(cls.code, "m", "t")
+        assert type(rebuilt) is cls and rebuilt.trace_id == "t" and rebuilt.message == "m"
+    assert errors.Unavailable.retryable and not errors.NotFound.retryable
+    assert isinstance(errors.error_from_code("WHAT", "x"), errors.InternalError)

@@ -1,0 +1,90 @@
+"""Failure handling with real processes: overflow, kill -9, SIGSTOP, global-store restart, deadlines."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import tensorcast as tc
+from tensorcast.errors import DeadlineExceeded, NotFound, ResourceExhausted, Unavailable
+from tensorcast.testing import running_cluster
+
+
+def test_overflow_is_refused_and_worker_keeps_serving() -> None:
+    with running_cluster(workers=1, memory_capacity="4MiB") as cluster, tc.connect(cluster.address) as c:
+        a = c.put(np.ones(3 << 18, np.uint8), key="fits")  # 768 KiB
+        with pytest.raises(ResourceExhausted):
+            c.put(np.zeros(4 << 20, np.uint8))
+        with pytest.raises(ResourceExhausted):
+            c.put({"x": np.zeros(2 << 20, np.uint8), "y": np.ones(2 << 20, np.uint8)})
+        # Nothing was kept from the refused puts; the worker still serves and still has room.
+        b = c.put(np.full(3 << 20, 7, np.uint8), key="fits-too")
+        assert np.array_equal(c.artifact("fits").tensor(like="numpy"), np.ones(3 << 18, np.uint8))
+        assert c.artifact("fits-too").tensor(like="numpy")[123] == 7
+        c.delete(a.id)
+        c.delete(b.id)
+
+
+def test_global_store_restart_keeps_acknowledged_records() -> None:
+    with running_cluster(workers=1) as cluster, tc.connect(cluster.address) as c:
+        ids = {f"gs/{i}": c.put(np.full(16, i, np.int64), key=f"gs/{i}").id for i in range(20)}
+        leased = c.put(np.arange(3), key="gs/leased", ttl=60)
+        cluster.restart_global_store()  # kill -9, then start on the same data dir and port
+        for key, aid in ids.items():
+            art = c.artifact(key)
+            assert art.id == aid
+        assert c.artifact("gs/leased").owner == "lease"
+        assert np.array_equal(c.artifact("gs/7").tensor(like="numpy"), np.full(16, 7, np.int64))
+        assert sorted(a.key or "" for a in c.ls("gs/")) == sorted([*ids, "gs/leased"])
+        # Puts work again once the worker's connection to the new GS process is re-established.
+        c.put(np.arange(2), key="gs/after")
+        assert c.artifact("gs/after").id
+        del leased
+
+
+def test_killed_worker_loses_memory_replicas_and_restarts_clean() -> None:
+    with running_cluster(workers=2) as cluster:
+        _, w1 = cluster.worker_ids
+        holder = tc.connect(cluster.workers[w1].address)
+        gateway = tc.connect(cluster.address)
+        try:
+            art = holder.put(np.arange(1000), key="on-w1")
+            assert [r.worker_id for r in art.replicas] == [w1]
+            cluster.kill_worker(w1)
+            with pytest.raises(Unavailable):
+                gateway.artifact("on-w1").tensor(like="numpy")
+            cluster.restart_worker(w1)
+            # Memory replicas do not survive a restart: the record remains, with no replica.
+            assert gateway.artifact("on-w1").replicas == ()
+            deadline = time.time() + 10
+            while time.time() < deadline:
+                alive = {w.worker_id: w.alive for w in gateway.list_workers()}
+                if alive.get(w1):
+                    break
+                time.sleep(0.2)
+            assert alive[w1]
+        finally:
+            holder.close()
+            gateway.close()
+
+
+def test_paused_worker_calls_fail_with_deadline_exceeded() -> None:
+    with running_cluster(workers=1) as cluster, tc.connect(cluster.address) as c:
+        art = c.put(np.arange(10), key="paused")
+        cluster.pause_worker(cluster.worker_ids[0])
+        try:
+            t0 = time.time()
+            with pytest.raises(DeadlineExceeded):
+                c.artifact("paused", timeout=0.5)
+            assert time.time() - t0 < 3.0
+        finally:
+            cluster.resume_worker(cluster.worker_ids[0])
+        assert c.artifact("paused").id == art.id
+        # A context whose deadline already passed never starts the call.
+        ctx = tc.context(timeout=0.0)
+        with pytest.raises(DeadlineExceeded):
+            c.put(np.arange(3), ctx=ctx)
+        with pytest.raises(NotFound):
+            c.artifact("never-put")
