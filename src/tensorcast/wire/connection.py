@@ -77,6 +77,7 @@ class Connection(asyncio.BufferedProtocol):
         self.closed = asyncio.Event()
         self.peer: Any = None  # set by the RPC layer after the handshake
         self.authenticated = False
+        self._failed = False  # a protocol violation was reported; ignore whatever follows
         self._staging = bytearray(_STAGING)
         self._r = 0
         self._w = 0
@@ -116,6 +117,9 @@ class Connection(asyncio.BufferedProtocol):
         self._can_write.set()
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self._failed:  # drain into the staging buffer until the transport closes
+            self._r = self._w = 0
+            return memoryview(self._staging)
         if self._direct is not None:
             return self._direct[self._direct_pos :]
         if self._r == self._w:
@@ -127,6 +131,8 @@ class Connection(asyncio.BufferedProtocol):
         return memoryview(self._staging)[self._w :]
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._failed:
+            return
         try:
             if self._direct is not None:
                 self._direct_pos += nbytes
@@ -148,7 +154,7 @@ class Connection(asyncio.BufferedProtocol):
     # ------------------------------------------------------------------ frame parsing
 
     def _process(self) -> None:
-        while self._direct is None and not self.closed.is_set():
+        while self._direct is None and not self._failed and not self.closed.is_set():
             avail = self._w - self._r
             if self._state == 0:
                 if avail < HEADER.size:
@@ -286,6 +292,9 @@ class Connection(asyncio.BufferedProtocol):
 
     def fail(self, exc: TensorCastError) -> None:
         """Report a protocol violation to the peer (best effort) and close the connection."""
+        if self._failed:
+            return
+        self._failed = True
         if self.transport is not None and not self.closed.is_set():
             log.warning("closing connection: %s", exc)
             body = encode_envelope(0, ERROR, exc.trace_id or "", None,
