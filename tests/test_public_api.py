@@ -9,13 +9,14 @@ from tensorcast import errors
 
 def test_exports() -> None:
     assert sorted(tensorcast.__all__) == sorted([
-        "Artifact", "ArtifactInfo", "CallContext", "Client", "Config", "LocalCluster", "ReplicaInfo",
-        "TensorMeta", "WorkerInfo", "__version__", "artifact", "connect", "context", "delete", "errors",
-        "get_client", "init", "list_workers", "ls", "put",
+        "PRESETS", "TP", "Artifact", "ArtifactInfo", "CallContext", "Client", "Config", "Diagnostics",
+        "LocalCluster", "Operation", "Placement", "ReplicaInfo", "TPRules", "TensorMeta", "View", "WorkerInfo",
+        "__version__", "artifact", "connect", "context", "delete", "errors", "get_client", "init",
+        "list_workers", "ls", "prefetch", "put",
     ])
     for name in tensorcast.__all__:
         assert hasattr(tensorcast, name), name
-    assert sorted(tensorcast.aio.__all__) == ["AsyncArtifact", "AsyncClient", "connect"]
+    assert sorted(tensorcast.aio.__all__) == ["AsyncArtifact", "AsyncClient", "AsyncView", "connect"]
 
 
 def test_error_tree_and_codes() -> None:

@@ -10,10 +10,14 @@
 from typing import Any
 
 from tensorcast import errors
-from tensorcast.client.sync import Artifact, Client, connect, get_client, init
+from tensorcast.client.operation import Operation
+from tensorcast.client.reads import Diagnostics
+from tensorcast.client.sync import Artifact, Client, View, connect, get_client, init
 from tensorcast.cluster import LocalCluster
 from tensorcast.config import Config
 from tensorcast.context import CallContext, context
+from tensorcast.pool.placement import PRESETS, Placement
+from tensorcast.views import TP, TPRules
 from tensorcast.wire.messages import ArtifactInfo, ReplicaInfo, TensorMeta, WorkerInfo
 
 __version__ = "0.1.0"
@@ -24,9 +28,16 @@ __all__ = [
     "CallContext",
     "Client",
     "Config",
+    "Diagnostics",
     "LocalCluster",
+    "Operation",
+    "PRESETS",
+    "Placement",
     "ReplicaInfo",
+    "TP",
+    "TPRules",
     "TensorMeta",
+    "View",
     "WorkerInfo",
     "__version__",
     "artifact",
@@ -38,13 +49,19 @@ __all__ = [
     "init",
     "list_workers",
     "ls",
+    "prefetch",
     "put",
 ]
 
 
-def put(tensors: Any, key: str | None = None, *, ttl: float | None = None, timeout: float | None = None) -> Artifact:
+def put(tensors: Any, key: str | None = None, *, ttl: float | None = None, policy: str | Placement | None = None,
+        on: str | None = None, timeout: float | None = None) -> Artifact:
     """``put`` on the process-default client (see ``init``)."""
-    return get_client().put(tensors, key, ttl=ttl, timeout=timeout)
+    return get_client().put(tensors, key, ttl=ttl, policy=policy, on=on, timeout=timeout)
+
+
+def prefetch(key_or_id: str, to: str, *, pin: bool = False) -> Operation[Any]:
+    return get_client().prefetch(key_or_id, to, pin=pin)
 
 
 def artifact(key_or_id: str) -> Artifact:

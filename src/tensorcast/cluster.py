@@ -64,6 +64,7 @@ class LocalCluster:
         *,
         token: str | None = None,
         memory_capacity: str | int | None = None,
+        disk_capacity: str | int | None = None,
         config: dict[str, Any] | None = None,
         startup_timeout: float = 30.0,
     ) -> None:
@@ -75,6 +76,7 @@ class LocalCluster:
         self.hosts = hosts
         self.token = token
         self.memory_capacity = memory_capacity
+        self.disk_capacity = disk_capacity
         self.config = dict(config or {})
         self.startup_timeout = startup_timeout
         self.gs: ProcessHandle | None = None
@@ -120,6 +122,7 @@ class LocalCluster:
                 self._spawn(handle)
             for handle in self.workers.values():
                 self._wait_ready(handle)
+                self._keep_port(handle)
         except BaseException:
             self.stop()
             raise
@@ -170,8 +173,12 @@ class LocalCluster:
         self.gs = ProcessHandle("gs", args, ready, self.data_dir / "logs" / "gs.log")
         self._spawn(self.gs)
         self._wait_ready(self.gs)
-        # Restarts reuse the port so that workers and callers reconnect to the same address.
-        self.gs.args[self.gs.args.index("--port") + 1] = self.gs.address.rsplit(":", 1)[1]
+        self._keep_port(self.gs)
+
+    @staticmethod
+    def _keep_port(handle: ProcessHandle) -> None:
+        """Restarts reuse the port, so that peers and callers reconnect to the same address."""
+        handle.args[handle.args.index("--port") + 1] = handle.address.rsplit(":", 1)[1]
 
     def _worker_prefix(self, wid: str) -> str:
         return f"{self.shm_prefix}-{wid}"
@@ -180,10 +187,13 @@ class LocalCluster:
         assert self.gs is not None
         ready = self.data_dir / f"{wid}.ready"
         args = [sys.executable, "-m", "tensorcast", "worker", "--gs", self.gs.address, "--id", wid,
-                "--ready-file", str(ready), "--host-id", self.host_id_of(index),
-                f"--set=worker.shm_prefix={self.shm_prefix}", *self._overrides()]
+                "--port", "0", "--ready-file", str(ready), "--host-id", self.host_id_of(index),
+                f"--set=worker.shm_prefix={self.shm_prefix}",
+                f"--set=worker.disk_dir={self.data_dir / 'workers' / wid / 'disk'}", *self._overrides()]
         if self.memory_capacity is not None:
             args += ["--memory", str(self.memory_capacity)]
+        if self.disk_capacity is not None:
+            args.append(f"--set=worker.disk_capacity={self.disk_capacity}")
         return ProcessHandle(wid, args, ready, self.data_dir / "logs" / f"{wid}.log")
 
     def _spawn(self, handle: ProcessHandle) -> None:

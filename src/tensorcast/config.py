@@ -20,7 +20,8 @@ import msgspec
 
 from tensorcast.errors import InvalidArgument
 
-__all__ = ["ClientConfig", "Config", "GSConfig", "WireConfig", "WorkerConfig", "default_host_id", "parse_size"]
+__all__ = ["ClientConfig", "Config", "GSConfig", "TransportConfig", "WireConfig", "WorkerConfig", "default_host_id",
+           "parse_size"]
 
 _UNITS = {
     "": 1,
@@ -99,14 +100,42 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     host_id: str = ""
     # Prefix of this worker's shared-memory segment names (under /dev/shm).
     shm_prefix: str = "tensorcast"
+    # Directory of the disk tier ("" = no disk tier: durable/ha/cold puts are refused).
+    disk_dir: str = ""
+    disk_capacity: int = 64 * 1024**3
+    # Pre-faulted shared memory kept ready (beyond memory_capacity) so that puts and transfers into new
+    # segments pay no first-touch page faults; 0 disables the stock.
+    prefault_bytes: int = 512 * 1024**2
+    # Objects up to this size live in slab arenas of arena_bytes each instead of a segment each.
+    small_object_bytes: int = 256 * 1024
+    arena_bytes: int = 16 * 1024**2
+    # Above the high watermark (fraction of memory_capacity) evictable replicas are evicted, LRU first,
+    # until usage is under the low watermark.
+    memory_high_watermark: float = 0.95
+    memory_low_watermark: float = 0.85
+    # How long the "cold" placement keeps its memory copy after the put (the disk copy stays).
+    cold_memory_ttl: float = 60.0
+    # Fault injection for tests: corrupt the next N data-plane chunks this worker sends.
+    fault_corrupt_chunks: int = 0
+
+
+class TransportConfig(msgspec.Struct, frozen=True, kw_only=True):
+    # Parallel TCP streams per transfer; 0 = automatic by size (1 below auto_streams_min_bytes).
+    streams: int = 0
+    max_streams: int = 4
+    auto_streams_min_bytes: int = 32 * 1024**2
+    # Retries of a transfer whose chunk failed its checksum or whose source failed, before trying
+    # another replica.
+    retries: int = 2
 
 
 class ClientConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Default deadline of a call, in seconds, when the caller gives none (None = wait forever).
     timeout: float | None = 300.0
     host_id: str = ""
-    # Verify the digest of tensor bytes read across a network before handing them out.
-    verify_remote_reads: bool = True
+    # Also verify the whole-tensor BLAKE3 digest of bytes read across a network (every chunk is always
+    # checked against the sender's xxh3 checksum; this adds an end-to-end check at ~5 GB/s).
+    verify_remote_reads: bool = False
     # Try shared memory when the worker reports the same host id.
     use_shared_memory: bool = True
 
@@ -116,6 +145,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     wire: WireConfig = WireConfig()
     gs: GSConfig = GSConfig()
     worker: WorkerConfig = WorkerConfig()
+    transport: TransportConfig = TransportConfig()
     client: ClientConfig = ClientConfig()
 
     @classmethod
@@ -163,6 +193,7 @@ _SECTIONS: dict[str, type[msgspec.Struct]] = {
     "wire": WireConfig,
     "gs": GSConfig,
     "worker": WorkerConfig,
+    "transport": TransportConfig,
     "client": ClientConfig,
 }
 _SIZE_KEYS = {
@@ -170,6 +201,11 @@ _SIZE_KEYS = {
     "max_unsolicited_payload_bytes",
     "send_chunk_bytes",
     "memory_capacity",
+    "disk_capacity",
+    "prefault_bytes",
+    "small_object_bytes",
+    "arena_bytes",
+    "auto_streams_min_bytes",
 }
 
 

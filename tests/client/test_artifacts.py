@@ -42,16 +42,17 @@ def _settled_memory(client: tc.Client, worker_id: str) -> int:
 def test_dedup_equal_bytes_one_id_one_copy(client: tc.Client, shared_cluster: LocalCluster) -> None:
     gateway = shared_cluster.worker_ids[0]
     base = _settled_memory(client, gateway)
-    x = np.random.default_rng(3).standard_normal((256, 256)).astype(np.float32)
+    # Sizes above worker.small_object_bytes: each gets its own segment, charged at its exact size.
+    x = np.random.default_rng(3).standard_normal((512, 256)).astype(np.float32)
     a1 = client.put(x, key="dedup/a")
     a2 = client.put(x.copy(), key="dedup/b")
     assert a1.id == a2.id
     assert set(client.artifact(a1.id).keys) == {"dedup/a", "dedup/b"}
     assert _wait_memory(client, gateway, base + x.nbytes) == base + x.nbytes
 
-    shared = np.random.default_rng(4).standard_normal(4096).astype(np.float32)
-    own1 = np.ones(100, np.float32)
-    own2 = np.zeros(100, np.float32)
+    shared = np.random.default_rng(4).standard_normal(1 << 18).astype(np.float32)
+    own1 = np.ones(1 << 17, np.float32)
+    own2 = np.zeros(1 << 17, np.float32)
     s1 = client.put({"embed": shared, "head": own1})
     s2 = client.put({"embed": shared, "head": own2})
     assert s1.id != s2.id

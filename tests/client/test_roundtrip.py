@@ -72,7 +72,7 @@ def test_bfloat16_numpy_and_torch_agree(client: tc.Client) -> None:
 
 
 def test_same_host_read_is_a_private_mapping_and_writes_stay_private(client: tc.Client) -> None:
-    x = np.arange(1 << 16, dtype=np.float32)
+    x = np.arange(1 << 18, dtype=np.float32)  # 1 MiB: above worker.small_object_bytes, so mapped
     art = client.put(x)
     a = art.tensor(like="numpy")
     base = a

@@ -16,9 +16,9 @@ def test_overflow_is_refused_and_worker_keeps_serving() -> None:
     with running_cluster(workers=1, memory_capacity="4MiB") as cluster, tc.connect(cluster.address) as c:
         a = c.put(np.ones(3 << 18, np.uint8), key="fits")  # 768 KiB
         with pytest.raises(ResourceExhausted):
-            c.put(np.zeros(4 << 20, np.uint8))
-        with pytest.raises(ResourceExhausted):
-            c.put({"x": np.zeros(2 << 20, np.uint8), "y": np.ones(2 << 20, np.uint8)})
+            c.put(np.zeros(5 << 20, np.uint8))  # more than the whole tier: eviction cannot help
+        with pytest.raises(ResourceExhausted):  # warm refuses rather than evicting "fits"
+            c.put({"x": np.zeros(2 << 20, np.uint8), "y": np.ones(2 << 20, np.uint8)}, policy="warm")
         # Nothing was kept from the refused puts; the worker still serves and still has room.
         b = c.put(np.full(3 << 20, 7, np.uint8), key="fits-too")
         assert np.array_equal(c.artifact("fits").tensor(like="numpy"), np.ones(3 << 18, np.uint8))

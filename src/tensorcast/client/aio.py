@@ -1,9 +1,10 @@
-"""The asyncio caller SDK: ``AsyncClient`` and ``AsyncArtifact``.
+"""The asyncio caller SDK: ``AsyncClient``, ``AsyncArtifact`` and ``AsyncView``.
 
-Owns: talking to a gateway (metadata) and to replica holders directly (bytes), choosing between shared
-memory (same host: one copy on put, no copy on read) and payload streaming (another host), digest checks
-on bytes that crossed a network, and turning records into artifacts. Does not own: the synchronous facade
-(``client.sync``) or tensor conversion (``tensors``).
+Owns: talking to a gateway (metadata, routed operations such as prefetch and unpin) and to the worker a
+put lands on, the put protocol from the caller's side (same host: one copy straight into the worker's
+shared memory; another host: payload frames), and turning records into artifacts and views. Does not own:
+reading bytes back (``client.reads``), the synchronous facade (``client.sync``), tensor conversion
+(``tensors``).
 """
 
 from __future__ import annotations
@@ -11,18 +12,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from tensorcast.client.artifact import ArtifactBase, check_target
+from tensorcast.client.reads import Diagnostics, Reader
 from tensorcast.config import Config, default_host_id
 from tensorcast.context import CallContext
-from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, Unavailable
-from tensorcast.pool.segments import SegmentGone, map_private, map_shared
-from tensorcast.tensors import TensorInput, digest_bytes, normalize_tensors, wrap_bytes
+from tensorcast.errors import InvalidArgument, NotFound, TensorCastError
+from tensorcast.pool.placement import Placement, resolve_placement
+from tensorcast.pool.segments import SegmentGone, map_shared
+from tensorcast.tensors import ARTIFACT_ID_RE, TensorInput, normalize_tensors
+from tensorcast.views import TP, TPRules, normalize_slices, sliced_shape
 from tensorcast.wire.messages import (
+    Ack,
     ArtifactInfo,
     ArtifactList,
     DeleteArtifact,
@@ -30,25 +36,59 @@ from tensorcast.wire.messages import (
     GetArtifact,
     ListArtifacts,
     ListWorkers,
-    Mapped,
-    MapTensors,
+    Prefetch,
+    Prefetched,
     PutAbort,
     PutBegin,
     PutCommit,
     PutData,
     PutDone,
     PutPlan,
-    ReadTensor,
     ReleaseLease,
     RenewLease,
-    ReplicaInfo,
-    TensorMeta,
+    SliceSpec,
+    Unpin,
     WorkerInfo,
     WorkerList,
 )
 from tensorcast.wire.rpc import RpcChannel
 
-__all__ = ["AsyncArtifact", "AsyncClient", "connect"]
+__all__ = ["AsyncArtifact", "AsyncClient", "AsyncView", "build_view_slices", "connect"]
+
+
+class AsyncView:
+    """A lazy slice of an artifact's tensors; materialized (sliced by the holder) only when asked."""
+
+    def __init__(self, artifact: AsyncArtifact, slices: dict[str, tuple[SliceSpec, ...]]) -> None:
+        self.artifact = artifact
+        self.slices = slices
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        return tuple(self.slices)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return sliced_shape(self.artifact.meta(name).shape, self.slices[name])
+
+    async def tensor(self, name: str | None = None, like: str = "torch", *, source: str = "auto") -> Any:
+        if name is None:
+            if len(self.slices) != 1:
+                raise InvalidArgument(f"view holds {len(self.slices)} tensors: name one of {list(self.slices)}")
+            name = next(iter(self.slices))
+        if name not in self.slices:
+            raise NotFound(f"view has no tensor {name!r}")
+        return (await self.artifact._materialize((name,), like, source, self.slices))[name]
+
+    async def tensor_dict(self, like: str = "torch", *, source: str = "auto") -> dict[str, Any]:
+        return await self.artifact._materialize(self.tensor_names, like, source, self.slices)
+
+    async def tensor_dict_into(self, targets: Mapping[str, Any], *, source: str = "auto") -> None:
+        for n in targets:
+            if n not in self.slices:
+                raise NotFound(f"view has no tensor {n!r}")
+            meta = self.artifact.meta(n)
+            check_target(msgspec.structs.replace(meta, shape=self.shape(n)), targets[n])
+        await self.artifact._fill(targets, source, self.slices)
 
 
 class AsyncArtifact(ArtifactBase):
@@ -57,27 +97,56 @@ class AsyncArtifact(ArtifactBase):
     def __init__(self, client: AsyncClient, info: ArtifactInfo) -> None:
         super().__init__(info)
         self._client = client
+        self.last_diagnostics: Diagnostics | None = None
 
-    async def tensor(self, name: str | None = None, like: str = "torch") -> Any:
+    async def _materialize(self, names: tuple[str, ...], like: str, source: str,
+                           slices: dict[str, tuple[SliceSpec, ...]] | None = None) -> dict[str, Any]:
+        out, self.last_diagnostics = await self._client._reader.materialize(self.info, names, like, slices, source)
+        return out
+
+    async def tensor(self, name: str | None = None, like: str = "torch", *, source: str = "auto") -> Any:
+        """One tensor. Same host: a copy-on-write mapping of the pool (no copy). Another host: fetched."""
         name = self._single_name(name)
-        return (await self._client._materialize(self.info, (name,), like))[name]
+        return (await self._materialize((name,), like, source))[name]
 
-    async def tensor_dict(self, like: str = "torch") -> dict[str, Any]:
-        return await self._client._materialize(self.info, self.tensor_names, like)
+    async def tensor_dict(self, like: str = "torch", *, source: str = "auto") -> dict[str, Any]:
+        return await self._materialize(self.tensor_names, like, source)
 
-    async def tensor_dict_into(self, targets: Mapping[str, Any]) -> None:
+    async def tensor_dict_into(self, targets: Mapping[str, Any], *, source: str = "auto") -> None:
         """Copy each named tensor into the caller's tensor of the same name (shape and dtype must match)."""
-        names = tuple(targets)
-        for n in names:
+        for n in targets:
             check_target(self.meta(n), targets[n])
+        await self._fill(targets, source, None)
+
+    async def _fill(self, targets: Mapping[str, Any], source: str,
+                    slices: dict[str, tuple[SliceSpec, ...]] | None) -> None:
+        names = tuple(targets)
         like = "torch" if any(type(t).__module__.startswith("torch") for t in targets.values()) else "numpy"
-        sources = await self._client._materialize(self.info, names, like)
+        sources = await self._materialize(names, like, source, slices)
         for n in names:
             dst, src = targets[n], sources[n]
             if isinstance(dst, np.ndarray):
                 np.copyto(dst, np.asarray(src))
             else:
                 dst.copy_(src)
+
+    def view(self, slices: Mapping[str, Sequence[tuple[int, slice]]] | None = None, *, tp: TP | None = None,
+             rules: TPRules | Mapping[str, Any] | None = None) -> AsyncView:
+        """A lazy view: explicit ``slices={name: [(dim, slice), ...]}``, or one tensor-parallel rank's shard
+        with ``tp=TP(rank, world_size)`` and ``rules`` (name pattern -> split dim or "replicated")."""
+        return AsyncView(self, build_view_slices(self.info, slices, tp, rules))
+
+    async def prefetch(self, to: str, *, pin: bool = False, pin_ttl: float | None = None,
+                       timeout: float | None = None) -> Prefetched:
+        """Copy this artifact into worker ``to``'s memory (worker-to-worker; a no-op where present)."""
+        return await self._client.prefetch(self.id, to, pin=pin, pin_ttl=pin_ttl, timeout=timeout)
+
+    async def pin(self, on: str, ttl: float | None = None) -> Prefetched:
+        """Keep a memory replica resident on worker ``on`` (copied there first if needed) for ``ttl`` s."""
+        return await self._client.prefetch(self.id, on, pin=True, pin_ttl=ttl)
+
+    async def unpin(self, on: str) -> None:
+        await self._client._call(Unpin(artifact_id=self.id, worker_id=on), Ack)
 
     async def renew(self, ttl: float) -> AsyncArtifact:
         self.info = await self._client._call(RenewLease(artifact_id=self.id, ttl=ttl), ArtifactInfo)
@@ -91,6 +160,25 @@ class AsyncArtifact(ArtifactBase):
         return self
 
 
+def build_view_slices(info: ArtifactInfo, slices: Mapping[str, Sequence[tuple[int, slice]]] | None,
+                      tp: TP | None, rules: TPRules | Mapping[str, Any] | None) -> dict[str, tuple[SliceSpec, ...]]:
+    metas = {t.name: t for t in info.tensors}
+    if (slices is None) == (tp is None):
+        raise InvalidArgument("a view takes either slices=... or tp=TP(rank, world_size)")
+    if slices is not None:
+        out = {}
+        for name, spec in slices.items():
+            if name not in metas:
+                raise NotFound(f"artifact {info.id} has no tensor {name!r}")
+            out[name] = normalize_slices(metas[name].shape, spec)
+        return out
+    assert tp is not None
+    if rules is None:
+        raise InvalidArgument("a tensor-parallel view needs rules (tensor name pattern -> split dim or 'replicated')")
+    rule_set = rules if isinstance(rules, TPRules) else TPRules(rules)
+    return {t.name: rule_set.slices(t.name, t.shape, tp) for t in info.tensors}
+
+
 class AsyncClient:
     def __init__(self, address: str, token: str | None = None, *, config: Config | None = None) -> None:
         self.config = config or Config.load()
@@ -100,6 +188,8 @@ class AsyncClient:
         self.client_id = f"client-{uuid.uuid4().hex[:8]}"
         self._channels: dict[str, RpcChannel] = {}
         self._shm_ok = self.config.client.use_shared_memory
+        self._reader = Reader(self, self.config.transport)
+        self._workers: dict[str, WorkerInfo] = {}
 
     # ----------------------------------------------------------------- plumbing
     def _channel(self, address: str) -> RpcChannel:
@@ -127,6 +217,7 @@ class AsyncClient:
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
+        self._reader.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -135,23 +226,42 @@ class AsyncClient:
         await self.close()
 
     # ----------------------------------------------------------------- artifacts
+    async def _worker_address(self, worker_id: str) -> str:
+        if worker_id not in self._workers:
+            self._workers = {w.worker_id: w for w in await self.list_workers()}
+        try:
+            return self._workers[worker_id].address
+        except KeyError:
+            raise NotFound(f"no worker {worker_id!r}") from None
+
     async def put(self, tensors: Any, key: str | None = None, *, ttl: float | None = None,
-                  timeout: float | None = None, ctx: CallContext | None = None) -> AsyncArtifact:
+                  policy: str | Placement | None = None, on: str | None = None, timeout: float | None = None,
+                  ctx: CallContext | None = None) -> AsyncArtifact:
         """Store a tensor or a ``{name: tensor}`` mapping as one artifact; returns it once committed.
 
         ``ttl=None``: system-owned (kept until deleted). ``ttl=seconds``: caller-leased, gone when the
         lease ends unless renewed. ``key`` names the artifact; a key already in use moves to this one.
+        ``policy``: a placement preset (``cache``, ``durable``, ``ha``, ``cold``, ``warm``, ``pinned``) or a
+        ``Placement``. ``on``: the worker that takes the first replica (default: the gateway).
         """
         if ttl is not None and ttl <= 0:
             raise InvalidArgument(f"ttl must be > 0 seconds, got {ttl}")
+        if isinstance(policy, Placement):
+            policy.validate()
+        elif policy is not None:
+            resolve_placement(policy)  # fail fast on an unknown preset
         inputs = await asyncio.to_thread(normalize_tensors, tensors)
         ctx = self._ctx(timeout, ctx)
-        ch = self._channel(self.address)
+        address = self.address if on is None else await self._worker_address(on)
+        ch = self._channel(address)
         welcome = await ch.connect()
         same_host = self._shm_ok and welcome.host_id == self.host_id
         metas = tuple(t.meta for t in inputs)
-        plan: PutPlan = await self._call(PutBegin(tensors=metas, key=key, ttl=ttl, same_host=same_host), PutPlan,
-                                         ctx)
+
+        def begin(same: bool) -> PutBegin:
+            return PutBegin(tensors=metas, key=key, ttl=ttl, same_host=same, placement=policy)
+
+        plan: PutPlan = await self._call(begin(same_host), PutPlan, ctx, address=address)
         try:
             if not plan.exists and not plan.stream:
                 try:
@@ -159,24 +269,31 @@ class AsyncClient:
                 except SegmentGone:
                     # Same host id but /dev/shm is not shared (another container): stream instead.
                     self._shm_ok = False
-                    await self._call(PutAbort(put_id=plan.put_id), object, ctx)
-                    plan = await self._call(PutBegin(tensors=metas, key=key, ttl=ttl, same_host=False), PutPlan,
-                                            ctx)
+                    await self._call(PutAbort(put_id=plan.put_id), object, ctx, address=address)
+                    plan = await self._call(begin(False), PutPlan, ctx, address=address)
             if not plan.exists and plan.stream:
                 for i, ref in enumerate(plan.segments):
                     if ref is not None:
                         await self._call(PutData(put_id=plan.put_id, index=i, offset=0), object, ctx,
-                                         payload=memoryview(inputs[i].data))  # type: ignore[arg-type]
-            done: PutDone = await self._call(PutCommit(put_id=plan.put_id), PutDone, ctx)
+                                         payload=memoryview(inputs[i].data), address=address)  # type: ignore[arg-type]
+            done: PutDone = await self._call(PutCommit(put_id=plan.put_id), PutDone, ctx, address=address)
         except BaseException:
-            await self._abort(plan.put_id)
+            await self._abort(plan.put_id, address)
             raise
         return AsyncArtifact(self, done.artifact)
 
-    async def _abort(self, put_id: str) -> None:
+    async def _abort(self, put_id: str, address: str) -> None:
         # Best effort: the worker reclaims abandoned puts after worker.put_timeout anyway.
         with contextlib.suppress(TensorCastError, asyncio.CancelledError):
-            await self._call(PutAbort(put_id=put_id), object, CallContext().with_timeout(5.0))
+            await self._call(PutAbort(put_id=put_id), object, CallContext().with_timeout(5.0), address=address)
+
+    async def prefetch(self, key_or_id: str, to: str, *, pin: bool = False, pin_ttl: float | None = None,
+                       timeout: float | None = None) -> Prefetched:
+        """Make worker ``to`` hold a memory replica, copied worker-to-worker (a no-op where present)."""
+        aid = key_or_id if ARTIFACT_ID_RE.match(key_or_id) else (await self.artifact(key_or_id)).id
+        done: Prefetched = await self._call(Prefetch(artifact_id=aid, worker_id=to, pin=pin, pin_ttl=pin_ttl),
+                                            Prefetched, self._ctx(timeout))
+        return done
 
     async def artifact(self, key_or_id: str, *, timeout: float | None = None) -> AsyncArtifact:
         """The artifact a key points at, or with this id; ``NotFound`` otherwise."""
@@ -196,72 +313,15 @@ class AsyncClient:
         reply: WorkerList = await self._call(ListWorkers(), WorkerList)
         return list(reply.workers)
 
-    # ----------------------------------------------------------------- reading
-    def _replica_order(self, info: ArtifactInfo) -> list[ReplicaInfo]:
-        live = [r for r in info.replicas if r.alive and r.address]
-        if not live:
-            raise Unavailable(f"artifact {info.id} has no live replica")
-        return sorted(live, key=lambda r: r.host_id != self.host_id)
-
-    async def _materialize(self, info: ArtifactInfo, names: tuple[str, ...], like: str) -> dict[str, Any]:
-        if like not in ("torch", "numpy"):
-            raise InvalidArgument(f"like must be 'torch' or 'numpy', got {like!r}")
-        metas = {t.name: t for t in info.tensors}
-        for n in names:
-            if n not in metas:
-                raise NotFound(f"artifact {info.id} has no tensor {n!r} (has {sorted(metas)})")
-        last: TensorCastError | None = None
-        for replica in self._replica_order(info):
-            try:
-                if self._shm_ok and replica.host_id == self.host_id:
-                    try:
-                        return await self._map_local(info, replica, names, metas, like)
-                    except SegmentGone:
-                        result = await self._read_remote(info, replica, names, metas, like)
-                        self._shm_ok = False  # the worker holds it, yet we cannot see its /dev/shm
-                        return result
-                return await self._read_remote(info, replica, names, metas, like)
-            except (Unavailable, NotFound) as exc:
-                last = exc
-        assert last is not None
-        raise last
-
-    async def _map_local(self, info: ArtifactInfo, replica: ReplicaInfo, names: tuple[str, ...],
-                         metas: dict[str, TensorMeta], like: str) -> dict[str, Any]:
-        mapped: Mapped = await self._call(MapTensors(artifact_id=info.id, names=names), Mapped,
-                                          address=replica.address)
-        out: dict[str, Any] = {}
-        for name, ref in zip(names, mapped.segments, strict=True):
-            buf = None if ref is None else map_private(ref.name, ref.size)
-            out[name] = wrap_bytes(buf, metas[name], like)
-        return out
-
-    async def _read_remote(self, info: ArtifactInfo, replica: ReplicaInfo, names: tuple[str, ...],
-                           metas: dict[str, TensorMeta], like: str) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for name in names:
-            meta = metas[name]
-            buf = bytearray(meta.nbytes)
-            if meta.nbytes:
-                await self._call(ReadTensor(artifact_id=info.id, name=name), object, address=replica.address,
-                                 sink=memoryview(buf))
-                if self.config.client.verify_remote_reads:
-                    got = await asyncio.to_thread(digest_bytes, memoryview(buf))
-                    if got != meta.digest:
-                        raise Unavailable(f"tensor {name!r} of {info.id} arrived corrupted from "
-                                          f"{replica.worker_id}")
-            out[name] = wrap_bytes(buf, meta, like)
-        return out
-
 
 def _write_segments(plan: PutPlan, inputs: list[TensorInput]) -> None:
     """Same host: copy each tensor's bytes once, straight into the segment the worker reserved."""
     for ref, item in zip(plan.segments, inputs, strict=True):
         if ref is None:
             continue
-        mm = map_shared(ref.name, ref.size)
+        mm = map_shared(ref.path, ref.offset + ref.size)
         try:
-            dst = np.frombuffer(mm, dtype=np.uint8, count=ref.size)
+            dst = np.frombuffer(mm, dtype=np.uint8, count=ref.size, offset=ref.offset)
             np.copyto(dst, item.data)
             del dst
         finally:

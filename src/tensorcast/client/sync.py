@@ -8,19 +8,24 @@ which lives once in ``client.aio``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import threading
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
-from tensorcast.client.aio import AsyncArtifact, AsyncClient
+from tensorcast.client.aio import AsyncArtifact, AsyncClient, AsyncView
 from tensorcast.client.artifact import ArtifactBase
+from tensorcast.client.operation import Operation
+from tensorcast.client.reads import Diagnostics
 from tensorcast.config import Config
 from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument
-from tensorcast.wire.messages import WorkerInfo
+from tensorcast.pool.placement import Placement
+from tensorcast.views import TP, TPRules
+from tensorcast.wire.messages import Prefetched, WorkerInfo
 
-__all__ = ["Artifact", "Client", "connect", "get_client", "init"]
+__all__ = ["Artifact", "Client", "View", "connect", "get_client", "init"]
 
 T = TypeVar("T")
 
@@ -41,15 +46,43 @@ class _LoopThread:
         self.thread.start()
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self.submit(coro).result()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         if threading.current_thread() is self.thread:
+            coro.close()
             raise RuntimeError("synchronous TensorCast call made from its own event loop thread")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
         if not self.thread.is_alive():
             self.loop.close()
+
+
+class View:
+    """A lazy slice of an artifact (``Artifact.view``); the holder cuts it, so only its bytes move."""
+
+    def __init__(self, artifact: Artifact, inner: AsyncView) -> None:
+        self._artifact = artifact
+        self._inner = inner
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        return self._inner.tensor_names
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._inner.shape(name)
+
+    def tensor(self, name: str | None = None, like: str = "torch", *, source: str = "auto") -> Any:
+        return self._artifact._sync(self._inner.tensor(name, like, source=source))
+
+    def tensor_dict(self, like: str = "torch", *, source: str = "auto") -> dict[str, Any]:
+        return self._artifact._sync(self._inner.tensor_dict(like, source=source))
+
+    def tensor_dict_into(self, targets: Mapping[str, Any], *, source: str = "auto") -> None:
+        self._artifact._sync(self._inner.tensor_dict_into(targets, source=source))
 
 
 class Artifact(ArtifactBase):
@@ -60,31 +93,59 @@ class Artifact(ArtifactBase):
         self._client = client
         self._inner = inner
 
-    def tensor(self, name: str | None = None, like: str = "torch") -> Any:
+    def _sync(self, coro: Coroutine[Any, Any, T]) -> T:
+        try:
+            return self._client._run(coro)
+        finally:
+            self.info = self._inner.info
+
+    @property
+    def last_diagnostics(self) -> Diagnostics | None:
+        """How the last materialization was served: replica, tier, transport, bytes moved, time, retries."""
+        return self._inner.last_diagnostics
+
+    def tensor(self, name: str | None = None, like: str = "torch", *, source: str = "auto") -> Any:
         """One tensor. Same host: a copy-on-write mapping of the pool's memory (no copy; writes stay
-        private). Another host: streamed and digest-checked."""
-        return self._client._run(self._inner.tensor(name, like))
+        private). Another host: fetched over the data plane. ``source``: auto, local_only, prefer_p2p,
+        prefer_disk."""
+        return self._sync(self._inner.tensor(name, like, source=source))
 
-    def tensor_dict(self, like: str = "torch") -> dict[str, Any]:
-        return self._client._run(self._inner.tensor_dict(like))
+    def tensor_dict(self, like: str = "torch", *, source: str = "auto") -> dict[str, Any]:
+        return self._sync(self._inner.tensor_dict(like, source=source))
 
-    def tensor_dict_into(self, targets: Mapping[str, Any]) -> None:
+    def tensor_dict_into(self, targets: Mapping[str, Any], *, source: str = "auto") -> None:
         """Fill caller-owned tensors in place (e.g. ``model.state_dict()``)."""
-        self._client._run(self._inner.tensor_dict_into(targets))
+        self._sync(self._inner.tensor_dict_into(targets, source=source))
+
+    def view(self, slices: Mapping[str, Sequence[tuple[int, slice]]] | None = None, *, tp: TP | None = None,
+             rules: TPRules | Mapping[str, Any] | None = None) -> View:
+        """A lazy view: ``slices={name: [(dim, slice), ...]}`` or ``tp=TP(rank, world_size)`` with ``rules``."""
+        return View(self, self._inner.view(slices, tp=tp, rules=rules))
+
+    def prefetch(self, to: str, *, pin: bool = False, pin_ttl: float | None = None,
+                 timeout: float | None = None) -> Operation[Prefetched]:
+        """Copy the artifact into worker ``to``'s memory, worker-to-worker. Returns at once."""
+        return Operation(self._client._loop.submit(self._inner.prefetch(to, pin=pin, pin_ttl=pin_ttl,
+                                                                        timeout=timeout)), "prefetch")
+
+    def pin(self, on: str, ttl: float | None = None) -> Prefetched:
+        """Keep a memory replica resident on worker ``on`` (copied there first if needed)."""
+        return self._sync(self._inner.pin(on, ttl))
+
+    def unpin(self, on: str) -> None:
+        self._sync(self._inner.unpin(on))
 
     def renew(self, ttl: float) -> Artifact:
         """Extend a caller lease to ``ttl`` seconds from now."""
-        self._client._run(self._inner.renew(ttl))
-        self.info = self._inner.info
+        self._sync(self._inner.renew(ttl))
         return self
 
     def release(self) -> None:
         """End a caller lease now: the artifact is deleted."""
-        self._client._run(self._inner.release())
+        self._sync(self._inner.release())
 
     def refresh(self) -> Artifact:
-        self._client._run(self._inner.refresh())
-        self.info = self._inner.info
+        self._sync(self._inner.refresh())
         return self
 
 
@@ -107,9 +168,16 @@ class Client:
         return Artifact(self, inner)
 
     def put(self, tensors: Any, key: str | None = None, *, ttl: float | None = None,
-            timeout: float | None = None, ctx: CallContext | None = None) -> Artifact:
+            policy: str | Placement | None = None, on: str | None = None, timeout: float | None = None,
+            ctx: CallContext | None = None) -> Artifact:
         """Store a tensor or ``{name: tensor}`` as one artifact. See ``AsyncClient.put``."""
-        return self._wrap(self._run(self.aio.put(tensors, key, ttl=ttl, timeout=timeout, ctx=ctx)))
+        return self._wrap(self._run(self.aio.put(tensors, key, ttl=ttl, policy=policy, on=on, timeout=timeout,
+                                                 ctx=ctx)))
+
+    def prefetch(self, key_or_id: str, to: str, *, pin: bool = False, pin_ttl: float | None = None,
+                 timeout: float | None = None) -> Operation[Prefetched]:
+        return Operation(self._loop.submit(self.aio.prefetch(key_or_id, to, pin=pin, pin_ttl=pin_ttl,
+                                                             timeout=timeout)), "prefetch")
 
     def artifact(self, key_or_id: str, *, timeout: float | None = None) -> Artifact:
         return self._wrap(self._run(self.aio.artifact(key_or_id, timeout=timeout)))

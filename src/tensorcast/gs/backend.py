@@ -66,9 +66,9 @@ class MetadataBackend(abc.ABC):
     # ----------------------------------------------------------------- artifacts
     @abc.abstractmethod
     async def commit_artifact(self, info: ArtifactInfo, worker_id: str, key: str | None,
-                              lease_expiry: float | None, now: float) -> None:
+                              lease_expiry: float | None, now: float, tiers: tuple[str, ...] = ("memory",)) -> None:
         """Atomically: record the artifact if new (ownership merged with ``merge_lease``), point ``key``
-        at it (moving the key if it existed), and record ``worker_id``'s memory replica."""
+        at it (moving the key if it existed), and record ``worker_id``'s replicas in ``tiers``."""
 
     @abc.abstractmethod
     async def resolve_key(self, key: str) -> str | None: ...
@@ -98,4 +98,8 @@ class MetadataBackend(abc.ABC):
     async def expired_artifacts(self, now: float) -> list[str]: ...
 
     @abc.abstractmethod
-    async def remove_replica(self, artifact_id: str, worker_id: str) -> None: ...
+    async def add_replica(self, artifact_id: str, worker_id: str, tiers: tuple[str, ...]) -> bool:
+        """Record replicas of an existing artifact; False if the artifact is unknown."""
+
+    @abc.abstractmethod
+    async def remove_replica(self, artifact_id: str, worker_id: str, tier: str) -> None: ...

@@ -25,6 +25,7 @@ from tensorcast.gs.sqlite import SqliteBackend
 from tensorcast.tensors import ARTIFACT_ID_RE
 from tensorcast.wire.messages import (
     Ack,
+    AddReplica,
     ArtifactInfo,
     ArtifactList,
     CommitArtifact,
@@ -69,6 +70,7 @@ class GlobalStore:
             (RenewLease, self.renew_lease),
             (ReleaseLease, self.release_lease),
             (RemoveReplica, self.remove_replica),
+            (AddReplica, self.add_replica),
         ):
             self.registry.register(msg_type, self._counted(msg_type.__name__, handler))
 
@@ -108,12 +110,13 @@ class GlobalStore:
             w = workers.get(wid)
             replicas.append(ReplicaInfo(worker_id=wid, address=w.address if w else "",
                                         host_id=w.host_id if w else "", tier=tier,
-                                        alive=bool(w and w.alive)))
+                                        alive=bool(w and w.alive), data_address=w.data_address if w else ""))
         return ArtifactInfo(
             id=artifact_id, tensors=row.info.tensors, nbytes=row.info.nbytes,
             keys=await self.backend.keys_of(artifact_id),
             owner="system" if row.lease_expiry is None else "lease",
             lease_expiry=row.lease_expiry, created_at=row.info.created_at, replicas=tuple(replicas),
+            policy=row.info.policy,
         )
 
     # ----------------------------------------------------------------- handlers
@@ -126,7 +129,8 @@ class GlobalStore:
     async def heartbeat(self, msg: Heartbeat, req: Request) -> HeartbeatReply:
         known, drop = await self.backend.heartbeat(
             msg.worker_id, msg.incarnation,
-            {"memory_used": msg.memory_used, "memory_capacity": msg.memory_capacity, "artifacts": msg.artifacts},
+            {"memory_used": msg.memory_used, "memory_capacity": msg.memory_capacity, "artifacts": msg.artifacts,
+             "disk_used": msg.disk_used, "disk_capacity": msg.disk_capacity},
             time.time(), msg.dropped)
         return HeartbeatReply(drop=drop, reregister=not known)
 
@@ -138,7 +142,7 @@ class GlobalStore:
             validate_key(msg.key)
         now = time.time()
         lease = None if msg.ttl is None else now + msg.ttl
-        await self.backend.commit_artifact(msg.artifact, msg.worker_id, msg.key, lease, now)
+        await self.backend.commit_artifact(msg.artifact, msg.worker_id, msg.key, lease, now, msg.tiers)
         return await self.info(msg.artifact.id)
 
     async def get_artifact(self, msg: GetArtifact, req: Request) -> ArtifactInfo:
@@ -179,8 +183,13 @@ class GlobalStore:
             raise InvalidArgument(f"artifact {msg.artifact_id} is system-owned: delete it instead of releasing")
         return await self.delete_artifact(DeleteArtifact(key_or_id=msg.artifact_id), req)
 
+    async def add_replica(self, msg: AddReplica, req: Request) -> Ack:
+        if not await self.backend.add_replica(msg.artifact_id, msg.worker_id, msg.tiers):
+            raise NotFound(f"no artifact {msg.artifact_id}")
+        return Ack()
+
     async def remove_replica(self, msg: RemoveReplica, req: Request) -> Ack:
-        await self.backend.remove_replica(msg.artifact_id, msg.worker_id)
+        await self.backend.remove_replica(msg.artifact_id, msg.worker_id, msg.tier)
         return Ack()
 
     # ----------------------------------------------------------------- background

@@ -32,14 +32,18 @@ CREATE TABLE IF NOT EXISTS workers (
     last_heartbeat REAL NOT NULL,
     memory_used INTEGER NOT NULL DEFAULT 0,
     memory_capacity INTEGER NOT NULL DEFAULT 0,
-    artifacts INTEGER NOT NULL DEFAULT 0
+    artifacts INTEGER NOT NULL DEFAULT 0,
+    data_address TEXT NOT NULL DEFAULT '',
+    disk_used INTEGER NOT NULL DEFAULT 0,
+    disk_capacity INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS artifacts (
     artifact_id TEXT PRIMARY KEY,
     tensors BLOB NOT NULL,
     nbytes INTEGER NOT NULL,
     created_at REAL NOT NULL,
-    lease_expiry REAL
+    lease_expiry REAL,
+    policy TEXT NOT NULL DEFAULT 'cache'
 );
 CREATE INDEX IF NOT EXISTS artifacts_lease ON artifacts(lease_expiry) WHERE lease_expiry IS NOT NULL;
 CREATE TABLE IF NOT EXISTS keys (
@@ -102,9 +106,10 @@ class SqliteBackend(MetadataBackend):
             row = db.execute("SELECT incarnation FROM workers WHERE worker_id=?", (worker.worker_id,)).fetchone()
             incarnation = (row[0] if row else 0) + 1
             db.execute(
-                "INSERT OR REPLACE INTO workers VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                "INSERT OR REPLACE INTO workers VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (worker.worker_id, worker.address, worker.host_id, json.dumps(list(worker.roles)), worker.pid,
-                 incarnation, now, now, worker.memory_used, worker.memory_capacity, worker.artifacts),
+                 incarnation, now, now, worker.memory_used, worker.memory_capacity, worker.artifacts,
+                 worker.data_address, worker.disk_used, worker.disk_capacity),
             )
             db.execute("DELETE FROM replicas WHERE worker_id=? AND tier='memory'", (worker.worker_id,))
             db.execute("DELETE FROM drops WHERE worker_id=?", (worker.worker_id,))
@@ -119,9 +124,10 @@ class SqliteBackend(MetadataBackend):
         db = self._tx()
         try:
             cur = db.execute(
-                "UPDATE workers SET last_heartbeat=?, memory_used=?, memory_capacity=?, artifacts=? "
-                "WHERE worker_id=? AND incarnation=?",
-                (now, stats["memory_used"], stats["memory_capacity"], stats["artifacts"], worker_id, incarnation),
+                "UPDATE workers SET last_heartbeat=?, memory_used=?, memory_capacity=?, artifacts=?, disk_used=?, "
+                "disk_capacity=? WHERE worker_id=? AND incarnation=?",
+                (now, stats["memory_used"], stats["memory_capacity"], stats["artifacts"], stats.get("disk_used", 0),
+                 stats.get("disk_capacity", 0), worker_id, incarnation),
             )
             if cur.rowcount == 0:
                 db.execute("COMMIT")
@@ -140,11 +146,12 @@ class SqliteBackend(MetadataBackend):
 
     @staticmethod
     def _worker(row: tuple[Any, ...]) -> WorkerInfo:
-        (wid, address, host_id, roles, pid, inc, reg, hb, used, cap, arts) = row
+        (wid, address, host_id, roles, pid, inc, reg, hb, used, cap, arts, data_address, disk_used,
+         disk_cap) = row
         return WorkerInfo(
             worker_id=wid, address=address, host_id=host_id, roles=tuple(json.loads(roles)), pid=pid,
             incarnation=inc, registered_at=reg, last_heartbeat=hb, memory_used=used, memory_capacity=cap,
-            artifacts=arts,
+            artifacts=arts, data_address=data_address, disk_used=disk_used, disk_capacity=disk_cap,
         )
 
     async def list_workers(self) -> list[WorkerInfo]:
@@ -156,19 +163,20 @@ class SqliteBackend(MetadataBackend):
 
     # ----------------------------------------------------------------- artifacts
     async def commit_artifact(self, info: ArtifactInfo, worker_id: str, key: str | None,
-                              lease_expiry: float | None, now: float) -> None:
+                              lease_expiry: float | None, now: float, tiers: tuple[str, ...] = ("memory",)) -> None:
         db = self._tx()
         try:
             row = db.execute("SELECT lease_expiry FROM artifacts WHERE artifact_id=?", (info.id,)).fetchone()
             lease = merge_lease(False if row is None else row[0], lease_expiry)
             if row is None:
-                db.execute("INSERT INTO artifacts VALUES (?,?,?,?,?)",
-                           (info.id, _TENSORS.encode(info.tensors), info.nbytes, now, lease))
+                db.execute("INSERT INTO artifacts VALUES (?,?,?,?,?,?)",
+                           (info.id, _TENSORS.encode(info.tensors), info.nbytes, now, lease, info.policy))
             else:
                 db.execute("UPDATE artifacts SET lease_expiry=? WHERE artifact_id=?", (lease, info.id))
             if key is not None:
                 db.execute("INSERT OR REPLACE INTO keys VALUES (?,?)", (key, info.id))
-            db.execute("INSERT OR IGNORE INTO replicas VALUES (?,?,?)", (info.id, worker_id, "memory"))
+            for tier in tiers:
+                db.execute("INSERT OR IGNORE INTO replicas VALUES (?,?,?)", (info.id, worker_id, tier))
             db.execute("DELETE FROM drops WHERE artifact_id=? AND worker_id=?", (info.id, worker_id))
             db.execute("COMMIT")
         except BaseException:
@@ -181,11 +189,12 @@ class SqliteBackend(MetadataBackend):
 
     async def get_artifact(self, artifact_id: str) -> ArtifactRow | None:
         row = self.db.execute(
-            "SELECT tensors, nbytes, created_at, lease_expiry FROM artifacts WHERE artifact_id=?", (artifact_id,)
-        ).fetchone()
+            "SELECT tensors, nbytes, created_at, lease_expiry, policy FROM artifacts WHERE artifact_id=?",
+            (artifact_id,)).fetchone()
         if row is None:
             return None
-        info = ArtifactInfo(id=artifact_id, tensors=_TENSORS_DEC.decode(row[0]), nbytes=row[1], created_at=row[2])
+        info = ArtifactInfo(id=artifact_id, tensors=_TENSORS_DEC.decode(row[0]), nbytes=row[1], created_at=row[2],
+                            policy=row[4])
         return ArtifactRow(info, row[3])
 
     async def keys_of(self, artifact_id: str) -> tuple[str, ...]:
@@ -231,7 +240,23 @@ class SqliteBackend(MetadataBackend):
         return [r[0] for r in self.db.execute(
             "SELECT artifact_id FROM artifacts WHERE lease_expiry IS NOT NULL AND lease_expiry <= ?", (now,))]
 
-    async def remove_replica(self, artifact_id: str, worker_id: str) -> None:
+    async def add_replica(self, artifact_id: str, worker_id: str, tiers: tuple[str, ...]) -> bool:
         db = self._tx()
-        db.execute("DELETE FROM replicas WHERE artifact_id=? AND worker_id=?", (artifact_id, worker_id))
+        try:
+            if db.execute("SELECT 1 FROM artifacts WHERE artifact_id=?", (artifact_id,)).fetchone() is None:
+                db.execute("COMMIT")
+                return False
+            for tier in tiers:
+                db.execute("INSERT OR IGNORE INTO replicas VALUES (?,?,?)", (artifact_id, worker_id, tier))
+            db.execute("DELETE FROM drops WHERE artifact_id=? AND worker_id=?", (artifact_id, worker_id))
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        return True
+
+    async def remove_replica(self, artifact_id: str, worker_id: str, tier: str) -> None:
+        db = self._tx()
+        db.execute("DELETE FROM replicas WHERE artifact_id=? AND worker_id=? AND tier=?",
+                   (artifact_id, worker_id, tier))
         db.execute("COMMIT")

@@ -1,7 +1,9 @@
-"""The tensor pool: memory tier in shared-memory segments, content-addressed and reference-counted."""
+"""The tensor pool: memory tier (shared-memory segments and slab arenas) and disk tier, with placement.
 
-from tensorcast.pool.memory import MemoryPool
-from tensorcast.pool.segments import Segment, map_private, map_shared
-from tensorcast.pool.state import PoolState
+Submodules: ``placement`` (policies, pure), ``state`` and ``slab`` (accounting and eviction decisions,
+pure), ``segments``, ``memory`` and ``disk`` (the OS side). Import them directly.
+"""
 
-__all__ = ["MemoryPool", "PoolState", "Segment", "map_private", "map_shared"]
+from tensorcast.pool.placement import PRESETS, Placement, resolve_placement
+
+__all__ = ["PRESETS", "Placement", "resolve_placement"]

@@ -1,86 +1,171 @@
-"""A worker's memory tier: ``PoolState`` decisions applied to real shared-memory segments.
+"""A worker's memory tier: ``PoolState`` decisions applied to shared-memory segments and slab arenas.
 
-Owns: allocating segments under the capacity, committing uploaded blobs (deduplicated by digest),
-holding artifacts as sets of blobs, and freeing segments whose last artifact went. Segments that are
-still being read (a payload being sent) are closed later. Does not own: the put protocol (``worker``).
+Owns: where each blob's bytes are (its own segment for large tensors, a slot in a slab arena for small
+objects such as KV pages), allocating under the capacity (pre-faulted stock first), committing uploads
+(deduplicated by digest), replicas as sets of blobs, eviction, and read leases that keep bytes from being
+unmapped or reused while a data-plane thread sends them. Thread-safe: data-plane threads take leases
+while the event loop mutates. Does not own: placement policy (``worker``), the disk tier (``pool.disk``).
 """
 
 from __future__ import annotations
 
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from tensorcast.errors import NotFound
-from tensorcast.pool.segments import Segment, remove_stale_segments
-from tensorcast.pool.state import PoolState
+from tensorcast.pool.segments import SHM_DIR, Segment, SegmentStock, remove_stale_segments
+from tensorcast.pool.slab import SlabAllocator
+from tensorcast.pool.state import MemoryReplica, PoolState
 from tensorcast.wire.messages import TensorMeta
 
-__all__ = ["MemoryPool"]
+__all__ = ["BlobLoc", "MemoryTier"]
 
 
-class MemoryPool:
-    def __init__(self, capacity: int, prefix: str) -> None:
+@dataclass(frozen=True, slots=True)
+class BlobLoc:
+    segment: Segment
+    offset: int
+    size: int  # bytes of the object
+    accounted: int  # bytes charged to the capacity (the slot size for arena objects)
+    arena: str | None = None
+
+    def view(self) -> memoryview:
+        return self.segment.view()[self.offset : self.offset + self.size]
+
+
+class MemoryTier:
+    def __init__(self, capacity: int, prefix: str, *, stock_budget: int = 0, arena_bytes: int = 16 << 20,
+                 small_object_bytes: int = 256 << 10) -> None:
         self.state = PoolState(capacity)
         self.prefix = prefix
-        self._blobs: dict[str, Segment] = {}
-        self._artifacts: dict[str, tuple[TensorMeta, ...]] = {}
+        self.slab = SlabAllocator(arena_bytes, max_slot=small_object_bytes)
+        self.stock = SegmentStock(SHM_DIR, f"{prefix}-s", stock_budget)
+        self.lock = threading.RLock()
+        self._blobs: dict[str, BlobLoc] = {}
+        self._arenas: dict[str, Segment] = {}
+        self._tensors: dict[str, tuple[TensorMeta, ...]] = {}
         self._closing: list[Segment] = []
         remove_stale_segments(prefix)
 
     # ----------------------------------------------------------------- uploads
-    def allocate(self, nbytes: int) -> Segment:
-        self.state.reserve(nbytes)
+    def allocate(self, nbytes: int) -> BlobLoc:
+        """Room for one blob (the caller made room first if needed); raises ``ResourceExhausted``."""
+        with self.lock:
+            slot = self.slab.slot_size(nbytes)
+            if slot is not None:
+                self.state.reserve(slot)
+                try:
+                    got = self.slab.alloc(nbytes)
+                    if isinstance(got, int):
+                        arena_id = uuid.uuid4().hex[:12]
+                        seg = Segment.create(SHM_DIR, f"{self.prefix}-a", self.slab.arena_bytes, populate=True)
+                        self._arenas[arena_id] = seg
+                        self.slab.add_arena(arena_id, got)
+                        got = self.slab.alloc(nbytes)
+                        assert not isinstance(got, int)
+                except BaseException:
+                    self.state.unreserve(slot)
+                    raise
+                arena_id, offset = got
+                return BlobLoc(self._arenas[arena_id], offset, nbytes, slot, arena_id)
+            self.state.reserve(nbytes)
         try:
-            return Segment.create(self.prefix, nbytes)
+            seg = self.stock.take(nbytes) or Segment.create(SHM_DIR, self.prefix, nbytes)
         except BaseException:
-            self.state.unreserve(nbytes)
+            with self.lock:
+                self.state.unreserve(nbytes)
             raise
+        return BlobLoc(seg, 0, nbytes, nbytes)
 
-    def discard(self, segment: Segment) -> None:
+    def discard(self, loc: BlobLoc) -> None:
         """Give back an allocation that was never committed."""
-        self.state.unreserve(segment.size)
-        self._retire(segment)
+        with self.lock:
+            self.state.unreserve(loc.accounted)
+            self._release_loc(loc)
 
-    def commit_blob(self, digest: str, segment: Segment) -> None:
-        if not self.state.commit_blob(digest, segment.size):
-            self._retire(segment)  # someone stored the same bytes first
-        else:
-            self._blobs[digest] = segment
+    def commit_blob(self, digest: str, loc: BlobLoc) -> None:
+        with self.lock:
+            if self.state.commit_blob(digest, loc.accounted):
+                self._blobs[digest] = loc
+            else:
+                self._release_loc(loc)  # someone stored the same bytes first
 
     def has_blob(self, digest: str) -> bool:
-        return self.state.has_blob(digest)
+        with self.lock:
+            return self.state.has_blob(digest)
 
-    # ----------------------------------------------------------------- artifacts
-    def add_artifact(self, artifact_id: str, tensors: tuple[TensorMeta, ...]) -> None:
-        if self.state.add_artifact(artifact_id, tuple(t.digest for t in tensors if t.nbytes)):
-            self._artifacts[artifact_id] = tensors
+    # ----------------------------------------------------------------- replicas
+    def add_replica(self, rep: MemoryReplica, tensors: tuple[TensorMeta, ...]) -> None:
+        with self.lock:
+            if self.state.add_replica(rep):
+                self._tensors[rep.artifact_id] = tensors
 
-    def has_artifact(self, artifact_id: str) -> bool:
-        return artifact_id in self._artifacts
+    def has_replica(self, artifact_id: str) -> bool:
+        return artifact_id in self._tensors
 
     def tensors(self, artifact_id: str) -> tuple[TensorMeta, ...]:
         try:
-            return self._artifacts[artifact_id]
+            return self._tensors[artifact_id]
         except KeyError:
-            raise NotFound(f"artifact {artifact_id} has no replica on this worker") from None
+            raise NotFound(f"artifact {artifact_id} has no memory replica on this worker") from None
 
-    def segment(self, digest: str) -> Segment:
-        return self._blobs[digest]
-
-    def remove_artifact(self, artifact_id: str) -> bool:
-        if self._artifacts.pop(artifact_id, None) is None:
-            return False
-        for digest in self.state.remove_artifact(artifact_id):
-            self.state.free_blob(digest)
-            self._retire(self._blobs.pop(digest))
-        return True
+    def remove_replica(self, artifact_id: str) -> bool:
+        with self.lock:
+            if self._tensors.pop(artifact_id, None) is None:
+                return False
+            for digest in self.state.remove_replica(artifact_id):
+                self._free_blob(digest)
+            return True
 
     def release_unreferenced(self) -> None:
-        for digest in self.state.release_unreferenced():
-            self.state.free_blob(digest)
-            self._retire(self._blobs.pop(digest))
+        with self.lock:
+            for digest in self.state.unreferenced():
+                self._free_blob(digest)
 
-    def artifact_ids(self) -> list[str]:
-        return list(self._artifacts)
+    def replica_ids(self) -> list[str]:
+        return list(self._tensors)
 
-    # ----------------------------------------------------------------- segments
+    def blob(self, digest: str) -> BlobLoc:
+        try:
+            return self._blobs[digest]
+        except KeyError:
+            raise NotFound(f"blob {digest[:16]} is not in memory here") from None
+
+    def lease(self, digest: str) -> tuple[BlobLoc, Callable[[], None]]:
+        """Read lease: the blob's bytes stay mapped and unreused until the returned callable runs."""
+        with self.lock:
+            loc = self.blob(digest)
+            if loc.arena is not None:
+                self.slab.lease(loc.arena, loc.offset)
+            else:
+                loc.segment.readers += 1
+
+        def release() -> None:
+            with self.lock:
+                if loc.arena is not None:
+                    empty = self.slab.release_lease(loc.arena, loc.offset)
+                    if empty is not None:
+                        self._retire(self._arenas.pop(empty))
+                else:
+                    loc.segment.readers -= 1
+
+        return loc, release
+
+    # ----------------------------------------------------------------- internals
+    def _free_blob(self, digest: str) -> None:
+        if self.state.free_blob(digest):
+            self._release_loc(self._blobs.pop(digest))
+
+    def _release_loc(self, loc: BlobLoc) -> None:
+        if loc.arena is not None:
+            empty = self.slab.free(loc.arena, loc.offset)
+            if empty is not None:
+                self._retire(self._arenas.pop(empty))
+        else:
+            self._retire(loc.segment)
+
     def _retire(self, segment: Segment) -> None:
         segment.unlink()
         if not segment.try_close():
@@ -88,12 +173,17 @@ class MemoryPool:
 
     def collect(self) -> None:
         """Unmap retired segments whose readers have finished."""
-        self._closing = [s for s in self._closing if not s.try_close()]
+        with self.lock:
+            self._closing = [s for s in self._closing if not s.try_close()]
 
     def close(self) -> None:
-        for seg in list(self._blobs.values()) + self._closing:
-            seg.unlink()
-            seg.try_close()
-        self._blobs.clear()
-        self._closing.clear()
+        with self.lock:
+            segs = [b.segment for b in self._blobs.values() if b.arena is None]
+            for seg in segs + list(self._arenas.values()) + self._closing:
+                seg.unlink()
+                seg.try_close()
+            self._blobs.clear()
+            self._arenas.clear()
+            self._closing.clear()
+        self.stock.close()
         remove_stale_segments(self.prefix)

@@ -13,6 +13,8 @@ from typing import Literal
 
 import msgspec
 
+from tensorcast.pool.placement import Placement
+
 PROTOCOL_VERSION = 1
 
 
@@ -41,6 +43,7 @@ class ReplicaInfo(_Rec):
     host_id: str = ""
     tier: str = "memory"
     alive: bool = True
+    data_address: str = ""
 
 
 class ArtifactInfo(_Msg):
@@ -54,6 +57,7 @@ class ArtifactInfo(_Msg):
     lease_expiry: float | None = None
     created_at: float = 0.0
     replicas: tuple[ReplicaInfo, ...] = ()
+    policy: str = "cache"
 
 
 class WorkerInfo(_Rec):
@@ -69,13 +73,18 @@ class WorkerInfo(_Rec):
     alive: bool = True
     last_heartbeat: float = 0.0
     registered_at: float = 0.0
+    data_address: str = ""
+    disk_used: int = 0
+    disk_capacity: int = 0
 
 
 class SegmentRef(_Rec):
-    """A shared-memory segment (under /dev/shm) holding one tensor's bytes from offset 0."""
+    """A mapped file (shared-memory segment or disk-tier blob) holding one tensor's bytes at ``offset``."""
 
-    name: str
+    path: str
     size: int
+    offset: int = 0
+    tier: str = "memory"
 
 
 # --------------------------------------------------------------------------- connection set-up
@@ -119,6 +128,8 @@ class PutBegin(_Msg):
     ttl: float | None = None
     # The caller can map this worker's shared memory (same host id and reachable /dev/shm).
     same_host: bool = False
+    # A preset name ("cache", "durable", "ha", "cold", "warm", "pinned") or a general Placement.
+    placement: str | Placement | None = None
 
 
 class PutPlan(_Msg):
@@ -153,29 +164,82 @@ class PutDone(_Msg):
 
 
 class MapTensors(_Msg):
-    """Same host: name the segments holding an artifact's tensors so the caller maps them."""
+    """Same host: name the files holding an artifact's tensors so the caller maps them. Objects that may
+    not be mapped (slab-arena slots, whose memory is reused) come back as None: read them instead."""
 
     artifact_id: str
     names: tuple[str, ...] = ()
+    tier: str = ""  # "" = memory if present, else disk
 
 
 class Mapped(_Msg):
     segments: tuple[SegmentRef | None, ...]
 
 
-class ReadTensor(_Msg):
-    """Stream ``length`` bytes of one tensor from ``offset``; the reply carries them as payload."""
+class Prefetch(_Msg):
+    """Make sure ``worker_id`` holds a memory replica (pulled worker-to-worker); any worker routes it."""
 
     artifact_id: str
-    name: str
-    offset: int = 0
-    length: int = -1
+    worker_id: str
+    pin_ttl: float | None = None
+    pin: bool = False
+
+
+class Prefetched(_Msg):
+    worker_id: str
+    already_present: bool
+    source: str = ""  # worker id the bytes came from ("" = local disk tier or already present)
+    source_tier: str = ""
+    bytes_moved: int = 0
+    seconds: float = 0.0
+    retries: int = 0
+
+
+class Unpin(_Msg):
+    artifact_id: str
+    worker_id: str
 
 
 class DropArtifact(_Msg):
     """Gateway -> holder: forget this artifact's replica now (it was deleted)."""
 
     artifact_id: str
+
+
+# --------------------------------------------------------------------------- data plane (transport.tcp)
+
+
+class DataHello(_Msg):
+    protocol_version: int
+    token: str | None = None
+
+
+class SliceSpec(_Rec):
+    """``tensor[..., start:stop:step, ...]`` on dimension ``dim``."""
+
+    dim: int
+    start: int
+    stop: int
+    step: int = 1
+
+
+class DataRequest(_Msg):
+    """Send bytes ``[offset, offset + length)`` of a tensor (after applying ``slices``, if any), in chunks
+    each preceded by its 8-byte xxh3-64 checksum."""
+
+    artifact_id: str
+    name: str
+    offset: int = 0
+    length: int = -1
+    slices: tuple[SliceSpec, ...] = ()
+    chunk_bytes: int = 4 * 1024 * 1024
+    tier: str = ""  # "" = any tier this worker holds
+
+
+class DataReply(_Msg):
+    total: int  # bytes that follow (the requested range)
+    chunk_bytes: int
+    tier: str = "memory"
 
 
 # --------------------------------------------------------------------------- metadata (GS; gateways forward)
@@ -237,6 +301,8 @@ class Heartbeat(_Msg):
     memory_used: int
     memory_capacity: int
     artifacts: int
+    disk_used: int = 0
+    disk_capacity: int = 0
     # Artifact ids this worker dropped since the last heartbeat (acknowledges HeartbeatReply.drop).
     dropped: tuple[str, ...] = ()
 
@@ -255,11 +321,21 @@ class CommitArtifact(_Msg):
     worker_id: str
     key: str | None = None
     ttl: float | None = None
+    tiers: tuple[str, ...] = ("memory",)
+
+
+class AddReplica(_Msg):
+    """A worker holds (another tier of) an existing artifact; ownership and keys are untouched."""
+
+    artifact_id: str
+    worker_id: str
+    tiers: tuple[str, ...] = ("memory",)
 
 
 class RemoveReplica(_Msg):
     artifact_id: str
     worker_id: str
+    tier: str = "memory"
 
 
 Message = (
@@ -274,10 +350,15 @@ Message = (
     | PutAbort
     | PutDone
     | ArtifactInfo
+    | DataHello
+    | DataRequest
+    | DataReply
     | MapTensors
     | Mapped
-    | ReadTensor
     | DropArtifact
+    | Prefetch
+    | Prefetched
+    | Unpin
     | GetArtifact
     | ListArtifacts
     | ArtifactList
@@ -293,6 +374,7 @@ Message = (
     | HeartbeatReply
     | CommitArtifact
     | RemoveReplica
+    | AddReplica
 )
 
 REQUEST, RESPONSE, ERROR = 0, 1, 2

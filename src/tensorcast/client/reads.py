@@ -1,0 +1,200 @@
+"""Materializing artifacts and views on the caller's side: pick a replica, map or fetch, report.
+
+Owns: the source order (``auto``: this host's memory, this host's disk, other workers' memory, other
+workers' disk; ``local_only``; ``prefer_p2p``: any memory replica before any disk one; ``prefer_disk``),
+same-host zero-copy mapping (copy-on-write), fetching over the data plane for other hosts (several
+streams for large ranges; slices cut by the holder, so only their bytes travel), retries (a corrupted
+chunk is fetched again; a failed holder makes way for the next replica), and ``Diagnostics``.
+Does not own: the client's RPC plumbing (``client.aio``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+
+from tensorcast.config import TransportConfig
+from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, Unavailable
+from tensorcast.pool.segments import SegmentGone, map_private
+from tensorcast.tensors import digest_bytes, numpy_dtype, wrap_bytes
+from tensorcast.transport.base import ChunkCorrupted, stream_count
+from tensorcast.transport.tcp import TcpTransport
+from tensorcast.views import apply_slices, byte_range, sliced_shape
+from tensorcast.wire.messages import ArtifactInfo, DataRequest, Mapped, MapTensors, ReplicaInfo, SliceSpec, TensorMeta
+
+if TYPE_CHECKING:
+    from tensorcast.client.aio import AsyncClient
+
+__all__ = ["SOURCES", "Diagnostics", "Reader"]
+
+SOURCES = ("auto", "local_only", "prefer_p2p", "prefer_disk")
+
+
+@dataclass
+class Diagnostics:
+    """How a materialization was served."""
+
+    replica: str = ""  # worker id
+    tier: str = ""  # memory | disk
+    transport: str = ""  # shared-memory | tcp
+    bytes_moved: int = 0  # bytes that crossed a socket (0 for a same-host mapping)
+    seconds: float = 0.0
+    retries: int = 0
+    streams: int = 0
+    failed_replicas: list[str] = field(default_factory=list)
+
+
+class Reader:
+    def __init__(self, client: AsyncClient, transport_config: TransportConfig) -> None:
+        self.client = client
+        self.config = transport_config
+        self._transport: TcpTransport | None = None
+
+    @property
+    def transport(self) -> TcpTransport:
+        if self._transport is None:
+            c = self.client
+            self._transport = TcpTransport(c.config.wire, token=c.token, max_streams=self.config.max_streams * 2)
+        return self._transport
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def order(self, info: ArtifactInfo, source: str) -> list[ReplicaInfo]:
+        if source not in SOURCES:
+            raise InvalidArgument(f"source must be one of {SOURCES}, got {source!r}")
+        local_host = self.client.host_id
+        live = [r for r in info.replicas if r.alive and r.address]
+        if source == "local_only":
+            live = [r for r in live if r.host_id == local_host]
+
+        def rank(r: ReplicaInfo) -> tuple[int, ...]:
+            remote = r.host_id != local_host
+            disk = r.tier == "disk"
+            if source == "prefer_p2p":
+                return (disk, remote)
+            if source == "prefer_disk":
+                return (not disk, remote)
+            return (remote, disk)
+
+        ordered = sorted(live, key=rank)
+        if not ordered:
+            where = "on this host" if source == "local_only" else "that is alive"
+            raise Unavailable(f"artifact {info.id} has no replica {where}")
+        return ordered
+
+    async def materialize(self, info: ArtifactInfo, names: tuple[str, ...], like: str,
+                          slices: Mapping[str, tuple[SliceSpec, ...]] | None = None,
+                          source: str = "auto") -> tuple[dict[str, Any], Diagnostics]:
+        if like not in ("torch", "numpy"):
+            raise InvalidArgument(f"like must be 'torch' or 'numpy', got {like!r}")
+        metas = {t.name: t for t in info.tensors}
+        for n in names:
+            if n not in metas:
+                raise NotFound(f"artifact {info.id} has no tensor {n!r} (has {sorted(metas)})")
+        slices = slices or {}
+        diag = Diagnostics()
+        t0 = time.perf_counter()
+        last: TensorCastError | None = None
+        for replica in self.order(info, source):
+            diag.replica, diag.tier = replica.worker_id, replica.tier
+            try:
+                if self.client._shm_ok and replica.host_id == self.client.host_id:
+                    try:
+                        out = await self._map_local(info, replica, names, metas, like, slices, diag)
+                    except SegmentGone:
+                        out = await self._fetch(info, replica, names, metas, like, slices, diag)
+                        self.client._shm_ok = False  # the worker holds it, yet we cannot see its files
+                else:
+                    out = await self._fetch(info, replica, names, metas, like, slices, diag)
+                diag.seconds = time.perf_counter() - t0
+                return out, diag
+            except (Unavailable, NotFound) as exc:
+                diag.failed_replicas.append(replica.worker_id)
+                diag.retries += 1
+                last = exc
+        assert last is not None
+        raise last
+
+    async def _map_local(self, info: ArtifactInfo, replica: ReplicaInfo, names: tuple[str, ...],
+                         metas: dict[str, TensorMeta], like: str, slices: Mapping[str, tuple[SliceSpec, ...]],
+                         diag: Diagnostics) -> dict[str, Any]:
+        mapped: Mapped = await self.client._call(MapTensors(artifact_id=info.id, names=names, tier=replica.tier),
+                                                 Mapped, address=replica.address)
+        diag.transport = "shared-memory"
+        out: dict[str, Any] = {}
+        unmapped: list[str] = []
+        for name, ref in zip(names, mapped.segments, strict=True):
+            meta = metas[name]
+            if ref is None and meta.nbytes:
+                unmapped.append(name)  # a slab-arena object: copied out over the data plane
+                continue
+            buf = None if ref is None else map_private(ref.path, ref.size)
+            spec = slices.get(name, ())
+            out[name] = wrap_bytes(buf, meta, like) if not spec else _slice_local(buf, meta, spec, like)
+        if unmapped:
+            out.update(await self._fetch(info, replica, tuple(unmapped), metas, like, slices, diag))
+            diag.transport = "shared-memory"
+        return out
+
+    async def _fetch(self, info: ArtifactInfo, replica: ReplicaInfo, names: tuple[str, ...],
+                     metas: dict[str, TensorMeta], like: str, slices: Mapping[str, tuple[SliceSpec, ...]],
+                     diag: Diagnostics) -> dict[str, Any]:
+        diag.transport = "tcp"
+        if not replica.data_address:
+            raise Unavailable(f"worker {replica.worker_id} has no data-plane address")
+        out: dict[str, Any] = {}
+        for name in names:
+            meta = metas[name]
+            spec = slices.get(name, ())
+            itemsize = numpy_dtype(meta.dtype).itemsize
+            shape = sliced_shape(meta.shape, spec) if spec else meta.shape
+            nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+            req = DataRequest(artifact_id=info.id, name=name, tier=replica.tier)
+            rng = byte_range(meta.shape, itemsize, spec) if spec else (0, meta.nbytes)
+            if rng is not None:
+                req = msgspec.structs.replace(req, offset=rng[0], length=rng[1] - rng[0])
+            else:
+                req = msgspec.structs.replace(req, slices=spec)
+            buf = np.empty(nbytes, dtype=np.uint8)
+            if nbytes:
+                await self._fetch_into(replica, req, buf.data, diag)
+                if not spec and self.client.config.client.verify_remote_reads and \
+                        await asyncio.to_thread(digest_bytes, buf.data) != meta.digest:
+                    raise Unavailable(f"tensor {name!r} of {info.id} from {replica.worker_id} failed its digest")
+            out[name] = wrap_bytes(buf, msgspec.structs.replace(meta, shape=shape, nbytes=nbytes), like)
+        return out
+
+    async def _fetch_into(self, replica: ReplicaInfo, req: DataRequest, dest: memoryview, diag: Diagnostics) -> None:
+        ctx = self.client._ctx()
+        streams = stream_count(self.config, len(dest))
+        for attempt in range(self.config.retries + 1):
+            try:
+                stats = await asyncio.to_thread(self.transport.fetch, replica.data_address, req, dest,
+                                                streams=streams, deadline=ctx.deadline, trace_id=ctx.trace_id)
+                diag.bytes_moved += stats.bytes
+                diag.streams = max(diag.streams, stats.streams)
+                diag.tier = stats.tier or diag.tier
+                return
+            except ChunkCorrupted:
+                diag.retries += 1
+                if attempt == self.config.retries:
+                    raise
+
+
+def _slice_local(buf: Any, meta: TensorMeta, spec: tuple[SliceSpec, ...], like: str) -> Any:
+    """Slice a mapped tensor here (no bytes move): zero-copy if the slice is contiguous, else one copy."""
+    dtype = numpy_dtype(meta.dtype)
+    full = np.frombuffer(buf, dtype=dtype, count=meta.nbytes // dtype.itemsize).reshape(meta.shape) \
+        if meta.nbytes else np.empty(meta.shape, dtype)
+    part = np.ascontiguousarray(apply_slices(full, spec))
+    raw = part.reshape(-1).view(np.uint8)
+    return wrap_bytes(raw if part.nbytes else None,
+                      msgspec.structs.replace(meta, shape=part.shape, nbytes=part.nbytes), like)

@@ -1,0 +1,244 @@
+"""A worker's local replicas across both tiers, with placement applied: the basic role's core.
+
+Owns: which artifacts this worker holds in memory and on disk, making room (LRU eviction of evictable,
+unpinned memory replicas, with the global store told), pins, the cold placement's memory TTL, watermark
+eviction, dropping replicas, and the byte sources the data plane and same-host mappings read from
+(memory first, then disk; slices cut here, so only the slice's bytes leave). Thread-safe where the data
+plane needs it. Does not own: the put and fetch protocols (``worker.puts``, ``worker.fetch``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import numpy as np
+
+from tensorcast.config import WorkerConfig
+from tensorcast.errors import InvalidArgument, NotFound
+from tensorcast.pool.disk import DiskTier, Manifest
+from tensorcast.pool.memory import BlobLoc, MemoryTier
+from tensorcast.pool.placement import Placement
+from tensorcast.pool.segments import Segment
+from tensorcast.pool.state import MemoryReplica
+from tensorcast.tensors import numpy_dtype
+from tensorcast.transport.base import CHUNK_BYTES, SourceLease, chunk_checksums
+from tensorcast.views import apply_slices
+from tensorcast.wire.messages import DataRequest, SegmentRef, TensorMeta
+
+__all__ = ["LocalStore"]
+
+log = logging.getLogger("tensorcast.worker")
+
+# Called when a replica disappears from this worker without the GS having asked (eviction, TTL).
+ReplicaGone = Callable[[str, str], Awaitable[None]]
+
+
+class LocalStore:
+    def __init__(self, config: WorkerConfig, worker_id: str, on_replica_gone: ReplicaGone) -> None:
+        self.config = config
+        self.memory = MemoryTier(config.memory_capacity, f"{config.shm_prefix}-{worker_id}",
+                                 stock_budget=config.prefault_bytes, arena_bytes=config.arena_bytes,
+                                 small_object_bytes=config.small_object_bytes)
+        self.disk = DiskTier(Path(config.disk_dir), config.disk_capacity) if config.disk_dir else None
+        self._on_replica_gone = on_replica_gone
+        self._lock = threading.Lock()
+        self._disk_segments: dict[str, Segment] = {}  # open read mappings of disk blobs
+        self._checksums: dict[str, list[int]] = {}  # digest -> data-plane chunk checksums
+
+    # ----------------------------------------------------------------- queries
+    def tiers(self, artifact_id: str) -> tuple[str, ...]:
+        out = []
+        if self.memory.has_replica(artifact_id):
+            out.append("memory")
+        if self.disk is not None and self.disk.has_artifact(artifact_id):
+            out.append("disk")
+        return tuple(out)
+
+    def tensors(self, artifact_id: str) -> tuple[TensorMeta, ...]:
+        if self.memory.has_replica(artifact_id):
+            return self.memory.tensors(artifact_id)
+        if self.disk is not None and artifact_id in self.disk.manifests:
+            return self.disk.manifests[artifact_id].tensors
+        raise NotFound(f"artifact {artifact_id} has no replica on this worker")
+
+    def meta(self, artifact_id: str, name: str) -> TensorMeta:
+        for t in self.tensors(artifact_id):
+            if t.name == name:
+                return t
+        raise NotFound(f"artifact {artifact_id} has no tensor {name!r}")
+
+    def require_disk(self) -> DiskTier:
+        if self.disk is None:
+            raise InvalidArgument("this worker has no disk tier (worker.disk_dir is not set)")
+        return self.disk
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "memory_used": self.memory.state.used,
+            "memory_capacity": self.memory.state.capacity,
+            "artifacts": len(set(self.memory.replica_ids()) | set(self.disk.manifests if self.disk else ())),
+            "disk_used": self.disk.used if self.disk else 0,
+            "disk_capacity": self.disk.capacity if self.disk else 0,
+        }
+
+    # ----------------------------------------------------------------- room and memory replicas
+    async def make_room(self, nbytes: int, overflow: str, exclude: frozenset[str] = frozenset()) -> bool:
+        """Ensure ``nbytes`` fit in memory. With ``overflow='evict'`` evict LRU replicas as needed; returns
+        False (nothing changed) when it does not fit and may not evict; raises ``ResourceExhausted`` when
+        evicting everything evictable would still not be enough."""
+        state = self.memory.state
+        if nbytes <= state.free:
+            return True
+        if overflow != "evict":
+            return False
+        for aid in state.victims(nbytes, time.time(), exclude):
+            await self.evict(aid)
+        return True
+
+    async def evict(self, artifact_id: str) -> None:
+        if self.memory.remove_replica(artifact_id):
+            log.info("evicted memory replica of %s", artifact_id)
+            await self._on_replica_gone(artifact_id, "memory")
+
+    def add_memory_replica(self, artifact_id: str, tensors: tuple[TensorMeta, ...], placement: Placement,
+                           pin_until: float | None = None) -> None:
+        now = time.time()
+        self.memory.add_replica(MemoryReplica(
+            artifact_id=artifact_id,
+            digests=tuple(t.digest for t in tensors if t.nbytes),
+            evictable=placement.evictable,
+            pinned_until=pin_until,
+            last_access=now,
+            memory_expires=None if placement.memory_ttl is None else now + placement.memory_ttl,
+        ), tensors)
+
+    def pin(self, artifact_id: str, ttl: float | None) -> None:
+        self.memory.state.pin(artifact_id, None if ttl is None else time.time() + ttl)
+
+    def unpin(self, artifact_id: str) -> None:
+        self.memory.state.unpin(artifact_id)
+
+    def touch(self, artifact_id: str) -> None:
+        self.memory.state.touch(artifact_id, time.time())
+
+    async def housekeeping(self) -> None:
+        """Cold TTLs and watermarks: evict what placement says must go."""
+        now = time.time()
+        for aid in self.memory.state.expired(now):
+            await self.evict(aid)
+        for aid in self.memory.state.watermark_victims(self.config.memory_high_watermark,
+                                                       self.config.memory_low_watermark, now):
+            await self.evict(aid)
+        self.memory.collect()
+
+    def drop(self, artifact_id: str) -> bool:
+        """Forget every local replica of an artifact (it was deleted)."""
+        gone = self.memory.remove_replica(artifact_id)
+        if self.disk is not None and self.disk.remove_artifact(artifact_id):
+            gone = True
+            with self._lock:
+                for d in [d for d in self._disk_segments if not self.disk.has_blob(d)]:
+                    seg = self._disk_segments.pop(d)
+                    seg.unlink()
+                    seg.try_close()
+        return gone
+
+    # ----------------------------------------------------------------- disk replicas
+    def copy_to_disk(self, artifact_id: str, tensors: tuple[TensorMeta, ...], policy: str) -> None:
+        """Write a memory replica's blobs to the disk tier (durable once this returns). Blocking."""
+        disk = self.require_disk()
+        for t in tensors:
+            if t.nbytes and not disk.has_blob(t.digest):
+                loc, release = self.memory.lease(t.digest)
+                try:
+                    disk.write_blob(t.digest, loc.view())
+                finally:
+                    release()
+        disk.add_artifact(Manifest(artifact_id, tensors, policy))
+
+    # ----------------------------------------------------------------- sources
+    def _disk_segment(self, digest: str) -> Segment:
+        disk = self.require_disk()
+        with self._lock:
+            seg = self._disk_segments.get(digest)
+            if seg is None:
+                if not disk.has_blob(digest):
+                    raise NotFound(f"blob {digest[:16]} is not on disk here")
+                seg = Segment.open_existing(disk.blob_path(digest))
+                self._disk_segments[digest] = seg
+            seg.readers += 1
+            return seg
+
+    def _lease_bytes(self, meta: TensorMeta, tier: str) -> tuple[memoryview, str, Callable[[], None]]:
+        if tier in ("", "memory") and self.memory.has_blob(meta.digest):
+            loc, release = self.memory.lease(meta.digest)
+            return loc.view(), "memory", release
+        if tier in ("", "disk") and self.disk is not None and self.disk.has_blob(meta.digest):
+            seg = self._disk_segment(meta.digest)
+
+            def release_disk() -> None:
+                with self._lock:
+                    seg.readers -= 1
+
+            return seg.view()[: meta.nbytes], "disk", release_disk
+        raise NotFound(f"tensor {meta.name!r} ({meta.digest[:16]}) has no {tier or 'local'} replica here")
+
+    def open_source(self, req: DataRequest) -> SourceLease:
+        """Data plane: the bytes a request names, leased until sent. Called on data-plane threads."""
+        meta = self.meta(req.artifact_id, req.name)
+        if meta.nbytes == 0:
+            return SourceLease(memoryview(b""), "memory", lambda: None)
+        view, tier, release = self._lease_bytes(meta, req.tier)
+        if req.slices:
+            try:
+                arr = np.frombuffer(view, dtype=np.uint8).view(numpy_dtype(meta.dtype)).reshape(meta.shape)
+                piece = np.ascontiguousarray(apply_slices(arr, req.slices))
+            finally:
+                release()
+            return SourceLease(piece.reshape(-1).view(np.uint8).data, tier, lambda: None)
+        checksums = None
+        if req.offset % CHUNK_BYTES == 0:
+            checksums = self._checksums.get(meta.digest)
+            if checksums is None:
+                checksums = chunk_checksums(view)
+                self._checksums[meta.digest] = checksums
+        return SourceLease(view, tier, release, checksums)
+
+    def remember_checksums(self, digest: str, checksums: list[int]) -> None:
+        """Chunk checksums a receiver verified: serving the blob later needs no hashing pass."""
+        if checksums:
+            self._checksums[digest] = checksums
+
+    def segment_refs(self, artifact_id: str, names: tuple[str, ...], tier: str) -> list[SegmentRef | None]:
+        """Same host: the files a caller may map for these tensors (None: read it instead)."""
+        self.touch(artifact_id)
+        out: list[SegmentRef | None] = []
+        for name in names:
+            meta = self.meta(artifact_id, name)
+            ref: SegmentRef | None = None
+            if meta.nbytes and tier in ("", "memory") and self.memory.has_blob(meta.digest):
+                loc: BlobLoc = self.memory.blob(meta.digest)
+                if loc.arena is None:  # arena slots are reused: never mapped by callers
+                    ref = SegmentRef(path=loc.segment.path, size=loc.size, tier="memory")
+            elif meta.nbytes and tier in ("", "disk") and self.disk is not None and self.disk.has_blob(meta.digest):
+                ref = SegmentRef(path=self.disk.blob_path(meta.digest), size=meta.nbytes, tier="disk")
+            elif meta.nbytes:
+                raise NotFound(f"tensor {name!r} has no {tier or 'local'} replica here")
+            out.append(ref)
+        return out
+
+    def close(self) -> None:
+        self.memory.close()
+        with self._lock:
+            for seg in self._disk_segments.values():
+                seg.try_close()
+            self._disk_segments.clear()
+
+
+def pin_deadline(ttl: float | None) -> float:
+    return math.inf if ttl is None else time.time() + ttl
