@@ -33,6 +33,7 @@ from tensorcast.wire.messages import (
     ArtifactList,
     DeleteArtifact,
     Deleted,
+    Evict,
     GetArtifact,
     ListArtifacts,
     ListWorkers,
@@ -137,9 +138,13 @@ class AsyncArtifact(ArtifactBase):
         return AsyncView(self, build_view_slices(self.info, slices, tp, rules))
 
     async def prefetch(self, to: str, *, pin: bool = False, pin_ttl: float | None = None,
-                       timeout: float | None = None) -> Prefetched:
+                       timeout: float | None = None, streams: int = 0) -> Prefetched:
         """Copy this artifact into worker ``to``'s memory (worker-to-worker; a no-op where present)."""
-        return await self._client.prefetch(self.id, to, pin=pin, pin_ttl=pin_ttl, timeout=timeout)
+        return await self._client.prefetch(self.id, to, pin=pin, pin_ttl=pin_ttl, timeout=timeout, streams=streams)
+
+    async def evict(self, on: str) -> None:
+        """Drop worker ``on``'s memory replica (a cache decision; its disk copy, if any, stays)."""
+        await self._client._call(Evict(artifact_id=self.id, worker_id=on), Ack)
 
     async def pin(self, on: str, ttl: float | None = None) -> Prefetched:
         """Keep a memory replica resident on worker ``on`` (copied there first if needed) for ``ttl`` s."""
@@ -288,11 +293,11 @@ class AsyncClient:
             await self._call(PutAbort(put_id=put_id), object, CallContext().with_timeout(5.0), address=address)
 
     async def prefetch(self, key_or_id: str, to: str, *, pin: bool = False, pin_ttl: float | None = None,
-                       timeout: float | None = None) -> Prefetched:
+                       timeout: float | None = None, streams: int = 0) -> Prefetched:
         """Make worker ``to`` hold a memory replica, copied worker-to-worker (a no-op where present)."""
         aid = key_or_id if ARTIFACT_ID_RE.match(key_or_id) else (await self.artifact(key_or_id)).id
-        done: Prefetched = await self._call(Prefetch(artifact_id=aid, worker_id=to, pin=pin, pin_ttl=pin_ttl),
-                                            Prefetched, self._ctx(timeout))
+        msg = Prefetch(artifact_id=aid, worker_id=to, pin=pin, pin_ttl=pin_ttl, streams=streams)
+        done: Prefetched = await self._call(msg, Prefetched, self._ctx(timeout))
         return done
 
     async def artifact(self, key_or_id: str, *, timeout: float | None = None) -> AsyncArtifact:

@@ -123,10 +123,15 @@ class Artifact(ArtifactBase):
         return View(self, self._inner.view(slices, tp=tp, rules=rules))
 
     def prefetch(self, to: str, *, pin: bool = False, pin_ttl: float | None = None,
-                 timeout: float | None = None) -> Operation[Prefetched]:
+                 timeout: float | None = None, streams: int = 0) -> Operation[Prefetched]:
         """Copy the artifact into worker ``to``'s memory, worker-to-worker. Returns at once."""
         return Operation(self._client._loop.submit(self._inner.prefetch(to, pin=pin, pin_ttl=pin_ttl,
-                                                                        timeout=timeout)), "prefetch")
+                                                                        timeout=timeout, streams=streams)),
+                         "prefetch")
+
+    def evict(self, on: str) -> None:
+        """Drop worker ``on``'s memory replica now (its disk copy, if any, stays)."""
+        self._sync(self._inner.evict(on))
 
     def pin(self, on: str, ttl: float | None = None) -> Prefetched:
         """Keep a memory replica resident on worker ``on`` (copied there first if needed)."""

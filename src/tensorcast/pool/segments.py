@@ -128,11 +128,13 @@ class Segment:
 
 
 class SegmentStock:
-    """Pre-faulted segments by power-of-two size class, refilled in the background up to a byte budget.
+    """Pre-faulted segments by power-of-two size class, refilled while the worker is idle, up to a budget.
 
     ``take(size)`` returns a ready segment of at least ``size`` bytes (shrunk to ``size``) or None on a
-    miss; a taken class is refilled by a background thread, so a workload that keeps asking for similar
-    sizes finds them pre-faulted. The stock is extra memory beyond the tier's capacity.
+    miss; every request (hit or miss) records demand for its class, and ``refill()`` — called by the worker
+    when no transfer or put is running, so pre-faulting never competes with the hot path for CPU — builds
+    one segment per demanded class. A workload that keeps asking for similar sizes finds them ready.
+    The stock is extra memory beyond the tier's capacity.
     """
 
     MIN_CLASS = 4 * 1024 * 1024
@@ -144,8 +146,8 @@ class SegmentStock:
         self._lock = threading.Lock()
         self._stock: dict[int, list[Segment]] = {}
         self._bytes = 0
-        self._pending = 0
         self._closed = False
+        self._wanted: dict[int, int] = {}  # class -> segments to keep ready
 
     @classmethod
     def size_class(cls, size: int) -> int:
@@ -156,38 +158,38 @@ class SegmentStock:
             return None
         cls = self.size_class(size)
         with self._lock:
+            self._wanted[cls] = max(self._wanted.get(cls, 0), 1)
             segs = self._stock.get(cls)
             seg = segs.pop() if segs else None
             if seg is not None:
                 self._bytes -= seg.size
-        self._refill(cls)
         if seg is not None:
             seg.shrink(size)
         return seg
 
-    def _refill(self, cls: int) -> None:
-        with self._lock:
-            if self._closed or self._bytes + self._pending + cls > self.budget:
-                return
-            self._pending += cls
-        threading.Thread(target=self._make, args=(cls,), name="tensorcast-prefault", daemon=True).start()
-
-    def _make(self, cls: int) -> None:
-        try:
-            seg = Segment.create(self.directory, self.prefix, cls, populate=True)
-        except Exception as exc:
-            log.debug("prefault of %d bytes failed: %s", cls, exc)
-            with self._lock:
-                self._pending -= cls
-            return
-        with self._lock:
-            self._pending -= cls
-            if self._closed:
-                seg.unlink()
-                seg.try_close()
-                return
-            self._stock.setdefault(cls, []).append(seg)
-            self._bytes += cls
+    def refill(self) -> int:
+        """Pre-fault segments for demanded classes within the budget (blocking); returns bytes added."""
+        added = 0
+        for cls, want in sorted(self._wanted.items()):
+            while True:
+                with self._lock:
+                    have = len(self._stock.get(cls, ()))
+                    if self._closed or have >= want or self._bytes + cls > self.budget:
+                        break
+                try:
+                    seg = Segment.create(self.directory, self.prefix, cls, populate=True)
+                except Exception as exc:
+                    log.debug("prefault of %d bytes failed: %s", cls, exc)
+                    return added
+                with self._lock:
+                    if self._closed:
+                        seg.unlink()
+                        seg.try_close()
+                        return added
+                    self._stock.setdefault(cls, []).append(seg)
+                    self._bytes += cls
+                added += cls
+        return added
 
     def close(self) -> None:
         with self._lock:

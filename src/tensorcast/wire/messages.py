@@ -183,6 +183,7 @@ class Prefetch(_Msg):
     worker_id: str
     pin_ttl: float | None = None
     pin: bool = False
+    streams: int = 0  # parallel TCP streams per tensor; 0 = transport.streams / automatic
 
 
 class Prefetched(_Msg):
@@ -196,6 +197,13 @@ class Prefetched(_Msg):
 
 
 class Unpin(_Msg):
+    artifact_id: str
+    worker_id: str
+
+
+class Evict(_Msg):
+    """Drop ``worker_id``'s memory replica now (its disk copy, if any, stays). Pinned copies are unpinned."""
+
     artifact_id: str
     worker_id: str
 
@@ -359,6 +367,7 @@ Message = (
     | Prefetch
     | Prefetched
     | Unpin
+    | Evict
     | GetArtifact
     | ListArtifacts
     | ArtifactList

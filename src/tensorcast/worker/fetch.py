@@ -35,7 +35,7 @@ class Fetcher:
         self.config = config
         self.in_flight = 0
 
-    async def fetch(self, info: ArtifactInfo, deadline: float | None, trace_id: str) -> Prefetched:
+    async def fetch(self, info: ArtifactInfo, deadline: float | None, trace_id: str, streams: int = 0) -> Prefetched:
         store = self.store
         if store.memory.has_replica(info.id):
             store.touch(info.id)
@@ -53,7 +53,7 @@ class Fetcher:
             for digest, meta in missing.items():
                 loc = store.memory.allocate(meta.nbytes)
                 allocated[digest] = loc
-                source, tier, retries = await self._fill(info, meta, loc, deadline, trace_id)
+                source, tier, retries = await self._fill(info, meta, loc, deadline, trace_id, streams)
                 result = Prefetched(worker_id=self.worker_id, already_present=False, source=source,
                                     source_tier=tier, bytes_moved=result.bytes_moved + meta.nbytes,
                                     retries=result.retries + retries)
@@ -79,7 +79,7 @@ class Fetcher:
         return sorted(peers, key=lambda r: r.tier != "memory")
 
     async def _fill(self, info: ArtifactInfo, meta: TensorMeta, loc: BlobLoc, deadline: float | None,
-                    trace_id: str) -> tuple[str, str, int]:
+                    trace_id: str, streams: int) -> tuple[str, str, int]:
         """Fill ``loc`` with ``meta``'s bytes; returns (source worker, tier, retries)."""
         disk = self.store.disk
         if disk is not None and disk.has_blob(meta.digest):
@@ -98,7 +98,8 @@ class Fetcher:
                     stats = await asyncio.to_thread(
                         self.transport.fetch, replica.data_address,
                         DataRequest(artifact_id=info.id, name=meta.name, tier=replica.tier), loc.view(),
-                        streams=stream_count(self.config, meta.nbytes), deadline=deadline, trace_id=trace_id,
+                        streams=streams or stream_count(self.config, meta.nbytes), deadline=deadline,
+                        trace_id=trace_id,
                         checksums=checksums)
                     self.store.remember_checksums(meta.digest, checksums)
                     return replica.worker_id, stats.tier, retries

@@ -32,6 +32,7 @@ from tensorcast.wire.messages import (
     DeleteArtifact,
     Deleted,
     DropArtifact,
+    Evict,
     GetArtifact,
     Heartbeat,
     HeartbeatReply,
@@ -105,6 +106,7 @@ class Worker:
         r.register(MapTensors, self.map_tensors)
         r.register(Prefetch, self.prefetch)
         r.register(Unpin, self.unpin)
+        r.register(Evict, self.evict)
         r.register(DropArtifact, self.drop_artifact)
         # Metadata calls are answered by the GS; every worker forwards them so any worker is an entry point.
         for msg_type in (GetArtifact, ListArtifacts, ListWorkers, RenewLease):
@@ -207,6 +209,8 @@ class Worker:
             try:
                 self.puts.reap(time.time())
                 await self.store.housekeeping()
+                if not self.puts.pending and not self.fetcher.in_flight and not self.data_server.active:
+                    await asyncio.to_thread(self.store.memory.stock.refill)
             except Exception:
                 log.exception("housekeeping failed")
 
@@ -296,7 +300,7 @@ class Worker:
             return routed  # type: ignore[no-any-return]
         info = (await self.gs.call(GetArtifact(key_or_id=msg.artifact_id), req.ctx)).message
         assert isinstance(info, ArtifactInfo)
-        result = await self.fetcher.fetch(info, req.ctx.deadline, req.ctx.trace_id)
+        result = await self.fetcher.fetch(info, req.ctx.deadline, req.ctx.trace_id, msg.streams)
         if msg.pin:
             self.store.pin(info.id, msg.pin_ttl)
         if not result.already_present:
@@ -310,6 +314,14 @@ class Worker:
         if routed is not None:
             return routed  # type: ignore[no-any-return]
         self.store.unpin(msg.artifact_id)
+        return Ack()
+
+    async def evict(self, msg: Evict, req: Request) -> Ack:
+        routed = await self._route(msg.worker_id, msg, req)
+        if routed is not None:
+            return routed  # type: ignore[no-any-return]
+        self.store.unpin(msg.artifact_id)
+        await self.store.evict(msg.artifact_id)
         return Ack()
 
     # ----------------------------------------------------------------- metadata
