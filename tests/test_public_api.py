@@ -10,9 +10,9 @@ from tensorcast import errors
 def test_exports() -> None:
     assert sorted(tensorcast.__all__) == sorted([
         "PRESETS", "TP", "Artifact", "ArtifactInfo", "CallContext", "Client", "Config", "Diagnostics",
-        "LocalCluster", "Operation", "Placement", "ReplicaInfo", "TPRules", "TensorMeta", "View", "WorkerInfo",
-        "__version__", "artifact", "connect", "context", "delete", "errors", "get_client", "init",
-        "list_workers", "ls", "prefetch", "put",
+        "InstanceInfo", "LocalCluster", "Operation", "Placement", "Plan", "PlanOutcome", "PlanStep", "ReplicaInfo",
+        "TPRules", "TensorMeta", "View", "WorkerInfo", "__version__", "artifact", "connect", "context", "delete",
+        "errors", "get_client", "init", "list_instances", "list_workers", "ls", "plan", "prefetch", "put",
     ])
     for name in tensorcast.__all__:
         assert hasattr(tensorcast, name), name

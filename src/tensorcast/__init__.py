@@ -16,9 +16,10 @@ from tensorcast.client.sync import Artifact, Client, View, connect, get_client, 
 from tensorcast.cluster import LocalCluster
 from tensorcast.config import Config
 from tensorcast.context import CallContext, context
+from tensorcast.plans.builder import Plan, PlanOutcome, PlanStep
 from tensorcast.pool.placement import PRESETS, Placement
 from tensorcast.views import TP, TPRules
-from tensorcast.wire.messages import ArtifactInfo, ReplicaInfo, TensorMeta, WorkerInfo
+from tensorcast.wire.messages import ArtifactInfo, InstanceInfo, ReplicaInfo, TensorMeta, WorkerInfo
 
 __version__ = "0.1.0"
 
@@ -29,10 +30,14 @@ __all__ = [
     "Client",
     "Config",
     "Diagnostics",
+    "InstanceInfo",
     "LocalCluster",
     "Operation",
     "PRESETS",
     "Placement",
+    "Plan",
+    "PlanOutcome",
+    "PlanStep",
     "ReplicaInfo",
     "TP",
     "TPRules",
@@ -47,8 +52,10 @@ __all__ = [
     "errors",
     "get_client",
     "init",
+    "list_instances",
     "list_workers",
     "ls",
+    "plan",
     "prefetch",
     "put",
 ]
@@ -78,3 +85,11 @@ def delete(key_or_id: str) -> str:
 
 def list_workers() -> list[WorkerInfo]:
     return get_client().list_workers()
+
+
+def list_instances() -> list[InstanceInfo]:
+    return get_client().list_instances()
+
+
+def plan(ctx: CallContext | None = None) -> Plan:
+    return get_client().plan(ctx)

@@ -81,6 +81,7 @@ class LocalCluster:
         self.startup_timeout = startup_timeout
         self.gs: ProcessHandle | None = None
         self.workers: dict[str, ProcessHandle] = {}
+        self.instances: dict[str, ProcessHandle] = {}
         self._logs: list[IO[bytes]] = []
         # Unique per cluster so concurrent clusters never share segment names.
         self.shm_prefix = f"tc{os.getpid()}x{int(time.time() * 1000) % 10**8}"
@@ -133,7 +134,7 @@ class LocalCluster:
         }, indent=2))
 
     def stop(self) -> None:
-        handles = list(self.workers.values()) + ([self.gs] if self.gs else [])
+        handles = list(self.instances.values()) + list(self.workers.values()) + ([self.gs] if self.gs else [])
         for h in handles:
             if h.alive():
                 assert h.popen is not None
@@ -257,8 +258,28 @@ class LocalCluster:
         self._spawn(self.gs)
         self._wait_ready(self.gs)
 
+    def start_instance(self, instance_id: str, worker_id: str, args: list[str] | None = None,
+                       module: str = "tensorcast.testing.hf_instance") -> ProcessHandle:
+        """Start an instance process (by default a tiny HF Llama) attached to ``worker_id``; it is stopped
+        with the cluster. ``args`` are extra command-line arguments of ``module``."""
+        ready = self.data_dir / f"{instance_id}.ready"
+        cmd = [sys.executable, "-m", module, "--worker", self._worker(worker_id).address, "--id", instance_id,
+               "--ready-file", str(ready), *(args or [])]
+        handle = ProcessHandle(instance_id, cmd, ready, self.data_dir / "logs" / f"{instance_id}.log")
+        self.instances[instance_id] = handle
+        self._spawn(handle)
+        self._wait_ready(handle)
+        return handle
+
+    def stop_instance(self, instance_id: str) -> None:
+        h = self.instances.pop(instance_id)
+        if h.alive():
+            assert h.popen is not None
+            h.popen.terminate()
+            h.popen.wait(timeout=10)
+
     def pids(self) -> dict[str, int]:
-        out = {w: h.pid for w, h in self.workers.items() if h.popen is not None}
+        out = {w: h.pid for w, h in [*self.workers.items(), *self.instances.items()] if h.popen is not None}
         if self.gs is not None and self.gs.popen is not None:
             out["gs"] = self.gs.pid
         return out

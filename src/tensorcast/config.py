@@ -115,6 +115,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     memory_low_watermark: float = 0.85
     # How long the "cold" placement keeps its memory copy after the put (the disk copy stays).
     cold_memory_ttl: float = 60.0
+    # Attempts per plan step (the first try included) for retryable failures, within the deadline.
+    plan_max_attempts: int = 5
     # Fault injection for tests: corrupt the next N data-plane chunks this worker sends.
     fault_corrupt_chunks: int = 0
 

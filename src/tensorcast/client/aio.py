@@ -23,6 +23,7 @@ from tensorcast.client.reads import Diagnostics, Reader
 from tensorcast.config import Config, default_host_id
 from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument, NotFound, TensorCastError
+from tensorcast.plans.builder import Plan, PlanOutcome
 from tensorcast.pool.placement import Placement, resolve_placement
 from tensorcast.pool.segments import SegmentGone, map_shared
 from tensorcast.tensors import ARTIFACT_ID_RE, TensorInput, normalize_tensors
@@ -35,8 +36,14 @@ from tensorcast.wire.messages import (
     Deleted,
     Evict,
     GetArtifact,
+    InstanceCall,
+    InstanceInfo,
+    InstanceList,
+    InstanceReply,
     ListArtifacts,
+    ListInstances,
     ListWorkers,
+    PlanResult,
     Prefetch,
     Prefetched,
     PutAbort,
@@ -47,6 +54,7 @@ from tensorcast.wire.messages import (
     PutPlan,
     ReleaseLease,
     RenewLease,
+    RunPlan,
     SliceSpec,
     Unpin,
     WorkerInfo,
@@ -315,8 +323,31 @@ class AsyncClient:
         return reply.artifact_id
 
     async def list_workers(self) -> list[WorkerInfo]:
+        """Signal: every worker's roles, memory/disk use, network pressure and liveness (one GS read)."""
         reply: WorkerList = await self._call(ListWorkers(), WorkerList)
         return list(reply.workers)
+
+    async def list_instances(self) -> list[InstanceInfo]:
+        """Signal: every instance's home worker, load (running/waiting, KV tokens) and liveness."""
+        reply: InstanceList = await self._call(ListInstances(), InstanceList)
+        return list(reply.instances)
+
+    async def call_instance(self, instance_id: str, op: str, *, request_id: str = "",
+                            artifacts: Sequence[str] = (), args: Mapping[str, Any] | None = None,
+                            timeout: float | None = None) -> InstanceReply:
+        """Run one instance operation (publish, hydrate, transform_into, or an engine command) now."""
+        msg = InstanceCall(instance_id=instance_id, op=op, request_id=request_id, artifacts=tuple(artifacts),
+                           args=dict(args or {}))
+        reply: InstanceReply = await self._call(msg, InstanceReply, self._ctx(timeout))
+        return reply
+
+    def plan(self, ctx: CallContext | None = None) -> Plan:
+        """A plan builder; ``await plan.run(concurrency=k)`` submits it to the gateway."""
+        return Plan(ctx or CallContext(), self.run_plan)
+
+    async def run_plan(self, spec: RunPlan, ctx: CallContext | None = None) -> PlanOutcome:
+        result: PlanResult = await self._call(spec, PlanResult, self._ctx(None, ctx))
+        return PlanOutcome(result)
 
 
 def _write_segments(plan: PutPlan, inputs: list[TensorInput]) -> None:

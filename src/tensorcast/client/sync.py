@@ -21,9 +21,10 @@ from tensorcast.client.reads import Diagnostics
 from tensorcast.config import Config
 from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument
+from tensorcast.plans.builder import Plan, PlanOutcome
 from tensorcast.pool.placement import Placement
 from tensorcast.views import TP, TPRules
-from tensorcast.wire.messages import Prefetched, WorkerInfo
+from tensorcast.wire.messages import InstanceInfo, InstanceReply, Prefetched, RunPlan, WorkerInfo
 
 __all__ = ["Artifact", "Client", "View", "connect", "get_client", "init"]
 
@@ -196,6 +197,26 @@ class Client:
     def list_workers(self) -> list[WorkerInfo]:
         return self._run(self.aio.list_workers())
 
+    def list_instances(self) -> list[InstanceInfo]:
+        return self._run(self.aio.list_instances())
+
+    def call_instance(self, instance_id: str, op: str, *, request_id: str = "", artifacts: Sequence[str] = (),
+                      args: Mapping[str, Any] | None = None, timeout: float | None = None) -> InstanceReply:
+        return self._run(self.aio.call_instance(instance_id, op, request_id=request_id, artifacts=artifacts,
+                                                args=args, timeout=timeout))
+
+    def plan(self, ctx: CallContext | None = None) -> Plan:
+        """A plan builder with one shared CallContext; ``plan.run(concurrency=k)`` returns an Operation."""
+        def submit(spec: RunPlan, c: CallContext) -> Operation[PlanOutcome]:
+            return Operation(self._loop.submit(self.aio.run_plan(spec, c)), "plan")
+
+        return Plan(ctx or CallContext(), submit)
+
+    @property
+    def ops(self) -> Operations:
+        """Every lifecycle call as a lazy ``Operation`` (sent now, awaited with ``.result()``)."""
+        return Operations(self)
+
     def ping(self) -> None:
         self._run(self.aio._channel(self.address).connect())
 
@@ -221,6 +242,69 @@ def connect(address: str, token: str | None = None, *, config: Config | None = N
         client.close()
         raise
     return client
+
+
+class Operations:
+    """``client.ops``: each lifecycle primitive started in the background, returning an ``Operation``."""
+
+    def __init__(self, client: Client) -> None:
+        self._c = client
+
+    def _op(self, name: str, coro: Coroutine[Any, Any, T]) -> Operation[T]:
+        return Operation(self._c._loop.submit(coro), name)
+
+    async def _artifact(self, key_or_id: str) -> AsyncArtifact:
+        return await self._c.aio.artifact(key_or_id)
+
+    def put(self, tensors: Any, key: str | None = None, **kw: Any) -> Operation[Artifact]:
+        async def go() -> Artifact:
+            return self._c._wrap(await self._c.aio.put(tensors, key, **kw))
+
+        return self._op("put", go())
+
+    def get(self, key_or_id: str, like: str = "torch", *, source: str = "auto") -> Operation[dict[str, Any]]:
+        async def go() -> dict[str, Any]:
+            return await (await self._artifact(key_or_id)).tensor_dict(like, source=source)
+
+        return self._op("get", go())
+
+    def view(self, key_or_id: str, *, like: str = "torch", **view_kw: Any) -> Operation[dict[str, Any]]:
+        async def go() -> dict[str, Any]:
+            return await (await self._artifact(key_or_id)).view(**view_kw).tensor_dict(like)
+
+        return self._op("view", go())
+
+    def prefetch(self, key_or_id: str, to: str, **kw: Any) -> Operation[Prefetched]:
+        return self._op("prefetch", self._c.aio.prefetch(key_or_id, to, **kw))
+
+    def pin(self, key_or_id: str, on: str, ttl: float | None = None) -> Operation[Prefetched]:
+        return self._op("pin", self._c.aio.prefetch(key_or_id, on, pin=True, pin_ttl=ttl))
+
+    def unpin(self, key_or_id: str, on: str) -> Operation[None]:
+        async def go() -> None:
+            await (await self._artifact(key_or_id)).unpin(on)
+
+        return self._op("unpin", go())
+
+    def delete(self, key_or_id: str) -> Operation[str]:
+        return self._op("delete", self._c.aio.delete(key_or_id))
+
+    def release(self, key_or_id: str) -> Operation[None]:
+        async def go() -> None:
+            await (await self._artifact(key_or_id)).release()
+
+        return self._op("release", go())
+
+    def publish(self, instance: str, request_id: str) -> Operation[InstanceReply]:
+        return self._op("publish", self._c.aio.call_instance(instance, "publish", request_id=request_id))
+
+    def hydrate(self, instance: str, request_id: str, artifacts: Sequence[str]) -> Operation[InstanceReply]:
+        return self._op("hydrate", self._c.aio.call_instance(instance, "hydrate", request_id=request_id,
+                                                             artifacts=artifacts))
+
+    def transform_into(self, instance: str, artifacts: Sequence[str]) -> Operation[InstanceReply]:
+        return self._op("transform_into", self._c.aio.call_instance(instance, "transform_into",
+                                                                    artifacts=artifacts))
 
 
 _default: Client | None = None

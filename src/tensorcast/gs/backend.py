@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
-from tensorcast.wire.messages import ArtifactInfo, WorkerInfo
+from tensorcast.wire.messages import ArtifactInfo, InstanceInfo, WorkerInfo
 
 __all__ = ["ArtifactRow", "MetadataBackend", "merge_lease"]
 
@@ -53,7 +53,7 @@ class MetadataBackend(abc.ABC):
         previous incarnation) are removed: memory does not survive a restart."""
 
     @abc.abstractmethod
-    async def heartbeat(self, worker_id: str, incarnation: int, stats: dict[str, int], now: float,
+    async def heartbeat(self, worker_id: str, incarnation: int, stats: dict[str, float], now: float,
                         dropped: tuple[str, ...]) -> tuple[bool, tuple[str, ...]]:
         """Record liveness and usage; acknowledge dropped artifacts. Returns (known, to_drop)."""
 
@@ -62,6 +62,17 @@ class MetadataBackend(abc.ABC):
 
     @abc.abstractmethod
     async def get_worker(self, worker_id: str) -> WorkerInfo | None: ...
+
+    # ----------------------------------------------------------------- instances
+    @abc.abstractmethod
+    async def upsert_instance(self, info: InstanceInfo, now: float) -> None: ...
+
+    @abc.abstractmethod
+    async def instance_heartbeat(self, instance_id: str, load: dict[str, int], now: float) -> bool:
+        """Record an instance's load; False if the instance is unknown (it must register again)."""
+
+    @abc.abstractmethod
+    async def list_instances(self) -> list[InstanceInfo]: ...
 
     # ----------------------------------------------------------------- artifacts
     @abc.abstractmethod

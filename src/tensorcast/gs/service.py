@@ -34,9 +34,13 @@ from tensorcast.wire.messages import (
     GetArtifact,
     Heartbeat,
     HeartbeatReply,
+    InstanceHeartbeat,
+    InstanceList,
     ListArtifacts,
+    ListInstances,
     ListWorkers,
     Registered,
+    RegisterInstance,
     RegisterWorker,
     ReleaseLease,
     RemoveReplica,
@@ -71,6 +75,9 @@ class GlobalStore:
             (ReleaseLease, self.release_lease),
             (RemoveReplica, self.remove_replica),
             (AddReplica, self.add_replica),
+            (RegisterInstance, self.register_instance),
+            (InstanceHeartbeat, self.instance_heartbeat),
+            (ListInstances, self.list_instances),
         ):
             self.registry.register(msg_type, self._counted(msg_type.__name__, handler))
 
@@ -130,7 +137,8 @@ class GlobalStore:
         known, drop = await self.backend.heartbeat(
             msg.worker_id, msg.incarnation,
             {"memory_used": msg.memory_used, "memory_capacity": msg.memory_capacity, "artifacts": msg.artifacts,
-             "disk_used": msg.disk_used, "disk_capacity": msg.disk_capacity},
+             "disk_used": msg.disk_used, "disk_capacity": msg.disk_capacity, "net_in_bps": msg.net_in_bps,
+             "net_out_bps": msg.net_out_bps, "transfers_in_flight": msg.transfers_in_flight},
             time.time(), msg.dropped)
         return HeartbeatReply(drop=drop, reregister=not known)
 
@@ -182,6 +190,26 @@ class GlobalStore:
         if info.owner == "system":
             raise InvalidArgument(f"artifact {msg.artifact_id} is system-owned: delete it instead of releasing")
         return await self.delete_artifact(DeleteArtifact(key_or_id=msg.artifact_id), req)
+
+    async def register_instance(self, msg: RegisterInstance, req: Request) -> Ack:
+        await self.backend.upsert_instance(msg.instance, time.time())
+        log.info("instance %s registered at %s (home %s)", msg.instance.instance_id, msg.instance.address,
+                 msg.instance.home_worker)
+        return Ack()
+
+    async def instance_heartbeat(self, msg: InstanceHeartbeat, req: Request) -> Ack:
+        load = {"running": msg.running, "waiting": msg.waiting, "kv_tokens_used": msg.kv_tokens_used,
+                "kv_tokens_capacity": msg.kv_tokens_capacity}
+        if not await self.backend.instance_heartbeat(msg.instance_id, load, time.time()):
+            raise NotFound(f"no instance {msg.instance_id}: register again")
+        return Ack()
+
+    async def list_instances(self, msg: ListInstances, req: Request) -> InstanceList:
+        now = time.time()
+        timeout = self.config.gs.worker_liveness_timeout
+        return InstanceList(instances=tuple(
+            msgspec.structs.replace(i, alive=now - i.last_heartbeat < timeout)
+            for i in await self.backend.list_instances()))
 
     async def add_replica(self, msg: AddReplica, req: Request) -> Ack:
         if not await self.backend.add_replica(msg.artifact_id, msg.worker_id, msg.tiers):

@@ -16,7 +16,7 @@ import msgspec
 
 from tensorcast.errors import InvalidArgument
 from tensorcast.gs.backend import ArtifactRow, MetadataBackend, merge_lease
-from tensorcast.wire.messages import ArtifactInfo, TensorMeta, WorkerInfo
+from tensorcast.wire.messages import ArtifactInfo, InstanceInfo, TensorMeta, WorkerInfo
 
 __all__ = ["SqliteBackend"]
 
@@ -35,7 +35,10 @@ CREATE TABLE IF NOT EXISTS workers (
     artifacts INTEGER NOT NULL DEFAULT 0,
     data_address TEXT NOT NULL DEFAULT '',
     disk_used INTEGER NOT NULL DEFAULT 0,
-    disk_capacity INTEGER NOT NULL DEFAULT 0
+    disk_capacity INTEGER NOT NULL DEFAULT 0,
+    net_in_bps REAL NOT NULL DEFAULT 0,
+    net_out_bps REAL NOT NULL DEFAULT 0,
+    transfers_in_flight INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS artifacts (
     artifact_id TEXT PRIMARY KEY,
@@ -58,6 +61,11 @@ CREATE TABLE IF NOT EXISTS replicas (
     PRIMARY KEY (artifact_id, worker_id, tier)
 );
 CREATE INDEX IF NOT EXISTS replicas_worker ON replicas(worker_id);
+CREATE TABLE IF NOT EXISTS instances (
+    instance_id TEXT PRIMARY KEY,
+    info BLOB NOT NULL,
+    last_heartbeat REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS drops (
     artifact_id TEXT NOT NULL,
     worker_id TEXT NOT NULL,
@@ -67,6 +75,8 @@ CREATE TABLE IF NOT EXISTS drops (
 
 _TENSORS = msgspec.msgpack.Encoder()
 _TENSORS_DEC = msgspec.msgpack.Decoder(tuple[TensorMeta, ...])
+_ENC = msgspec.msgpack.Encoder()
+_INSTANCE = msgspec.msgpack.Decoder(InstanceInfo)
 
 
 class SqliteBackend(MetadataBackend):
@@ -106,7 +116,7 @@ class SqliteBackend(MetadataBackend):
             row = db.execute("SELECT incarnation FROM workers WHERE worker_id=?", (worker.worker_id,)).fetchone()
             incarnation = (row[0] if row else 0) + 1
             db.execute(
-                "INSERT OR REPLACE INTO workers VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                "INSERT OR REPLACE INTO workers VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,0,0,0)",
                 (worker.worker_id, worker.address, worker.host_id, json.dumps(list(worker.roles)), worker.pid,
                  incarnation, now, now, worker.memory_used, worker.memory_capacity, worker.artifacts,
                  worker.data_address, worker.disk_used, worker.disk_capacity),
@@ -119,15 +129,17 @@ class SqliteBackend(MetadataBackend):
             raise
         return incarnation
 
-    async def heartbeat(self, worker_id: str, incarnation: int, stats: dict[str, int], now: float,
+    async def heartbeat(self, worker_id: str, incarnation: int, stats: dict[str, float], now: float,
                         dropped: tuple[str, ...]) -> tuple[bool, tuple[str, ...]]:
         db = self._tx()
         try:
             cur = db.execute(
                 "UPDATE workers SET last_heartbeat=?, memory_used=?, memory_capacity=?, artifacts=?, disk_used=?, "
-                "disk_capacity=? WHERE worker_id=? AND incarnation=?",
+                "disk_capacity=?, net_in_bps=?, net_out_bps=?, transfers_in_flight=? "
+                "WHERE worker_id=? AND incarnation=?",
                 (now, stats["memory_used"], stats["memory_capacity"], stats["artifacts"], stats.get("disk_used", 0),
-                 stats.get("disk_capacity", 0), worker_id, incarnation),
+                 stats.get("disk_capacity", 0), stats.get("net_in_bps", 0.0), stats.get("net_out_bps", 0.0),
+                 stats.get("transfers_in_flight", 0), worker_id, incarnation),
             )
             if cur.rowcount == 0:
                 db.execute("COMMIT")
@@ -147,11 +159,12 @@ class SqliteBackend(MetadataBackend):
     @staticmethod
     def _worker(row: tuple[Any, ...]) -> WorkerInfo:
         (wid, address, host_id, roles, pid, inc, reg, hb, used, cap, arts, data_address, disk_used,
-         disk_cap) = row
+         disk_cap, net_in, net_out, in_flight) = row
         return WorkerInfo(
             worker_id=wid, address=address, host_id=host_id, roles=tuple(json.loads(roles)), pid=pid,
             incarnation=inc, registered_at=reg, last_heartbeat=hb, memory_used=used, memory_capacity=cap,
             artifacts=arts, data_address=data_address, disk_used=disk_used, disk_capacity=disk_cap,
+            net_in_bps=net_in, net_out_bps=net_out, transfers_in_flight=in_flight,
         )
 
     async def list_workers(self) -> list[WorkerInfo]:
@@ -160,6 +173,27 @@ class SqliteBackend(MetadataBackend):
     async def get_worker(self, worker_id: str) -> WorkerInfo | None:
         row = self.db.execute("SELECT * FROM workers WHERE worker_id=?", (worker_id,)).fetchone()
         return None if row is None else self._worker(row)
+
+    # ----------------------------------------------------------------- instances
+    async def upsert_instance(self, info: InstanceInfo, now: float) -> None:
+        db = self._tx()
+        db.execute("INSERT OR REPLACE INTO instances VALUES (?,?,?)", (info.instance_id, _ENC.encode(info), now))
+        db.execute("COMMIT")
+
+    async def instance_heartbeat(self, instance_id: str, load: dict[str, int], now: float) -> bool:
+        row = self.db.execute("SELECT info FROM instances WHERE instance_id=?", (instance_id,)).fetchone()
+        if row is None:
+            return False
+        info = msgspec.structs.replace(_INSTANCE.decode(row[0]), **load)
+        db = self._tx()
+        db.execute("UPDATE instances SET info=?, last_heartbeat=? WHERE instance_id=?",
+                   (_ENC.encode(info), now, instance_id))
+        db.execute("COMMIT")
+        return True
+
+    async def list_instances(self) -> list[InstanceInfo]:
+        return [msgspec.structs.replace(_INSTANCE.decode(r[0]), last_heartbeat=r[1])
+                for r in self.db.execute("SELECT info, last_heartbeat FROM instances ORDER BY instance_id")]
 
     # ----------------------------------------------------------------- artifacts
     async def commit_artifact(self, info: ArtifactInfo, worker_id: str, key: str | None,

@@ -9,7 +9,7 @@ Adding a message: define a Struct with ``tag=True`` here, add it to ``Message``,
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -76,6 +76,25 @@ class WorkerInfo(_Rec):
     data_address: str = ""
     disk_used: int = 0
     disk_capacity: int = 0
+    # Network pressure, averaged over the last heartbeat interval.
+    net_in_bps: float = 0.0
+    net_out_bps: float = 0.0
+    transfers_in_flight: int = 0
+
+
+class InstanceInfo(_Rec):
+    """An engine instance attached to a home worker, with its load (the rebalancing signal)."""
+
+    instance_id: str
+    address: str
+    home_worker: str
+    running: int = 0
+    waiting: int = 0
+    kv_tokens_used: int = 0
+    kv_tokens_capacity: int = 0
+    alive: bool = True
+    last_heartbeat: float = 0.0
+    engine: str = ""
 
 
 class SegmentRef(_Rec):
@@ -292,6 +311,86 @@ class WorkerList(_Msg):
     workers: tuple[WorkerInfo, ...]
 
 
+# --------------------------------------------------------------------------- instances
+
+
+class RegisterInstance(_Msg):
+    instance: InstanceInfo
+
+
+class InstanceHeartbeat(_Msg):
+    instance_id: str
+    running: int = 0
+    waiting: int = 0
+    kv_tokens_used: int = 0
+    kv_tokens_capacity: int = 0
+
+
+class ListInstances(_Msg):
+    pass
+
+
+class InstanceList(_Msg):
+    instances: tuple[InstanceInfo, ...]
+
+
+class InstanceCall(_Msg):
+    """Gateway -> instance runtime: run one instance operation through the adaptor.
+
+    ``op``: publish | hydrate | transform_into | engine (an engine-specific command in ``args``)."""
+
+    instance_id: str
+    op: str
+    request_id: str = ""
+    artifacts: tuple[str, ...] = ()
+    args: dict[str, Any] = {}
+
+
+class InstanceReply(_Msg):
+    artifacts: tuple[str, ...] = ()
+    result: dict[str, Any] = {}
+
+
+# --------------------------------------------------------------------------- plans
+
+
+class StepSpec(_Rec):
+    """One plan step. Arguments may hold ``{"$ref": step_id}``: that step's output (artifact ids)."""
+
+    id: str
+    op: str
+    args: dict[str, Any] = {}
+    after: tuple[str, ...] = ()
+
+
+class RunPlan(_Msg):
+    steps: tuple[StepSpec, ...]
+    concurrency: int = 4
+    idempotency_key: str | None = None
+
+
+class StepResult(_Rec):
+    id: str
+    op: str
+    status: str  # succeeded | failed | skipped
+    output: tuple[str, ...] = ()
+    result: dict[str, Any] = {}
+    error_code: str = ""
+    error: str = ""
+    retryable: bool = False
+    attempts: int = 0
+    started: float = 0.0
+    finished: float = 0.0
+
+
+class PlanResult(_Msg):
+    plan_id: str
+    status: str  # succeeded | failed
+    steps: tuple[StepResult, ...]
+    # Steps whose results came from an earlier run with the same idempotency key.
+    reused: tuple[str, ...] = ()
+
+
 # --------------------------------------------------------------------------- worker <-> GS
 
 
@@ -311,6 +410,9 @@ class Heartbeat(_Msg):
     artifacts: int
     disk_used: int = 0
     disk_capacity: int = 0
+    net_in_bps: float = 0.0
+    net_out_bps: float = 0.0
+    transfers_in_flight: int = 0
     # Artifact ids this worker dropped since the last heartbeat (acknowledges HeartbeatReply.drop).
     dropped: tuple[str, ...] = ()
 
@@ -384,6 +486,14 @@ Message = (
     | CommitArtifact
     | RemoveReplica
     | AddReplica
+    | RegisterInstance
+    | InstanceHeartbeat
+    | ListInstances
+    | InstanceList
+    | InstanceCall
+    | InstanceReply
+    | RunPlan
+    | PlanResult
 )
 
 REQUEST, RESPONSE, ERROR = 0, 1, 2

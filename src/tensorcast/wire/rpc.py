@@ -59,10 +59,10 @@ def parse_address(address: str) -> tuple[str, int]:
 class Request:
     """What a handler sees besides its message."""
 
-    conn: Connection
+    conn: Connection | None  # None when a handler is invoked in-process (a gateway running a plan step)
     ctx: CallContext
     payload: memoryview | None
-    peer: Hello
+    peer: Hello | None
 
 
 @dataclass(slots=True)

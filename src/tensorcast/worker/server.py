@@ -22,6 +22,7 @@ from typing import Any
 from tensorcast.config import Config, default_host_id
 from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, Unavailable
+from tensorcast.plans.executor import PlanExecutor
 from tensorcast.pool.placement import resolve_placement
 from tensorcast.transport.tcp import DataServer, TcpTransport
 from tensorcast.wire.messages import (
@@ -36,10 +37,16 @@ from tensorcast.wire.messages import (
     GetArtifact,
     Heartbeat,
     HeartbeatReply,
+    InstanceCall,
+    InstanceHeartbeat,
+    InstanceList,
+    InstanceReply,
     ListArtifacts,
+    ListInstances,
     ListWorkers,
     Mapped,
     MapTensors,
+    PlanResult,
     Prefetch,
     Prefetched,
     PutAbort,
@@ -49,10 +56,12 @@ from tensorcast.wire.messages import (
     PutDone,
     PutPlan,
     Registered,
+    RegisterInstance,
     RegisterWorker,
     ReleaseLease,
     RemoveReplica,
     RenewLease,
+    RunPlan,
     TensorMeta,
     Unpin,
     WorkerInfo,
@@ -90,7 +99,11 @@ class Worker:
         self._peer_addresses: dict[str, str] = {}
         self.incarnation = 0
         self.address = ""
+        self.bytes_in = 0  # payload and fetched bytes received, for the network-pressure signal
+        self._net_mark = (time.time(), 0, 0)
         self._dropped: set[str] = set()
+        self.plans = PlanExecutor(self, max_attempts=config.worker.plan_max_attempts)
+        self._instances: dict[str, RpcChannel] = {}
         self.registry = HandlerRegistry()
         self._register_handlers()
         self.server = RpcServer(self.registry, config.wire, token=config.token, server_id=worker_id,
@@ -109,10 +122,15 @@ class Worker:
         r.register(Evict, self.evict)
         r.register(DropArtifact, self.drop_artifact)
         # Metadata calls are answered by the GS; every worker forwards them so any worker is an entry point.
-        for msg_type in (GetArtifact, ListArtifacts, ListWorkers, RenewLease):
+        forwarded: tuple[type, ...] = (GetArtifact, ListArtifacts, ListWorkers, RenewLease, RegisterInstance,
+                                       InstanceHeartbeat, ListInstances)
+        for msg_type in forwarded:
             r.register(msg_type, self.forward)
         r.register(DeleteArtifact, self.delete)
         r.register(ReleaseLease, self.delete)
+        r.register(InstanceCall, self.call_instance)
+        if "gateway" in self.roles:
+            r.register(RunPlan, self.run_plan)
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> str:
@@ -133,7 +151,7 @@ class Worker:
         self.data_server.close()
         self.transport.close()
         await self.gs.close()
-        for ch in self._peers.values():
+        for ch in [*self._peers.values(), *self._instances.values()]:
             await ch.close()
         for put in list(self.puts.pending.values()):
             self.puts.abandon(put)
@@ -185,9 +203,15 @@ class Worker:
             await asyncio.sleep(interval)
             dropped = tuple(self._dropped)
             stats = self.store.stats()
+            now, b_in, b_out = time.time(), self.bytes_in, self.data_server.bytes_sent
+            t0, in0, out0 = self._net_mark
+            self._net_mark = (now, b_in, b_out)
+            elapsed = max(now - t0, 1e-3)
             try:
                 frame = await self.gs.call(
-                    Heartbeat(worker_id=self.worker_id, incarnation=self.incarnation, dropped=dropped, **stats),
+                    Heartbeat(worker_id=self.worker_id, incarnation=self.incarnation, dropped=dropped,
+                              net_in_bps=(b_in - in0) / elapsed, net_out_bps=(b_out - out0) / elapsed,
+                              transfers_in_flight=self.fetcher.in_flight + self.data_server.active, **stats),
                     CallContext(deadline=time.time() + max(interval * 3, 2.0)))
             except TensorCastError as exc:
                 log.warning("heartbeat to the global store failed: %s", exc)
@@ -243,6 +267,54 @@ class Worker:
         ch = await self._peer(worker_id, req.ctx)
         return (await ch.call(msg, req.ctx)).message
 
+    # ----------------------------------------------------------------- gateway port (plans)
+    async def route(self, worker_id: str, msg: Any, ctx: CallContext) -> Any:
+        """Run ``msg`` on ``worker_id`` (this worker included) and return its reply."""
+        if worker_id == self.worker_id:
+            handler = self.registry.get(type(msg))
+            assert handler is not None
+            return await handler[0](msg, Request(conn=None, ctx=ctx, payload=None, peer=None))
+        ch = await self._peer(worker_id, ctx)
+        return (await ch.call(msg, ctx)).message
+
+    async def gs_call(self, msg: Any, ctx: CallContext) -> Any:
+        if isinstance(msg, DeleteArtifact | ReleaseLease):
+            return await self.delete(msg, Request(conn=None, ctx=ctx, payload=None, peer=None))
+        return (await self.gs.call(msg, ctx)).message
+
+    async def instance_call(self, instance_id: str, msg: InstanceCall, ctx: CallContext) -> InstanceReply:
+        frame = await self.gs.call(ListInstances(), ctx)
+        assert isinstance(frame.message, InstanceList)
+        info = next((i for i in frame.message.instances if i.instance_id == instance_id), None)
+        if info is None:
+            raise NotFound(f"no instance {instance_id!r}")
+        if not info.alive:
+            raise Unavailable(f"instance {instance_id!r} is not alive (no heartbeat)")
+        ch = self._instances.get(info.address)
+        if ch is None:
+            ch = RpcChannel(info.address, self.config.wire, token=self.config.token, peer_id=self.worker_id,
+                            host_id=self.host_id)
+            self._instances[info.address] = ch
+        reply = (await ch.call(msg, ctx)).message
+        assert isinstance(reply, InstanceReply)
+        return reply
+
+    async def worker_ids(self, ctx: CallContext) -> set[str]:
+        frame = await self.gs.call(ListWorkers(), ctx)
+        assert isinstance(frame.message, WorkerList)
+        return {w.worker_id for w in frame.message.workers}
+
+    async def instance_ids(self, ctx: CallContext) -> set[str]:
+        frame = await self.gs.call(ListInstances(), ctx)
+        assert isinstance(frame.message, InstanceList)
+        return {i.instance_id for i in frame.message.instances}
+
+    async def run_plan(self, msg: RunPlan, req: Request) -> PlanResult:
+        return await self.plans.run(msg, req.ctx)
+
+    async def call_instance(self, msg: InstanceCall, req: Request) -> InstanceReply:
+        return await self.instance_call(msg.instance_id, msg, req.ctx)
+
     # ----------------------------------------------------------------- put
     async def put_begin(self, msg: PutBegin, req: Request) -> PutPlan:
         placement = resolve_placement(msg.placement, self.config.worker.cold_memory_ttl)
@@ -251,6 +323,7 @@ class Worker:
     async def put_data(self, msg: PutData, req: Request) -> Ack:
         assert req.payload is not None
         self.puts.data_received(msg, req.payload.nbytes)
+        self.bytes_in += req.payload.nbytes
         return Ack()
 
     async def put_commit(self, msg: PutCommit, req: Request) -> PutDone:
@@ -303,6 +376,7 @@ class Worker:
         result = await self.fetcher.fetch(info, req.ctx.deadline, req.ctx.trace_id, msg.streams)
         if msg.pin:
             self.store.pin(info.id, msg.pin_ttl)
+        self.bytes_in += result.bytes_moved
         if not result.already_present:
             await self.gs.call(AddReplica(artifact_id=info.id, worker_id=self.worker_id, tiers=("memory",)), req.ctx)
             log.info("prefetched %s from %s (%d bytes, %.3fs, %d retries)", info.id, result.source or "local disk",

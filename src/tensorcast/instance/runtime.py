@@ -1,0 +1,169 @@
+"""The instance runtime an engine process starts: registration, load heartbeats, instance operations.
+
+Owns: ``serve(adaptor, worker=..., instance_id=...)`` — an RPC endpoint (on its own event-loop thread)
+that the gateway calls for ``publish``/``hydrate``/``transform_into``/engine commands; registering with
+the home worker (which records the instance at the global store); heartbeating the adaptor's load; and
+moving tensors between the adaptor and the pool (publish stores a caller-leased artifact on the home
+worker; hydrate/transform_into read artifacts, zero-copy when they are on this host). Does not own: the
+engine (the adaptor) or routing (the gateway).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from tensorcast.client.aio import AsyncClient
+from tensorcast.client.sync import _LoopThread
+from tensorcast.config import Config
+from tensorcast.context import CallContext
+from tensorcast.errors import InvalidArgument, NotFound, TensorCastError
+from tensorcast.instance.adaptor import InstanceAdaptor
+from tensorcast.wire.messages import InstanceCall, InstanceHeartbeat, InstanceInfo, InstanceReply, RegisterInstance
+from tensorcast.wire.rpc import HandlerRegistry, Request, RpcServer
+
+__all__ = ["InstanceRuntime", "serve"]
+
+log = logging.getLogger("tensorcast.instance")
+
+
+class InstanceRuntime:
+    def __init__(self, adaptor: InstanceAdaptor, worker: str, instance_id: str, *, token: str | None = None,
+                 config: Config | None = None, host: str = "127.0.0.1", port: int = 0,
+                 publish_ttl: float = 600.0, heartbeat_interval: float = 0.5) -> None:
+        self.adaptor = adaptor
+        self.worker_address = worker
+        self.instance_id = instance_id
+        self.config = config or Config.load()
+        self.token = token if token is not None else self.config.token
+        self.host, self.port = host, port
+        self.publish_ttl = publish_ttl
+        self.heartbeat_interval = heartbeat_interval
+        self.address = ""
+        self.home_worker = ""
+        self._engine_lock = threading.Lock()  # engines are single-threaded: one adaptor call at a time
+        self._loop = _LoopThread()
+        self._client: AsyncClient | None = None
+        self._server: RpcServer | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> InstanceRuntime:
+        self._loop.run(self._start())
+        return self
+
+    async def _start(self) -> None:
+        self._client = AsyncClient(self.worker_address, self.token, config=self.config)
+        welcome = await self._client._channel(self.worker_address).connect()
+        self.home_worker = welcome.server_id
+        registry = HandlerRegistry()
+        registry.register(InstanceCall, self._handle)
+        self._server = RpcServer(registry, self.config.wire, token=self.token, server_id=self.instance_id,
+                                 host_id=self._client.host_id, roles=("instance",))
+        self.address = await self._server.start(self.host, self.port)
+        await self._register()
+        self._heartbeat = asyncio.ensure_future(self._heartbeat_loop())
+        log.info("instance %s (%s) serving at %s, home worker %s", self.instance_id, self.adaptor.engine,
+                 self.address, self.home_worker)
+
+    async def _register(self) -> None:
+        assert self._client is not None
+        load = self.adaptor.load()
+        info = InstanceInfo(instance_id=self.instance_id, address=self.address, home_worker=self.home_worker,
+                            running=load.running, waiting=load.waiting, kv_tokens_used=load.kv_tokens_used,
+                            kv_tokens_capacity=load.kv_tokens_capacity, engine=self.adaptor.engine)
+        await self._client._call(RegisterInstance(instance=info), object, CallContext().with_timeout(10))
+
+    async def _heartbeat_loop(self) -> None:
+        assert self._client is not None
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            load = self.adaptor.load()
+            try:
+                await self._client._call(InstanceHeartbeat(
+                    instance_id=self.instance_id, running=load.running, waiting=load.waiting,
+                    kv_tokens_used=load.kv_tokens_used, kv_tokens_capacity=load.kv_tokens_capacity), object,
+                    CallContext().with_timeout(max(2.0, 3 * self.heartbeat_interval)))
+            except NotFound:
+                with contextlib.suppress(TensorCastError):
+                    await self._register()
+            except TensorCastError as exc:
+                log.warning("instance heartbeat failed: %s", exc)
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self._loop.run(self._stop())
+        self._loop.stop()
+
+    async def _stop(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        if self._server is not None:
+            await self._server.close()
+        if self._client is not None:
+            await self._client.close()
+
+    def __enter__(self) -> InstanceRuntime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ----------------------------------------------------------------- operations
+    async def _engine(self, fn: Any, *args: Any) -> Any:
+        def locked() -> Any:
+            with self._engine_lock:
+                return fn(*args)
+
+        return await asyncio.to_thread(locked)
+
+    async def _tensors(self, artifacts: tuple[str, ...]) -> dict[str, Any]:
+        assert self._client is not None
+        merged: dict[str, Any] = {}
+        for aid in artifacts:
+            art = await self._client.artifact(aid)
+            merged.update(await art.tensor_dict(like="torch"))
+        return merged
+
+    async def _handle(self, msg: InstanceCall, req: Request) -> InstanceReply:
+        if msg.instance_id != self.instance_id:
+            raise NotFound(f"this is instance {self.instance_id}, not {msg.instance_id}")
+        assert self._client is not None
+        options: Mapping[str, Any] = msg.args
+        if msg.op == "publish":
+            tensors = await self._engine(self.adaptor.publish, msg.request_id, options)
+            art = await self._client.put(dict(tensors), key=f"kv/{self.instance_id}/{msg.request_id}",
+                                         ttl=float(options.get("ttl", self.publish_ttl)), ctx=req.ctx)
+            return InstanceReply(artifacts=(art.id,))
+        if msg.op == "hydrate":
+            tensors = await self._tensors(msg.artifacts)
+            await self._engine(self.adaptor.hydrate, msg.request_id, tensors, options)
+            return InstanceReply()
+        if msg.op == "transform_into":
+            tensors = await self._tensors(msg.artifacts)
+            await self._engine(self.adaptor.transform_into, tensors, options)
+            return InstanceReply()
+        if msg.op == "engine":
+            command = options.get("command")
+            if not isinstance(command, str):
+                raise InvalidArgument("engine calls need args['command']")
+            return InstanceReply(result=await self._engine(self.adaptor.engine_command, command, options))
+        raise InvalidArgument(f"unknown instance operation {msg.op!r}")
+
+
+def serve(adaptor: InstanceAdaptor, worker: str, instance_id: str, **kwargs: Any) -> InstanceRuntime:
+    """Attach an engine to TensorCast: register ``instance_id`` with the worker at ``worker`` (its home),
+    heartbeat its load, and serve instance operations. Returns the started runtime (``stop()`` it)."""
+    deadline = time.time() + 30
+    while True:
+        try:
+            return InstanceRuntime(adaptor, worker, instance_id, **kwargs).start()
+        except TensorCastError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.2)

@@ -1,0 +1,46 @@
+"""A test/demo instance process: a tiny seeded Llama served through the HF adaptor.
+
+``python -m tensorcast.testing.hf_instance --worker ADDR --id NAME --seed N --ready-file PATH``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+from tensorcast.instance import serve
+from tensorcast.instance.hf import HFCausalLMAdaptor, tiny_llama
+from tensorcast.log import setup_logging
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worker", required=True)
+    ap.add_argument("--id", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--ready-file", required=True)
+    args = ap.parse_args()
+    setup_logging(f"instance-{args.id}")
+    import torch
+
+    torch.set_num_threads(1)
+    adaptor = HFCausalLMAdaptor(tiny_llama(args.seed, layers=args.layers))
+    runtime = serve(adaptor, worker=args.worker, instance_id=args.id, token=os.environ.get("TENSORCAST_TOKEN"))
+    tmp = Path(args.ready_file).with_suffix(".tmp")
+    tmp.write_text(json.dumps({"instance_id": args.id, "address": runtime.address, "pid": os.getpid(),
+                               "home_worker": runtime.home_worker}))
+    tmp.replace(args.ready_file)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop.wait()
+    runtime.stop()
+
+
+if __name__ == "__main__":
+    main()
