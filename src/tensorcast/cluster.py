@@ -66,6 +66,7 @@ class LocalCluster:
         memory_capacity: str | int | None = None,
         disk_capacity: str | int | None = None,
         config: dict[str, Any] | None = None,
+        roles: tuple[str, ...] = ("basic", "gateway", "shard-home"),
         startup_timeout: float = 30.0,
     ) -> None:
         if workers < 1 or hosts < 1 or hosts > workers:
@@ -77,6 +78,7 @@ class LocalCluster:
         self.token = token
         self.memory_capacity = memory_capacity
         self.disk_capacity = disk_capacity
+        self.roles = roles
         self.config = dict(config or {})
         self.startup_timeout = startup_timeout
         self.gs: ProcessHandle | None = None
@@ -188,7 +190,8 @@ class LocalCluster:
         assert self.gs is not None
         ready = self.data_dir / f"{wid}.ready"
         args = [sys.executable, "-m", "tensorcast", "worker", "--gs", self.gs.address, "--id", wid,
-                "--port", "0", "--ready-file", str(ready), "--host-id", self.host_id_of(index),
+                "--port", "0", "--ready-file", str(ready), "--roles", ",".join(self.roles),
+                "--host-id", self.host_id_of(index),
                 f"--set=worker.shm_prefix={self.shm_prefix}",
                 f"--set=worker.disk_dir={self.data_dir / 'workers' / wid / 'disk'}", *self._overrides()]
         if self.memory_capacity is not None:

@@ -20,8 +20,8 @@ import msgspec
 
 from tensorcast.errors import InvalidArgument
 
-__all__ = ["ClientConfig", "Config", "GSConfig", "TransportConfig", "WireConfig", "WorkerConfig", "default_host_id",
-           "parse_size"]
+__all__ = ["ClientConfig", "Config", "GSConfig", "KVConfig", "TransportConfig", "WireConfig", "WorkerConfig",
+           "default_host_id", "parse_size"]
 
 _UNITS = {
     "": 1,
@@ -82,6 +82,10 @@ class GSConfig(msgspec.Struct, frozen=True, kw_only=True):
     worker_liveness_timeout: float = 5.0
     # How often expired caller leases are turned into deletions.
     lease_reap_interval: float = 0.5
+    # Shards of the KV-page key space (cluster-wide; every shard home and client learns it from here).
+    kv_num_shards: int = 256
+    # Longest shard lease a shard home may ask for.
+    kv_max_lease_ttl: float = 60.0
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -131,6 +135,22 @@ class TransportConfig(msgspec.Struct, frozen=True, kw_only=True):
     retries: int = 2
 
 
+class KVConfig(msgspec.Struct, frozen=True, kw_only=True):
+    # Bytes of KV pages a shard home keeps (LRU beyond that: a miss, never wrong data).
+    memory_capacity: int = 1024**3
+    arena_bytes: int = 64 * 1024**2
+    max_page_bytes: int = 4 * 1024**2
+    # Default page TTL in seconds (pages are system-owned with a TTL unless a put gives one).
+    page_ttl: float = 3600.0
+    # Shard lease length and renewal period; a dead home's shards move within lease_ttl + renew_interval.
+    lease_ttl: float = 3.0
+    renew_interval: float = 1.0
+    # HRW candidates per shard that compete for its lease.
+    candidates: int = 3
+    # A client splits a batch so that one request carries at most this many page bytes.
+    max_batch_bytes: int = 32 * 1024**2
+
+
 class ClientConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Default deadline of a call, in seconds, when the caller gives none (None = wait forever).
     timeout: float | None = 300.0
@@ -148,6 +168,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     gs: GSConfig = GSConfig()
     worker: WorkerConfig = WorkerConfig()
     transport: TransportConfig = TransportConfig()
+    kv: KVConfig = KVConfig()
     client: ClientConfig = ClientConfig()
 
     @classmethod
@@ -196,6 +217,7 @@ _SECTIONS: dict[str, type[msgspec.Struct]] = {
     "gs": GSConfig,
     "worker": WorkerConfig,
     "transport": TransportConfig,
+    "kv": KVConfig,
     "client": ClientConfig,
 }
 _SIZE_KEYS = {
@@ -208,6 +230,8 @@ _SIZE_KEYS = {
     "small_object_bytes",
     "arena_bytes",
     "auto_streams_min_bytes",
+    "max_page_bytes",
+    "max_batch_bytes",
 }
 
 

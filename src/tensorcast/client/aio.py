@@ -23,6 +23,7 @@ from tensorcast.client.reads import Diagnostics, Reader
 from tensorcast.config import Config, default_host_id
 from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument, NotFound, TensorCastError
+from tensorcast.kv.client import AsyncKV
 from tensorcast.plans.builder import Plan, PlanOutcome
 from tensorcast.pool.placement import Placement, resolve_placement
 from tensorcast.pool.segments import SegmentGone, map_shared
@@ -42,6 +43,7 @@ from tensorcast.wire.messages import (
     InstanceReply,
     ListArtifacts,
     ListInstances,
+    ListShards,
     ListWorkers,
     PlanResult,
     Prefetch,
@@ -55,6 +57,7 @@ from tensorcast.wire.messages import (
     ReleaseLease,
     RenewLease,
     RunPlan,
+    ShardTable,
     SliceSpec,
     Unpin,
     WorkerInfo,
@@ -203,6 +206,7 @@ class AsyncClient:
         self._shm_ok = self.config.client.use_shared_memory
         self._reader = Reader(self, self.config.transport)
         self._workers: dict[str, WorkerInfo] = {}
+        self.kv = AsyncKV(self)
 
     # ----------------------------------------------------------------- plumbing
     def _channel(self, address: str) -> RpcChannel:
@@ -340,6 +344,11 @@ class AsyncClient:
                            args=dict(args or {}))
         reply: InstanceReply = await self._call(msg, InstanceReply, self._ctx(timeout))
         return reply
+
+    async def list_shards(self) -> ShardTable:
+        """Signal: the KV shard leases (holder, fencing token, expiry; ``now`` is the store's clock)."""
+        table: ShardTable = await self._call(ListShards(), ShardTable)
+        return table
 
     def plan(self, ctx: CallContext | None = None) -> Plan:
         """A plan builder; ``await plan.run(concurrency=k)`` submits it to the gateway."""

@@ -21,10 +21,11 @@ from tensorcast.client.reads import Diagnostics
 from tensorcast.config import Config
 from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument
+from tensorcast.kv.client import AsyncKV
 from tensorcast.plans.builder import Plan, PlanOutcome
 from tensorcast.pool.placement import Placement
 from tensorcast.views import TP, TPRules
-from tensorcast.wire.messages import InstanceInfo, InstanceReply, Prefetched, RunPlan, WorkerInfo
+from tensorcast.wire.messages import InstanceInfo, InstanceReply, Prefetched, RunPlan, ShardTable, WorkerInfo
 
 __all__ = ["Artifact", "Client", "View", "connect", "get_client", "init"]
 
@@ -212,6 +213,14 @@ class Client:
 
         return Plan(ctx or CallContext(), submit)
 
+    def list_shards(self) -> ShardTable:
+        return self._run(self.aio.list_shards())
+
+    @property
+    def kv(self) -> KV:
+        """Batched KV-page operations (``put``, ``get``, ``get_into``, ``exists``)."""
+        return KV(self, self.aio.kv)
+
     @property
     def ops(self) -> Operations:
         """Every lifecycle call as a lazy ``Operation`` (sent now, awaited with ``.result()``)."""
@@ -242,6 +251,26 @@ def connect(address: str, token: str | None = None, *, config: Config | None = N
         client.close()
         raise
     return client
+
+
+class KV:
+    """Synchronous facade of ``AsyncKV``."""
+
+    def __init__(self, client: Client, inner: AsyncKV) -> None:
+        self._client = client
+        self.inner = inner
+
+    def put(self, keys: Sequence[str], pages: Sequence[Any], *, ttl: float | None = None) -> int:
+        return self._client._run(self.inner.put(keys, pages, ttl=ttl))
+
+    def get(self, keys: Sequence[str]) -> list[Any]:
+        return self._client._run(self.inner.get(keys))
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[bool]:
+        return self._client._run(self.inner.get_into(keys, buffers))
+
+    def exists(self, keys: Sequence[str]) -> int:
+        return self._client._run(self.inner.exists(keys))
 
 
 class Operations:

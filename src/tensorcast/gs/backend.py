@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
+from tensorcast.kv.leases import LeaseRecord
 from tensorcast.wire.messages import ArtifactInfo, InstanceInfo, WorkerInfo
 
 __all__ = ["ArtifactRow", "MetadataBackend", "merge_lease"]
@@ -73,6 +74,21 @@ class MetadataBackend(abc.ABC):
 
     @abc.abstractmethod
     async def list_instances(self) -> list[InstanceInfo]: ...
+
+    # ----------------------------------------------------------------- shard leases
+    @abc.abstractmethod
+    async def load_leases(self) -> dict[int, LeaseRecord]: ...
+
+    @abc.abstractmethod
+    async def save_leases(self, records: list[LeaseRecord]) -> None:
+        """Persist changed leases atomically (before the grants are acknowledged)."""
+
+    @abc.abstractmethod
+    async def page_index_put(self, keys: tuple[str, ...], worker_id: str) -> None:
+        """Benchmark switch only: per-page locations in the store (what shard homes exist to avoid)."""
+
+    @abc.abstractmethod
+    async def page_index_get(self, keys: tuple[str, ...]) -> list[str]: ...
 
     # ----------------------------------------------------------------- artifacts
     @abc.abstractmethod

@@ -22,9 +22,11 @@ from tensorcast.config import Config
 from tensorcast.errors import InvalidArgument, NotFound
 from tensorcast.gs.backend import MetadataBackend
 from tensorcast.gs.sqlite import SqliteBackend
+from tensorcast.kv.leases import LeaseRecord, grant, release, renew
 from tensorcast.tensors import ARTIFACT_ID_RE
 from tensorcast.wire.messages import (
     Ack,
+    AcquireShards,
     AddReplica,
     ArtifactInfo,
     ArtifactList,
@@ -32,20 +34,31 @@ from tensorcast.wire.messages import (
     DeleteArtifact,
     Deleted,
     GetArtifact,
+    GSStats,
+    GSStatsReply,
     Heartbeat,
     HeartbeatReply,
     InstanceHeartbeat,
     InstanceList,
     ListArtifacts,
     ListInstances,
+    ListShards,
     ListWorkers,
+    PageIndexGet,
+    PageIndexPut,
+    PageIndexReply,
     Registered,
     RegisterInstance,
     RegisterWorker,
     ReleaseLease,
+    ReleaseShards,
     RemoveReplica,
     RenewLease,
+    RenewShards,
     ReplicaInfo,
+    ShardGrants,
+    ShardLease,
+    ShardTable,
     WorkerInfo,
     WorkerList,
 )
@@ -62,6 +75,7 @@ class GlobalStore:
         self.config = config
         # Requests served, by message type: lets tests prove which paths touch the GS.
         self.request_counts: collections.Counter[str] = collections.Counter()
+        self._lease_cache: dict[int, LeaseRecord] | None = None
         self.registry = HandlerRegistry()
         for msg_type, handler in (
             (RegisterWorker, self.register_worker),
@@ -76,6 +90,13 @@ class GlobalStore:
             (RemoveReplica, self.remove_replica),
             (AddReplica, self.add_replica),
             (RegisterInstance, self.register_instance),
+            (ListShards, self.list_shards),
+            (AcquireShards, self.acquire_shards),
+            (RenewShards, self.renew_shards),
+            (ReleaseShards, self.release_shards),
+            (GSStats, self.stats),
+            (PageIndexPut, self.page_index_put),
+            (PageIndexGet, self.page_index_get),
             (InstanceHeartbeat, self.instance_heartbeat),
             (ListInstances, self.list_instances),
         ):
@@ -211,6 +232,71 @@ class GlobalStore:
             msgspec.structs.replace(i, alive=now - i.last_heartbeat < timeout)
             for i in await self.backend.list_instances()))
 
+    # ----------------------------------------------------------------- shard leases (touched per shard)
+    async def _leases(self) -> dict[int, LeaseRecord]:
+        if self._lease_cache is None:
+            self._lease_cache = await self.backend.load_leases()
+        return self._lease_cache
+
+    def _ttl(self, ttl: float) -> float:
+        if not 0 < ttl <= self.config.gs.kv_max_lease_ttl:
+            raise InvalidArgument(f"lease ttl must be in (0, {self.config.gs.kv_max_lease_ttl}], got {ttl}")
+        return ttl
+
+    def _check_shards(self, shards: tuple[int, ...]) -> None:
+        n = self.config.gs.kv_num_shards
+        bad = [s for s in shards if not 0 <= s < n]
+        if bad:
+            raise InvalidArgument(f"shards {bad[:5]} outside [0, {n})")
+
+    async def _grants(self, changed: list[LeaseRecord]) -> ShardGrants:
+        await self.backend.save_leases(changed)  # durable before anyone is told
+        leases = await self._leases()
+        for r in changed:
+            leases[r.shard] = r
+        workers = await self._workers()
+        return ShardGrants(leases=tuple(_lease_msg(r, workers) for r in changed))
+
+    async def list_shards(self, msg: ListShards, req: Request) -> ShardTable:
+        workers = await self._workers()
+        leases = await self._leases()
+        return ShardTable(num_shards=self.config.gs.kv_num_shards, now=time.time(),
+                          leases=tuple(_lease_msg(leases[s], workers) for s in sorted(leases)))
+
+    async def acquire_shards(self, msg: AcquireShards, req: Request) -> ShardGrants:
+        self._check_shards(msg.shards)
+        ttl, now, leases = self._ttl(msg.ttl), time.time(), await self._leases()
+        changed = [g for s in msg.shards if (g := grant(leases.get(s), s, msg.worker_id, now, ttl)) is not None]
+        for g in changed:
+            old = leases.get(g.shard)
+            if old is None or old.token != g.token:
+                log.info("shard %d leased to %s (fencing token %d)", g.shard, g.holder, g.token)
+        return await self._grants(changed)
+
+    async def renew_shards(self, msg: RenewShards, req: Request) -> ShardGrants:
+        self._check_shards(msg.shards)
+        ttl, now, leases = self._ttl(msg.ttl), time.time(), await self._leases()
+        changed = [r for s, t in zip(msg.shards, msg.tokens, strict=True)
+                   if (r := renew(leases.get(s), msg.worker_id, t, now, ttl)) is not None]
+        return await self._grants(changed)
+
+    async def release_shards(self, msg: ReleaseShards, req: Request) -> ShardGrants:
+        self._check_shards(msg.shards)
+        leases = await self._leases()
+        changed = [r for s, t in zip(msg.shards, msg.tokens, strict=True)
+                   if (r := release(leases.get(s), msg.worker_id, t)) is not None]
+        return await self._grants(changed)
+
+    async def stats(self, msg: GSStats, req: Request) -> GSStatsReply:
+        return GSStatsReply(requests=dict(self.request_counts))
+
+    async def page_index_put(self, msg: PageIndexPut, req: Request) -> Ack:
+        await self.backend.page_index_put(msg.keys, msg.worker_id)
+        return Ack()
+
+    async def page_index_get(self, msg: PageIndexGet, req: Request) -> PageIndexReply:
+        return PageIndexReply(holders=tuple(await self.backend.page_index_get(msg.keys)))
+
     async def add_replica(self, msg: AddReplica, req: Request) -> Ack:
         if not await self.backend.add_replica(msg.artifact_id, msg.worker_id, msg.tiers):
             raise NotFound(f"no artifact {msg.artifact_id}")
@@ -231,6 +317,12 @@ class GlobalStore:
                     log.info("lease of artifact %s expired", aid)
             except Exception:
                 log.exception("lease reaper failed")
+
+
+def _lease_msg(r: LeaseRecord, workers: dict[str, WorkerInfo]) -> ShardLease:
+    w = workers.get(r.holder)
+    return ShardLease(shard=r.shard, holder=r.holder, token=r.token, expiry=r.expiry, acquired_at=r.acquired_at,
+                      address=w.address if w else "")
 
 
 def validate_key(key: str) -> None:

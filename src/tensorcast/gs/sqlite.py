@@ -16,6 +16,7 @@ import msgspec
 
 from tensorcast.errors import InvalidArgument
 from tensorcast.gs.backend import ArtifactRow, MetadataBackend, merge_lease
+from tensorcast.kv.leases import LeaseRecord
 from tensorcast.wire.messages import ArtifactInfo, InstanceInfo, TensorMeta, WorkerInfo
 
 __all__ = ["SqliteBackend"]
@@ -65,6 +66,17 @@ CREATE TABLE IF NOT EXISTS instances (
     instance_id TEXT PRIMARY KEY,
     info BLOB NOT NULL,
     last_heartbeat REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS shard_leases (
+    shard INTEGER PRIMARY KEY,
+    holder TEXT NOT NULL,
+    token INTEGER NOT NULL,
+    expiry REAL NOT NULL,
+    acquired_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS page_index (
+    key TEXT PRIMARY KEY,
+    worker_id TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS drops (
     artifact_id TEXT NOT NULL,
@@ -194,6 +206,35 @@ class SqliteBackend(MetadataBackend):
     async def list_instances(self) -> list[InstanceInfo]:
         return [msgspec.structs.replace(_INSTANCE.decode(r[0]), last_heartbeat=r[1])
                 for r in self.db.execute("SELECT info, last_heartbeat FROM instances ORDER BY instance_id")]
+
+    # ----------------------------------------------------------------- shard leases
+    async def load_leases(self) -> dict[int, LeaseRecord]:
+        return {r[0]: LeaseRecord(*r) for r in self.db.execute(
+            "SELECT shard, holder, token, expiry, acquired_at FROM shard_leases")}
+
+    async def save_leases(self, records: list[LeaseRecord]) -> None:
+        if not records:
+            return
+        db = self._tx()
+        try:
+            db.executemany("INSERT OR REPLACE INTO shard_leases VALUES (?,?,?,?,?)",
+                           [(r.shard, r.holder, r.token, r.expiry, r.acquired_at) for r in records])
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+    async def page_index_put(self, keys: tuple[str, ...], worker_id: str) -> None:
+        db = self._tx()
+        db.executemany("INSERT OR REPLACE INTO page_index VALUES (?,?)", [(k, worker_id) for k in keys])
+        db.execute("COMMIT")
+
+    async def page_index_get(self, keys: tuple[str, ...]) -> list[str]:
+        out = []
+        for k in keys:
+            row = self.db.execute("SELECT worker_id FROM page_index WHERE key=?", (k,)).fetchone()
+            out.append(row[0] if row else "")
+        return out
 
     # ----------------------------------------------------------------- artifacts
     async def commit_artifact(self, info: ArtifactInfo, worker_id: str, key: str | None,

@@ -256,6 +256,9 @@ class TcpTransport:
             env, reply = _recv_frame(sock, self.config.max_frame_bytes)
             if env.kind == ERROR:
                 raise error_from_code(reply.code, reply.message)
+        except OSError as exc:
+            sock.close()
+            raise Unavailable(f"data plane at {address}: handshake failed: {exc}") from None
         except BaseException:
             sock.close()
             raise

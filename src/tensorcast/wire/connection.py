@@ -37,6 +37,10 @@ def encode_envelope(request_id: int, kind: int, trace_id: str, deadline: float |
     return _ENCODER.encode(Envelope(request_id, kind, trace_id, deadline, raw))
 
 
+# A payload destination: one buffer, or several filled in order (scatter), e.g. KV page slots.
+Sink = memoryview | list[memoryview]
+
+
 class Frame:
     """A received frame: the envelope, its decoded message (or the decode error), and the payload."""
 
@@ -47,7 +51,7 @@ class Frame:
         envelope: Envelope,
         message: Any,
         error: TensorCastError | None,
-        payload: memoryview | None,
+        payload: Sink | None,
     ) -> None:
         self.envelope = envelope
         self.message = message
@@ -57,7 +61,7 @@ class Frame:
 
 # Called with the frame's envelope, message and payload length once the body is known; returns the
 # destination for the payload, or None to receive it into a fresh buffer (bounded by the config).
-SinkChooser = Callable[["Connection", Envelope, Any, int], memoryview | None]
+SinkChooser = Callable[["Connection", Envelope, Any, int], Sink | None]
 FrameHandler = Callable[["Connection", Frame], None]
 
 
@@ -89,8 +93,10 @@ class Connection(asyncio.BufferedProtocol):
         self._direct_done: Callable[[], None] | None = None
         self._big_body: bytearray | None = None
         self._pending: Frame | None = None
-        self._sink: memoryview | None = None
+        self._sinks: list[memoryview] = []
+        self._sink_i = 0
         self._sink_pos = 0
+        self._have_sink = False
         self._discard_left = 0
         self._discard_error: TensorCastError | None = None
         self._write_lock = asyncio.Lock()
@@ -199,7 +205,7 @@ class Connection(asyncio.BufferedProtocol):
             self._state = 0
             self._on_frame(self, frame)
             return
-        sink: memoryview | None = None
+        sink: Sink | None = None
         if error is None:
             try:
                 sink = self._choose_sink(self, env, message, self._payload_len)
@@ -218,26 +224,33 @@ class Connection(asyncio.BufferedProtocol):
                         f"{self.config.max_unsolicited_payload_bytes} bytes"
                     )
                 sink = memoryview(bytearray(self._payload_len))
-            elif len(sink) != self._payload_len:
+            views = sink if isinstance(sink, list) else [sink]
+            total = sum(v.nbytes for v in views)
+            if total != self._payload_len:
                 raise InvalidArgument(
-                    f"payload of {self._payload_len} bytes does not match its {len(sink)}-byte destination"
+                    f"payload of {self._payload_len} bytes does not match its {total}-byte destination"
                 )
-            self._sink, self._sink_pos = sink, 0
+            self._sinks = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views if v.nbytes]
+            self._sink_i, self._sink_pos, self._have_sink = 0, 0, True
             frame.payload = sink
             self._pending = frame
         self._state = 2
 
     def _pump_payload(self) -> None:
-        avail = self._w - self._r
-        if self._sink is not None:
-            take = min(avail, len(self._sink) - self._sink_pos)
-            self._sink[self._sink_pos : self._sink_pos + take] = self._staging[self._r : self._r + take]
-            self._r += take
-            self._sink_pos += take
-            if self._sink_pos < len(self._sink):
-                self._start_direct(self._sink, self._sink_pos, self._payload_done)
-                return
+        if self._have_sink:
+            while self._sink_i < len(self._sinks):
+                view = self._sinks[self._sink_i]
+                avail = self._w - self._r
+                take = min(avail, len(view) - self._sink_pos)
+                view[self._sink_pos : self._sink_pos + take] = self._staging[self._r : self._r + take]
+                self._r += take
+                self._sink_pos += take
+                if self._sink_pos < len(view):
+                    self._start_direct(view, self._sink_pos, self._sink_view_done)
+                    return
+                self._sink_i, self._sink_pos = self._sink_i + 1, 0
         else:
+            avail = self._w - self._r
             take = min(avail, self._discard_left)
             self._r += take
             self._discard_left -= take
@@ -246,6 +259,10 @@ class Connection(asyncio.BufferedProtocol):
                 self._start_direct(scratch, 0, self._discard_chunk_done)
                 return
         self._payload_done()
+
+    def _sink_view_done(self) -> None:
+        self._sink_i, self._sink_pos = self._sink_i + 1, 0
+        self._pump_payload()
 
     def _discard_chunk_done(self) -> None:
         self._discard_left -= self._direct_pos
@@ -257,7 +274,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def _payload_done(self) -> None:
         frame, self._pending = self._pending, None
-        self._sink = None
+        self._sinks, self._have_sink = [], False
         self._state = 0
         assert frame is not None
         self._on_frame(self, frame)
@@ -271,23 +288,30 @@ class Connection(asyncio.BufferedProtocol):
 
     # ------------------------------------------------------------------ writing
 
-    async def send(self, body: bytes, payload: memoryview | None = None) -> None:
-        """Write one frame; large payloads go in chunks, waiting on flow control between them."""
+    async def send(self, body: bytes, payload: Sink | None = None) -> None:
+        """Write one frame; the payload (one buffer, or several sent back to back) goes in chunks, waiting
+        on flow control between them."""
         if self.transport is None or self.closed.is_set():
             raise Unavailable("connection is closed")
-        payload_len = 0 if payload is None else payload.nbytes
+        views = [] if payload is None else payload if isinstance(payload, list) else [payload]
+        payload_len = sum(v.nbytes for v in views)
         async with self._write_lock:
             if self.closed.is_set():
                 raise Unavailable("connection is closed")
             self.transport.write(pack_header(len(body), payload_len) + body)
-            if payload is not None and payload_len:
-                raw = payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload
-                step = self.config.send_chunk_bytes
-                for start in range(0, payload_len, step):
-                    await self._can_write.wait()
+            step = self.config.send_chunk_bytes
+            pending = 0
+            for view in views:
+                raw = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+                for start in range(0, raw.nbytes, step):
+                    if pending >= step:
+                        await self._can_write.wait()
+                        pending = 0
                     if self.closed.is_set():
                         raise Unavailable("connection closed while sending a payload")
-                    self.transport.write(raw[start : start + step])
+                    piece = raw[start : start + step]
+                    self.transport.write(piece)
+                    pending += piece.nbytes
             await self._can_write.wait()
 
     def fail(self, exc: TensorCastError) -> None:

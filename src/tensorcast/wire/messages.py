@@ -351,6 +351,109 @@ class InstanceReply(_Msg):
     result: dict[str, Any] = {}
 
 
+# --------------------------------------------------------------------------- KV pages and shard leases
+
+
+class ShardLease(_Rec):
+    shard: int
+    holder: str  # "" when vacant
+    token: int  # fencing token: increments on every change of holder
+    expiry: float  # global-store clock
+    acquired_at: float = 0.0
+    address: str = ""  # the holder's RPC address
+
+
+class ListShards(_Msg):
+    pass
+
+
+class ShardTable(_Msg):
+    num_shards: int
+    leases: tuple[ShardLease, ...]
+    now: float  # the global store's clock, to compare expiries with
+
+
+class AcquireShards(_Msg):
+    worker_id: str
+    shards: tuple[int, ...]
+    ttl: float
+
+
+class RenewShards(_Msg):
+    worker_id: str
+    shards: tuple[int, ...]
+    tokens: tuple[int, ...]
+    ttl: float
+
+
+class ReleaseShards(_Msg):
+    worker_id: str
+    shards: tuple[int, ...]
+    tokens: tuple[int, ...]
+
+
+class ShardGrants(_Msg):
+    """The leases granted or renewed (others were refused)."""
+
+    leases: tuple[ShardLease, ...]
+
+
+class KVPut(_Msg):
+    """Store pages (payload: their bytes back to back, ``sizes`` each). ``tokens``: fencing token per shard."""
+
+    keys: tuple[str, ...]
+    sizes: tuple[int, ...]
+    tokens: dict[int, int]
+    ttl: float | None = None
+
+
+class KVPutReply(_Msg):
+    stored: int
+
+
+class KVGet(_Msg):
+    keys: tuple[str, ...]
+    tokens: dict[int, int]
+
+
+class KVGetReply(_Msg):
+    """``sizes[i]`` bytes of page i follow in the payload, or -1 for a miss."""
+
+    sizes: tuple[int, ...]
+
+
+class KVExists(_Msg):
+    keys: tuple[str, ...]
+    tokens: dict[int, int]
+
+
+class KVExistsReply(_Msg):
+    present: bytes  # one byte per key: 1 present, 0 missing
+
+
+class GSStats(_Msg):
+    pass
+
+
+class GSStatsReply(_Msg):
+    requests: dict[str, int]
+
+
+class PageIndexPut(_Msg):
+    """Benchmark switch only: record page locations in the global store (what shard homes avoid)."""
+
+    keys: tuple[str, ...]
+    worker_id: str
+
+
+class PageIndexGet(_Msg):
+    keys: tuple[str, ...]
+
+
+class PageIndexReply(_Msg):
+    holders: tuple[str, ...]  # "" = unknown
+
+
 # --------------------------------------------------------------------------- plans
 
 
@@ -494,6 +597,23 @@ Message = (
     | InstanceReply
     | RunPlan
     | PlanResult
+    | ListShards
+    | ShardTable
+    | AcquireShards
+    | RenewShards
+    | ReleaseShards
+    | ShardGrants
+    | KVPut
+    | KVPutReply
+    | KVGet
+    | KVGetReply
+    | KVExists
+    | KVExistsReply
+    | GSStats
+    | GSStatsReply
+    | PageIndexPut
+    | PageIndexGet
+    | PageIndexReply
 )
 
 REQUEST, RESPONSE, ERROR = 0, 1, 2

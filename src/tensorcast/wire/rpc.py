@@ -30,7 +30,7 @@ from tensorcast.errors import (
     Unavailable,
     error_from_code,
 )
-from tensorcast.wire.connection import Connection, Frame, encode_envelope
+from tensorcast.wire.connection import Connection, Frame, Sink, encode_envelope
 from tensorcast.wire.messages import (
     ERROR,
     PROTOCOL_VERSION,
@@ -61,34 +61,36 @@ class Request:
 
     conn: Connection | None  # None when a handler is invoked in-process (a gateway running a plan step)
     ctx: CallContext
-    payload: memoryview | None
+    payload: Sink | None
     peer: Hello | None
 
 
 @dataclass(slots=True)
 class Reply:
     message: Any
-    payload: memoryview | None = None
+    payload: Sink | None = None
     # Called after the reply (and its payload) was written, e.g. to release a read lease.
     on_sent: Callable[[], None] | None = None
 
 
 Handler = Callable[[Any, Request], Awaitable[Any]]
-Sink = Callable[[Any, Connection], memoryview | None]
+SinkFn = Callable[[Any, Connection], Sink | None]
+# Where a reply's payload goes: a buffer, several buffers, or a function of the reply message choosing them.
+ReplySink = Sink | Callable[[Any], Sink]
 
 
 class HandlerRegistry:
     """Message type -> handler (and, for messages that carry a payload, where to put it)."""
 
     def __init__(self) -> None:
-        self._handlers: dict[type, tuple[Handler, Sink | None]] = {}
+        self._handlers: dict[type, tuple[Handler, SinkFn | None]] = {}
 
-    def register(self, msg_type: type, handler: Handler, sink: Sink | None = None) -> None:
+    def register(self, msg_type: type, handler: Handler, sink: SinkFn | None = None) -> None:
         if msg_type in self._handlers:
             raise ValueError(f"handler for {msg_type.__name__} already registered")
         self._handlers[msg_type] = (handler, sink)
 
-    def get(self, msg_type: type) -> tuple[Handler, Sink | None] | None:
+    def get(self, msg_type: type) -> tuple[Handler, SinkFn | None] | None:
         return self._handlers.get(msg_type)
 
     def merge(self, other: HandlerRegistry) -> None:
@@ -148,15 +150,15 @@ class RpcServer:
     def _on_lost(self, conn: Connection, exc: Exception | None) -> None:
         self._conns.discard(conn)
 
-    def _choose_sink(self, conn: Connection, env: Envelope, message: Any, size: int) -> memoryview | None:
+    def _choose_sink(self, conn: Connection, env: Envelope, message: Any, size: int) -> Sink | None:
         if not conn.authenticated:
             raise Unauthenticated("payload before handshake")
         entry = self.registry.get(type(message))
         if entry is None or entry[1] is None:
             raise InvalidArgument(f"{type(message).__name__} does not take a payload")
         view = entry[1](message, conn)
-        if view is None:
-            return None
+        if view is None or isinstance(view, list):
+            return view
         if len(view) < size:
             raise InvalidArgument(f"payload of {size} bytes overruns its {len(view)}-byte destination")
         return view[:size]
@@ -262,7 +264,7 @@ class RpcChannel:
         self._conn: Connection | None = None
         self._connecting: asyncio.Lock | None = None
         self._ids = itertools.count(1)
-        self._pending: dict[int, tuple[asyncio.Future[Frame], memoryview | None]] = {}
+        self._pending: dict[int, tuple[asyncio.Future[Frame], ReplySink | None]] = {}
 
     async def connect(self) -> Welcome:
         if self._connecting is None:
@@ -300,8 +302,8 @@ class RpcChannel:
         message: Any,
         ctx: CallContext,
         *,
-        payload: memoryview | None = None,
-        sink: memoryview | None = None,
+        payload: Sink | None = None,
+        sink: ReplySink | None = None,
     ) -> Frame:
         """Send ``message`` and return the reply frame; raise the typed error the server reported."""
         ctx.check(type(message).__name__)
@@ -314,8 +316,8 @@ class RpcChannel:
         conn: Connection,
         message: Any,
         ctx: CallContext,
-        payload: memoryview | None,
-        sink: memoryview | None,
+        payload: Sink | None,
+        sink: ReplySink | None,
     ) -> Frame:
         request_id = next(self._ids)
         fut: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
@@ -341,9 +343,12 @@ class RpcChannel:
             raise frame.error
         return frame
 
-    def _choose_sink(self, conn: Connection, env: Envelope, message: Any, size: int) -> memoryview | None:
+    def _choose_sink(self, conn: Connection, env: Envelope, message: Any, size: int) -> Sink | None:
         entry = self._pending.get(env.request_id)
-        return None if entry is None else entry[1]
+        if entry is None or entry[1] is None or env.kind == ERROR:
+            return None
+        sink = entry[1]
+        return sink(message) if callable(sink) else sink
 
     def _on_frame(self, conn: Connection, frame: Frame) -> None:
         env = frame.envelope

@@ -22,6 +22,7 @@ from typing import Any
 from tensorcast.config import Config, default_host_id
 from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, Unavailable
+from tensorcast.kv.home import ShardHome
 from tensorcast.plans.executor import PlanExecutor
 from tensorcast.pool.placement import resolve_placement
 from tensorcast.transport.tcp import DataServer, TcpTransport
@@ -43,6 +44,7 @@ from tensorcast.wire.messages import (
     InstanceReply,
     ListArtifacts,
     ListInstances,
+    ListShards,
     ListWorkers,
     Mapped,
     MapTensors,
@@ -75,7 +77,7 @@ from tensorcast.worker.store import LocalStore
 __all__ = ["Worker", "run_worker"]
 
 log = logging.getLogger("tensorcast.worker")
-ROLES = frozenset({"basic", "gateway"})
+ROLES = frozenset({"basic", "gateway", "shard-home"})
 
 
 class Worker:
@@ -103,6 +105,8 @@ class Worker:
         self._net_mark = (time.time(), 0, 0)
         self._dropped: set[str] = set()
         self.plans = PlanExecutor(self, max_attempts=config.worker.plan_max_attempts)
+        self.kv_home = ShardHome(worker_id, config.kv, self.gs, f"{config.worker.shm_prefix}-{worker_id}") \
+            if "shard-home" in self.roles else None
         self._instances: dict[str, RpcChannel] = {}
         self.registry = HandlerRegistry()
         self._register_handlers()
@@ -131,6 +135,9 @@ class Worker:
         r.register(InstanceCall, self.call_instance)
         if "gateway" in self.roles:
             r.register(RunPlan, self.run_plan)
+        if self.kv_home is not None:
+            self.kv_home.register(r)
+        r.register(ListShards, self.forward)
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> str:
@@ -140,6 +147,8 @@ class Worker:
         await self._register(deadline=time.time() + 30.0)
         self._tasks.append(asyncio.ensure_future(self._heartbeat_loop()))
         self._tasks.append(asyncio.ensure_future(self._housekeeping_loop()))
+        if self.kv_home is not None:
+            self.kv_home.start()
         log.info("worker %s serving at %s (data %s) roles=%s memory=%d disk=%s", self.worker_id, self.address,
                  self.data_server.address, ",".join(self.roles), cfg.memory_capacity, cfg.disk_dir or "-")
         return self.address
@@ -147,6 +156,8 @@ class Worker:
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
+        if self.kv_home is not None:
+            self.kv_home.stop()
         await self.server.close()
         self.data_server.close()
         self.transport.close()
@@ -321,7 +332,7 @@ class Worker:
         return await self.puts.begin(msg, placement)
 
     async def put_data(self, msg: PutData, req: Request) -> Ack:
-        assert req.payload is not None
+        assert isinstance(req.payload, memoryview)
         self.puts.data_received(msg, req.payload.nbytes)
         self.bytes_in += req.payload.nbytes
         return Ack()

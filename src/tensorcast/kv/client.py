@@ -1,0 +1,236 @@
+"""The caller side of KV pages: ``client.kv.put/get/get_into/exists``, batched per shard home.
+
+Owns: the cached shard-lease table (fetched from the global store once, refreshed only when a shard home
+rejects a token or is unreachable, or a shard has no holder — O(shards) global-store requests, never per
+page), grouping a batch's keys by the shard home that holds them (one round trip per home, concurrently),
+the fencing tokens every request carries, bounded retries after a refresh, prefix semantics of ``exists``,
+and the zero-copy ``get_into`` that receives pages straight into caller buffers. Also a benchmark-only
+switch that keeps page locations in the global store instead (``locations="global-store"``), to measure
+what shard homes avoid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tensorcast.errors import InvalidArgument, StaleFencingToken, Unavailable
+from tensorcast.kv.keys import shard_of
+from tensorcast.wire.messages import (
+    Ack,
+    KVExists,
+    KVExistsReply,
+    KVGet,
+    KVGetReply,
+    KVPut,
+    KVPutReply,
+    ListShards,
+    PageIndexGet,
+    PageIndexPut,
+    PageIndexReply,
+    ShardLease,
+    ShardTable,
+)
+
+if TYPE_CHECKING:
+    from tensorcast.client.aio import AsyncClient
+
+__all__ = ["AsyncKV"]
+
+_RETRIES = 4
+
+
+def _page_view(page: Any) -> memoryview:
+    if isinstance(page, bytes | bytearray | memoryview):
+        return memoryview(page).cast("B")
+    if type(page).__module__.startswith("torch"):
+        page = page.detach().contiguous().reshape(-1).view(__import__("torch").uint8).numpy()
+    arr = np.ascontiguousarray(page)
+    return memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+
+
+class AsyncKV:
+    def __init__(self, client: AsyncClient, *, locations: str = "shard-homes") -> None:
+        if locations not in ("shard-homes", "global-store"):
+            raise InvalidArgument("locations must be 'shard-homes' or 'global-store'")
+        self.client = client
+        self.locations = locations
+        self._table: ShardTable | None = None
+        self._by_shard: dict[int, ShardLease] = {}
+        self.table_refreshes = 0
+
+    # ----------------------------------------------------------------- lease table
+    async def refresh(self) -> ShardTable:
+        table: ShardTable = await self.client._call(ListShards(), ShardTable)
+        self._table = table
+        self._by_shard = {lease.shard: lease for lease in table.leases}
+        self.table_refreshes += 1
+        return table
+
+    async def _num_shards(self) -> int:
+        if self._table is None:
+            await self.refresh()
+        assert self._table is not None
+        return self._table.num_shards
+
+    def _holder(self, shard: int) -> ShardLease | None:
+        lease = self._by_shard.get(shard)
+        return lease if lease is not None and lease.holder and lease.address else None
+
+    async def _groups(self, keys: Sequence[str]) -> tuple[dict[str, list[int]], list[int]]:
+        """Key indexes by holder address, and the indexes of keys whose shard has no holder."""
+        n = await self._num_shards()
+        groups: dict[str, list[int]] = {}
+        orphans: list[int] = []
+        for i, key in enumerate(keys):
+            lease = self._holder(shard_of(key, n))
+            if lease is None:
+                orphans.append(i)
+            else:
+                groups.setdefault(lease.address, []).append(i)
+        return groups, orphans
+
+    def _tokens(self, keys: Sequence[str]) -> dict[int, int]:
+        assert self._table is not None
+        n = self._table.num_shards
+        return {s: self._by_shard[s].token for s in {shard_of(k, n) for k in keys}}
+
+    async def _run(self, keys: Sequence[str], op: Any, *, need_all: bool) -> None:
+        """Apply ``op(address, indexes)`` to every holder's keys; on a rejection or an unreachable home,
+        refresh the lease table once and retry the affected keys (a bounded number of times). Writes
+        (``need_all``) fail with ``Unavailable`` if some shard stays without a home; reads leave misses."""
+        todo = list(range(len(keys)))
+        for attempt in range(_RETRIES):
+            sub = [keys[i] for i in todo]
+            groups, orphans = await self._groups(sub)
+            results = await asyncio.gather(*(op(addr, [todo[j] for j in idx]) for addr, idx in groups.items()),
+                                           return_exceptions=True)
+            failed: list[int] = [todo[j] for j in orphans] if need_all else []
+            for (_addr, idx), res in zip(groups.items(), results, strict=True):
+                if isinstance(res, StaleFencingToken | Unavailable):
+                    failed.extend(todo[j] for j in idx)
+                elif isinstance(res, BaseException):
+                    raise res
+            if not failed and (not orphans or not need_all):
+                return
+            todo = sorted(failed)
+            if not todo:
+                return
+            await self.refresh()
+            if attempt:
+                await asyncio.sleep(0.05 * 2**attempt)
+        if need_all:
+            raise Unavailable(f"{len(todo)} pages: no shard home holds their shards (lease table refreshed "
+                              f"{_RETRIES} times); retry")
+        # Reads: pages whose shard is between homes are misses, never errors.
+
+    # ----------------------------------------------------------------- operations
+    async def put(self, keys: Sequence[str], pages: Sequence[Any], *, ttl: float | None = None) -> int:
+        """Store pages under their keys (batched, one request per shard home). Returns pages newly stored."""
+        if len(keys) != len(pages):
+            raise InvalidArgument("keys and pages differ in length")
+        views = [_page_view(p) for p in pages]
+        stored = 0
+        limit = self.client.config.kv.max_batch_bytes
+
+        async def send(address: str, idx: list[int]) -> None:
+            nonlocal stored
+            batch: list[int] = []
+            size = 0
+            for i in [*idx, -1]:
+                if i < 0 or (batch and size + views[i].nbytes > limit):
+                    ks = tuple(keys[j] for j in batch)
+                    reply: KVPutReply = await self.client._call(
+                        KVPut(keys=ks, sizes=tuple(views[j].nbytes for j in batch), tokens=self._tokens(ks),
+                              ttl=ttl), KVPutReply, address=address, payload=[views[j] for j in batch])
+                    stored += reply.stored
+                    batch, size = [], 0
+                if i >= 0:
+                    batch.append(i)
+                    size += views[i].nbytes
+
+        await self._run(keys, send, need_all=True)
+        if self.locations == "global-store":
+            await self._index_put(keys)
+        return stored
+
+    async def get(self, keys: Sequence[str]) -> list[np.ndarray[Any, Any] | None]:
+        """Each page as a uint8 array, or None for a miss."""
+        out: list[np.ndarray[Any, Any] | None] = [None] * len(keys)
+
+        async def fetch(address: str, idx: list[int]) -> None:
+            ks = tuple(keys[j] for j in idx)
+
+            def sink(reply: Any) -> list[memoryview]:
+                views = []
+                for j, size in zip(idx, reply.sizes, strict=True):
+                    if size >= 0:
+                        buf = np.empty(size, np.uint8)
+                        out[j] = buf
+                        views.append(memoryview(buf))  # type: ignore[arg-type]
+                return views
+
+            await self.client._call(KVGet(keys=ks, tokens=self._tokens(ks)), KVGetReply, address=address,
+                                    sink=sink)
+
+        if self.locations == "global-store":
+            await self._index_get(keys)
+        await self._run(keys, fetch, need_all=False)
+        return out
+
+    async def get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[bool]:
+        """Zero-copy variant: receive each hit straight into the caller's buffer (numpy array, torch CPU
+        tensor or writable memoryview of at least the page size). Returns hit flags."""
+        if len(keys) != len(buffers):
+            raise InvalidArgument("keys and buffers differ in length")
+        targets = [_page_view(b) for b in buffers]
+        if any(t.readonly for t in targets):
+            raise InvalidArgument("get_into needs writable buffers")
+        hits = [False] * len(keys)
+
+        async def fetch(address: str, idx: list[int]) -> None:
+            ks = tuple(keys[j] for j in idx)
+
+            def sink(reply: Any) -> list[memoryview]:
+                views = []
+                for j, size in zip(idx, reply.sizes, strict=True):
+                    if size >= 0:
+                        if size > targets[j].nbytes:
+                            raise InvalidArgument(f"page {keys[j]} has {size} bytes; its buffer holds "
+                                                  f"{targets[j].nbytes}")
+                        hits[j] = True
+                        views.append(targets[j][:size])
+                return views
+
+            await self.client._call(KVGet(keys=ks, tokens=self._tokens(ks)), KVGetReply, address=address,
+                                    sink=sink)
+
+        await self._run(keys, fetch, need_all=False)
+        return hits
+
+    async def exists(self, keys: Sequence[str]) -> int:
+        """How many leading keys are present (prefix semantics: stop at the first miss)."""
+        present = [False] * len(keys)
+
+        async def probe(address: str, idx: list[int]) -> None:
+            ks = tuple(keys[j] for j in idx)
+            reply: KVExistsReply = await self.client._call(KVExists(keys=ks, tokens=self._tokens(ks)),
+                                                           KVExistsReply, address=address)
+            for j, flag in zip(idx, reply.present, strict=True):
+                present[j] = bool(flag)
+
+        await self._run(keys, probe, need_all=False)
+        n = 0
+        while n < len(keys) and present[n]:
+            n += 1
+        return n
+
+    # ----------------------------------------------------------------- benchmark switch
+    async def _index_put(self, keys: Sequence[str]) -> None:
+        await self.client._call(PageIndexPut(keys=tuple(keys), worker_id="kv"), Ack)
+
+    async def _index_get(self, keys: Sequence[str]) -> None:
+        await self.client._call(PageIndexGet(keys=tuple(keys)), PageIndexReply)

@@ -1,0 +1,252 @@
+"""The shard-home role of a worker: compete for shard leases, keep the shards' pages, serve batched page ops.
+
+Owns: the lease loop (read the lease table and the live shard homes from the global store, release what
+HRW says belongs elsewhere, renew what it holds, acquire what it should hold — a handful of global-store
+requests per loop, touched per shard, never per page), stepping down from shards it lost (their pages are
+dropped: misses until republished), and the ``KVPut``/``KVGet``/``KVExists`` handlers, each checking the
+fencing token of every shard it touches against a live local lease. Page bytes arrive straight into their
+slab slots (scatter) and leave straight from them (gather) under read leases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tensorcast.config import KVConfig
+from tensorcast.context import CallContext
+from tensorcast.errors import InvalidArgument, StaleFencingToken, TensorCastError
+from tensorcast.kv.keys import shard_of
+from tensorcast.kv.leases import HomeLeases, LeaseRecord
+from tensorcast.kv.pages import Page, PageStore
+from tensorcast.wire.connection import Connection
+from tensorcast.wire.messages import (
+    AcquireShards,
+    KVExists,
+    KVExistsReply,
+    KVGet,
+    KVGetReply,
+    KVPut,
+    KVPutReply,
+    ListShards,
+    ListWorkers,
+    ReleaseShards,
+    RenewShards,
+    ShardGrants,
+    ShardTable,
+    WorkerList,
+)
+from tensorcast.wire.rpc import HandlerRegistry, Reply, Request, RpcChannel
+
+__all__ = ["ShardHome"]
+
+log = logging.getLogger("tensorcast.kv")
+
+
+@dataclass
+class _PendingPut:
+    pages: list[tuple[str, Page] | None]  # None: the page was already stored (bytes discarded)
+    started: float
+
+
+class ShardHome:
+    def __init__(self, worker_id: str, config: KVConfig, gs: RpcChannel, shm_prefix: str) -> None:
+        self.worker_id = worker_id
+        self.config = config
+        self.gs = gs
+        self.leases = HomeLeases(worker_id, k=config.candidates)
+        self.store = PageStore(config.memory_capacity, f"{shm_prefix}-kv", arena_bytes=config.arena_bytes,
+                               max_page_bytes=config.max_page_bytes, default_ttl=config.page_ttl)
+        self.num_shards = 0
+        self._pending: dict[int, _PendingPut] = {}
+        self._scratch = memoryview(bytearray(config.max_page_bytes))
+        self._task: asyncio.Task[None] | None = None
+        self.serving = True
+
+    def register(self, registry: HandlerRegistry) -> None:
+        registry.register(KVPut, self.put, sink=self.put_sink)
+        registry.register(KVGet, self.get)
+        registry.register(KVExists, self.exists)
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._loop())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self.store.close()
+
+    # ----------------------------------------------------------------- leases
+    async def _loop(self) -> None:
+        period = self.config.renew_interval / 2
+        while True:
+            try:
+                await self.tick()
+            except TensorCastError as exc:
+                log.warning("shard lease loop: %s", exc)
+            except Exception:
+                log.exception("shard lease loop failed")
+            self._reap_pending()
+            await asyncio.sleep(period)
+
+    async def tick(self) -> None:
+        ctx = CallContext(deadline=time.time() + max(2.0, self.config.renew_interval))
+        table = (await self.gs.call(ListShards(), ctx)).message
+        workers = (await self.gs.call(ListWorkers(), ctx)).message
+        assert isinstance(table, ShardTable) and isinstance(workers, WorkerList)
+        self.num_shards = table.num_shards
+        leases = {s.shard: LeaseRecord(s.shard, s.holder, s.token, s.expiry, s.acquired_at) for s in table.leases}
+        # Shard homes heartbeating within a lease TTL: a dead one drops out by the time its leases expire.
+        homes = [w.worker_id for w in workers.workers
+                 if "shard-home" in w.roles and table.now - w.last_heartbeat < self.config.lease_ttl]
+        if self.worker_id not in homes:
+            homes.append(self.worker_id)
+        now = time.monotonic()
+        for shard in self.leases.expired(now):
+            self._step_down(shard, "lease expired locally")
+        for shard, held in list(self.leases.held.items()):
+            rec = leases.get(shard)
+            if rec is None or rec.holder != self.worker_id or rec.token != held.token:
+                self._step_down(shard, "the global store shows another holder")
+        acquire, give_back = self.leases.plan(leases, homes, table.num_shards, table.now,
+                                              grace=self.config.renew_interval / 4)
+        ttl = self.config.lease_ttl
+        if give_back:
+            tokens = tuple(self.leases.held[s].token for s in give_back)
+            for s in give_back:
+                self._step_down(s, "a better-ranked shard home is alive")
+            await self.gs.call(ReleaseShards(worker_id=self.worker_id, shards=tuple(give_back), tokens=tokens), ctx)
+        mine = sorted(self.leases.held)
+        if mine:
+            sent = time.monotonic()
+            reply = (await self.gs.call(RenewShards(worker_id=self.worker_id, shards=tuple(mine),
+                                                    tokens=tuple(self.leases.held[s].token for s in mine),
+                                                    ttl=ttl), ctx)).message
+            assert isinstance(reply, ShardGrants)
+            renewed = {g.shard: g.token for g in reply.leases}
+            for s in mine:
+                if s in renewed and s in self.leases.held:
+                    self.leases.granted(s, renewed[s], sent, ttl)
+                else:
+                    self._step_down(s, "renewal refused")
+        if acquire:
+            sent = time.monotonic()
+            reply = (await self.gs.call(AcquireShards(worker_id=self.worker_id, shards=tuple(acquire), ttl=ttl),
+                                        ctx)).message
+            assert isinstance(reply, ShardGrants)
+            for g in reply.leases:
+                self.leases.granted(g.shard, g.token, sent, ttl)
+            if reply.leases:
+                log.info("acquired %d shard leases", len(reply.leases))
+
+    def _step_down(self, shard: int, why: str) -> None:
+        if shard in self.leases.held:
+            dropped = self.store.drop_shard(shard)
+            self.leases.lost(shard)
+            log.info("stepped down from shard %d (%s); %d pages are misses until republished", shard, why,
+                     dropped)
+
+    # ----------------------------------------------------------------- fencing
+    def _check(self, keys: tuple[str, ...], tokens: dict[int, int]) -> list[int]:
+        if not self.num_shards:
+            raise StaleFencingToken("this shard home has no lease table yet")
+        shards = [shard_of(k, self.num_shards) for k in keys]
+        now = time.monotonic()
+        for shard in set(shards):
+            token = tokens.get(shard)
+            if token is None:
+                raise InvalidArgument(f"no fencing token for shard {shard}")
+            held = self.leases.held.get(shard)
+            if held is not None and token > held.token:
+                self._step_down(shard, f"a request carries the newer token {token}")
+            self.leases.check(shard, token, now)
+        return shards
+
+    # ----------------------------------------------------------------- handlers
+    def put_sink(self, msg: KVPut, conn: Connection) -> list[memoryview]:
+        if len(msg.keys) != len(msg.sizes):
+            raise InvalidArgument("keys and sizes differ in length")
+        shards = self._check(msg.keys, msg.tokens)
+        now = time.time()
+        pages: list[tuple[str, Page] | None] = []
+        views: list[memoryview] = []
+        try:
+            for key, size, shard in zip(msg.keys, msg.sizes, shards, strict=True):
+                if self.store.contains(key, now):  # same key, same content: keep the stored page
+                    pages.append(None)
+                    views.append(self._scratch[:size])
+                    continue
+                page, view = self.store.reserve(shard, key, size, now)
+                pages.append((key, page))
+                views.append(view)
+        except BaseException:
+            for entry in pages:
+                if entry is not None:
+                    self.store.abandon(entry[1])
+            raise
+        stale = self._pending.pop(id(msg), None)  # an id reused after a put that never completed
+        for entry in stale.pages if stale else ():
+            if entry is not None:
+                self.store.abandon(entry[1])
+        self._pending[id(msg)] = _PendingPut(pages, time.monotonic())
+        return views
+
+    async def put(self, msg: KVPut, req: Request) -> KVPutReply:
+        pending = self._pending.pop(id(msg), None)
+        if pending is None:
+            self._check(msg.keys, msg.tokens)
+            if any(msg.sizes):
+                raise InvalidArgument("KVPut without its page bytes")
+            return KVPutReply(stored=0)
+        try:
+            self._check(msg.keys, msg.tokens)  # the lease may have been lost while the bytes arrived
+        except StaleFencingToken:
+            for entry in pending.pages:
+                if entry is not None:
+                    self.store.abandon(entry[1])
+            raise
+        now = time.time()
+        stored = 0
+        for entry in pending.pages:
+            if entry is not None:
+                self.store.commit(entry[0], entry[1], msg.ttl, now)
+                stored += 1
+        return KVPutReply(stored=stored)
+
+    async def get(self, msg: KVGet, req: Request) -> Reply:
+        self._check(msg.keys, msg.tokens)
+        now = time.time()
+        sizes: list[int] = []
+        views: list[memoryview] = []
+        releases: list[Any] = []
+        for key in msg.keys:
+            page = self.store.get(key, now)
+            if page is None:
+                sizes.append(-1)
+                continue
+            view, release = self.store.lease(page)
+            sizes.append(page.nbytes)
+            views.append(view)
+            releases.append(release)
+
+        def done() -> None:
+            for release in releases:
+                release()
+
+        return Reply(KVGetReply(sizes=tuple(sizes)), payload=views or None, on_sent=done)
+
+    async def exists(self, msg: KVExists, req: Request) -> KVExistsReply:
+        self._check(msg.keys, msg.tokens)
+        now = time.time()
+        return KVExistsReply(present=bytes(1 if self.store.contains(k, now) else 0 for k in msg.keys))
+
+    def _reap_pending(self) -> None:
+        """Reservations whose bytes never arrived (the writer vanished mid-payload)."""
+        cutoff = time.monotonic() - 60.0
+        for rid in [r for r, p in self._pending.items() if p.started < cutoff]:
+            for entry in self._pending.pop(rid).pages:
+                if entry is not None:
+                    self.store.abandon(entry[1])

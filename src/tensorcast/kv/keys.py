@@ -1,0 +1,76 @@
+"""KV page identity: layouts, chained page keys, and the shard a key belongs to (pure).
+
+Owns: ``KVLayout`` (what a page holds: layers, KV heads, head dim, dtype, tokens per page; its
+``layout_id``), ``page_keys`` (page i's key is the BLAKE3 hash of page i-1's key and page i's tokens,
+salted with the model id and layout id — so a key names a whole prefix, and a prefix lookup is a walk of
+keys), and ``shard_of``. Does not own: where pages live (``kv.home``) or how they are found (``kv.client``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import blake3
+import msgspec
+
+from tensorcast.errors import InvalidArgument
+from tensorcast.tensors import numpy_dtype
+
+__all__ = ["KVLayout", "page_keys", "shard_of"]
+
+_ENC = msgspec.msgpack.Encoder()
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """One page: ``page_size`` tokens' K and V for all ``layers`` of one model."""
+
+    model_id: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    page_size: int
+
+    def __post_init__(self) -> None:
+        numpy_dtype(self.dtype)
+        if min(self.layers, self.kv_heads, self.head_dim, self.page_size) < 1:
+            raise InvalidArgument(f"invalid KV layout {self}")
+
+    @property
+    def layout_id(self) -> str:
+        doc = [self.layers, self.kv_heads, self.head_dim, self.dtype, self.page_size]
+        return str(blake3.blake3(_ENC.encode(doc)).hexdigest())[:16]
+
+    @property
+    def page_bytes(self) -> int:
+        """K and V of every layer for ``page_size`` tokens."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.page_size * numpy_dtype(self.dtype).itemsize
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        return (self.layers, 2, self.kv_heads, self.page_size, self.head_dim)
+
+
+def page_keys(tokens: Sequence[int], layout: KVLayout) -> list[str]:
+    """Keys of the full pages of ``tokens``: key i covers tokens ``[0, (i + 1) * page_size)``."""
+    salt = blake3.blake3(_ENC.encode([layout.model_id, layout.layout_id])).digest()
+    keys: list[str] = []
+    prev = salt
+    n = len(tokens) // layout.page_size
+    for i in range(n):
+        block = tokens[i * layout.page_size : (i + 1) * layout.page_size]
+        h = blake3.blake3(prev)
+        h.update(_ENC.encode(list(block)))
+        prev = h.digest()
+        keys.append(prev[:16].hex())
+    return keys
+
+
+def shard_of(key: str, num_shards: int) -> int:
+    """The shard a page key belongs to (keys are uniformly distributed hashes)."""
+    try:
+        return int(key[:8], 16) % num_shards
+    except ValueError:
+        raise InvalidArgument(f"page key {key!r} is not a hex hash") from None

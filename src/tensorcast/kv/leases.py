@@ -1,0 +1,123 @@
+"""Shard leases and fencing tokens as pure rules: the global store's grant/renew/release decisions and a
+shard home's view of what it holds, may serve, and should ask for next.
+
+Global store (``grant``, ``renew``, ``release``): a lease is granted to the first candidate that asks
+while the shard is vacant or its lease expired, and every change of holder increments the shard's
+**fencing token**; the holder extends it by renewing with its current token.
+
+Shard home (``HomeLeases``): a shard may be served only while ``now < local_expiry`` (the renew was *sent*
+at ``t``, so the local expiry ``t + ttl`` is never later than the store's) and only for requests carrying
+its current token. A home that was paused past its lease therefore refuses everything on waking, before
+it has even talked to the store. Fed events and a clock value, returning decisions; no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+
+from tensorcast.errors import StaleFencingToken
+from tensorcast.kv.hrw import candidates
+
+__all__ = ["HeldShard", "HomeLeases", "LeaseRecord", "grant", "release", "renew"]
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    shard: int
+    holder: str
+    token: int
+    expiry: float
+    acquired_at: float = 0.0
+
+
+def grant(rec: LeaseRecord | None, shard: int, worker: str, now: float, ttl: float) -> LeaseRecord | None:
+    """The store's answer to ``worker`` asking for ``shard``: the new record, or None (held by another)."""
+    if rec is None:
+        return LeaseRecord(shard, worker, 1, now + ttl, now)
+    if rec.holder == worker and rec.expiry > now:
+        return replace(rec, expiry=now + ttl)
+    if not rec.holder or rec.expiry <= now:
+        return LeaseRecord(shard, worker, rec.token + 1, now + ttl, now)
+    return None
+
+
+def renew(rec: LeaseRecord | None, worker: str, token: int, now: float, ttl: float) -> LeaseRecord | None:
+    if rec is not None and rec.holder == worker and rec.token == token and rec.expiry > now:
+        return replace(rec, expiry=now + ttl)
+    return None
+
+
+def release(rec: LeaseRecord | None, worker: str, token: int) -> LeaseRecord | None:
+    """Give a lease back early (the next grant increments the token)."""
+    if rec is not None and rec.holder == worker and rec.token == token:
+        return replace(rec, holder="", expiry=0.0)
+    return None
+
+
+@dataclass
+class HeldShard:
+    token: int
+    local_expiry: float  # monotonic
+
+
+@dataclass
+class HomeLeases:
+    worker_id: str
+    k: int = 3
+    held: dict[int, HeldShard] = field(default_factory=dict)
+
+    def check(self, shard: int, token: int, now: float) -> None:
+        """Refuse a request unless this home holds ``shard`` under ``token`` right now."""
+        h = self.held.get(shard)
+        if h is None or now >= h.local_expiry:
+            raise StaleFencingToken(f"this worker does not hold a live lease on shard {shard}")
+        if token != h.token:
+            raise StaleFencingToken(f"shard {shard}: request token {token}, current token {h.token}")
+
+    def plan(self, leases: Mapping[int, LeaseRecord], homes: Iterable[str], num_shards: int, gs_now: float,
+             grace: float) -> tuple[list[int], list[int]]:
+        """(shards to acquire, shards to release) given the store's table and the live shard homes.
+
+        The rank-0 candidate among the live homes asks for a vacant or expired shard at once; rank r asks
+        once the lease has been expired for ``r * grace`` (the store arbitrates anyway; this only avoids
+        pointless contention). ``homes`` must hold only live homes, so a dead home never ranks first.
+        A holder that is no longer a candidate, or that a live better-ranked candidate outranks while
+        the shard is still in its hands, gives it back so the assignment converges to HRW.
+        """
+        live = sorted(set(homes))
+        acquire: list[int] = []
+        give_back: list[int] = []
+        for shard in range(num_shards):
+            ranked = candidates(shard, live, self.k)
+            rec = leases.get(shard)
+            mine = self.worker_id in ranked
+            held = shard in self.held
+            if held:
+                # ``homes`` are the shard homes heartbeating within a lease TTL, so a dead better
+                # candidate drops out of ``ranked`` no later than its leases expire: no flapping.
+                if not mine or ranked[0] != self.worker_id:
+                    give_back.append(shard)
+                continue
+            if not mine:
+                continue
+            rank = ranked.index(self.worker_id)
+            vacant = rec is None or not rec.holder or rec.expiry <= gs_now
+            if not vacant:
+                continue
+            # The best live candidate asks at once. A lower-ranked one asks only if the holder's lease
+            # has been expired for rank * grace (the better candidates had their chance) — never for a
+            # shard that was released or never leased while a better candidate is alive.
+            expired_long = rec is not None and bool(rec.holder) and gs_now - rec.expiry >= rank * grace
+            if rank == 0 or expired_long:
+                acquire.append(shard)
+        return acquire, give_back
+
+    def granted(self, shard: int, token: int, sent_at: float, ttl: float) -> None:
+        self.held[shard] = HeldShard(token, sent_at + ttl)
+
+    def lost(self, shard: int) -> None:
+        self.held.pop(shard, None)
+
+    def expired(self, now: float) -> list[int]:
+        return [s for s, h in self.held.items() if now >= h.local_expiry]

@@ -1,0 +1,159 @@
+"""KV pages held by a shard home: slab-arena storage, an LRU index per shard, TTLs, read leases.
+
+Owns: storing page bytes in slots of slab arenas (shared-memory segments carved by ``pool.slab``),
+the index ``key -> slot`` grouped by shard (dropping a shard when its lease is lost makes its pages
+misses), LRU eviction under the capacity and TTL expiry (a miss, never wrong data), and read leases
+that keep a slot from being reused while its bytes are being sent. Pages are copied out to readers,
+never mapped, because slots are reused. Does not own: fencing (``kv.leases``) or RPC (``kv.home``).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tensorcast.errors import InvalidArgument, ResourceExhausted
+from tensorcast.pool.segments import SHM_DIR, Segment, remove_stale_segments
+from tensorcast.pool.slab import SlabAllocator
+
+__all__ = ["Page", "PageStore"]
+
+
+@dataclass
+class Page:
+    shard: int
+    arena: str
+    offset: int
+    nbytes: int
+    slot: int
+    expires: float | None
+
+
+class PageStore:
+    def __init__(self, capacity: int, prefix: str, *, arena_bytes: int = 64 << 20, max_page_bytes: int = 4 << 20,
+                 default_ttl: float | None = 3600.0) -> None:
+        self.capacity = capacity
+        self.prefix = prefix
+        self.default_ttl = default_ttl
+        self.slab = SlabAllocator(arena_bytes, min_slot=4096, max_slot=max_page_bytes)
+        self.max_page_bytes = max_page_bytes
+        self._arenas: dict[str, Segment] = {}
+        self.index: OrderedDict[str, Page] = OrderedDict()  # LRU order: oldest first
+        self.by_shard: dict[int, set[str]] = {}
+        self.used = 0  # slot bytes held by indexed pages and pending writes
+        remove_stale_segments(prefix)
+
+    # ----------------------------------------------------------------- writes
+    def reserve(self, shard: int, key: str, nbytes: int, now: float) -> tuple[Page, memoryview]:
+        """A slot for a page about to arrive (evicting LRU pages as needed). Not visible until ``commit``."""
+        if nbytes <= 0 or nbytes > self.max_page_bytes:
+            raise InvalidArgument(f"page of {nbytes} bytes: pages must be 1..{self.max_page_bytes} bytes")
+        slot = self.slab.slot_size(nbytes)
+        assert slot is not None
+        self._make_room(slot, now)
+        got = self.slab.alloc(nbytes)
+        if isinstance(got, int):
+            arena_id = uuid.uuid4().hex[:12]
+            self._arenas[arena_id] = Segment.create(SHM_DIR, f"{self.prefix}-k", self.slab.arena_bytes,
+                                                    populate=True)
+            self.slab.add_arena(arena_id, got)
+            got = self.slab.alloc(nbytes)
+            assert not isinstance(got, int)
+        arena, offset = got
+        self.used += slot
+        page = Page(shard, arena, offset, nbytes, slot, None)
+        return page, self._arenas[arena].view()[offset : offset + nbytes]
+
+    def commit(self, key: str, page: Page, ttl: float | None, now: float) -> None:
+        ttl = self.default_ttl if ttl is None else ttl
+        page.expires = None if ttl is None else now + ttl
+        old = self.index.pop(key, None)
+        if old is not None:
+            self._free(key, old)
+        self.index[key] = page
+        self.by_shard.setdefault(page.shard, set()).add(key)
+
+    def abandon(self, page: Page) -> None:
+        self.used -= page.slot
+        self._release_slot(page)
+
+    def _make_room(self, slot: int, now: float) -> None:
+        if slot > self.capacity:
+            raise ResourceExhausted(f"a {slot}-byte page exceeds the KV capacity of {self.capacity} bytes")
+        self.expire(now)
+        while self.used + slot > self.capacity and self.index:
+            key, page = self.index.popitem(last=False)
+            self._free(key, page)
+        if self.used + slot > self.capacity:
+            raise ResourceExhausted("KV page store full of pages being written")
+
+    # ----------------------------------------------------------------- reads
+    def get(self, key: str, now: float) -> Page | None:
+        page = self.index.get(key)
+        if page is None:
+            return None
+        if page.expires is not None and page.expires <= now:
+            self._free(key, self.index.pop(key))
+            return None
+        self.index.move_to_end(key)
+        return page
+
+    def contains(self, key: str, now: float) -> bool:
+        page = self.index.get(key)
+        return page is not None and (page.expires is None or page.expires > now)
+
+    def lease(self, page: Page) -> tuple[memoryview, Callable[[], None]]:
+        """The page's bytes, held (not reused) until the returned callable runs."""
+        self.slab.lease(page.arena, page.offset)
+        view = self._arenas[page.arena].view()[page.offset : page.offset + page.nbytes]
+
+        def release() -> None:
+            empty = self.slab.release_lease(page.arena, page.offset)
+            if empty is not None:
+                self._retire_arena(empty)
+
+        return view, release
+
+    # ----------------------------------------------------------------- removal
+    def drop_shard(self, shard: int) -> int:
+        keys = self.by_shard.pop(shard, set())
+        for key in keys:
+            page = self.index.pop(key, None)
+            if page is not None:
+                self._free(key, page, unindex=False)
+        return len(keys)
+
+    def expire(self, now: float) -> None:
+        expired = [k for k, p in self.index.items() if p.expires is not None and p.expires <= now]
+        for k in expired:
+            self._free(k, self.index.pop(k))
+
+    def _free(self, key: str, page: Page, unindex: bool = True) -> None:
+        if unindex:
+            keys = self.by_shard.get(page.shard)
+            if keys is not None:
+                keys.discard(key)
+        self.used -= page.slot
+        self._release_slot(page)
+
+    def _release_slot(self, page: Page) -> None:
+        empty = self.slab.free(page.arena, page.offset)
+        if empty is not None:
+            self._retire_arena(empty)
+
+    def _retire_arena(self, arena_id: str) -> None:
+        seg = self._arenas.pop(arena_id)
+        seg.unlink()
+        seg.try_close()
+
+    def close(self) -> None:
+        for seg in self._arenas.values():
+            seg.unlink()
+            seg.try_close()
+        self._arenas.clear()
+        self.index.clear()
+        self.by_shard.clear()
+        remove_stale_segments(self.prefix)
+

@@ -1,0 +1,119 @@
+"""KV pieces without sockets: page keys, HRW, lease rules (fake clock), the page store."""
+
+from __future__ import annotations
+
+import pytest
+
+from tensorcast.errors import InvalidArgument, ResourceExhausted, StaleFencingToken
+from tensorcast.kv.hrw import assignment, candidates
+from tensorcast.kv.keys import KVLayout, page_keys, shard_of
+from tensorcast.kv.leases import HomeLeases, LeaseRecord, grant, release, renew
+from tensorcast.kv.pages import PageStore
+from tensorcast.testing import leaked_segments
+
+LAYOUT = KVLayout("model-a", layers=4, kv_heads=2, head_dim=64, dtype="bfloat16", page_size=16)
+
+
+def test_page_keys_are_chained_prefix_hashes() -> None:
+    tokens = list(range(100))
+    keys = page_keys(tokens, LAYOUT)
+    assert len(keys) == 6  # 100 // 16 full pages
+    assert page_keys(tokens[:40], LAYOUT) == keys[:2]  # a prefix has the prefix's keys
+    assert page_keys([*tokens[:16], 999, *tokens[17:]], LAYOUT)[1:] != keys[1:]  # a change moves every later key
+    other_model = KVLayout("model-b", 4, 2, 64, "bfloat16", 16)
+    other_layout = KVLayout("model-a", 4, 2, 64, "float16", 16)
+    assert page_keys(tokens, other_model)[0] != keys[0] and page_keys(tokens, other_layout)[0] != keys[0]
+    assert LAYOUT.page_bytes == 2 * 4 * 2 * 64 * 16 * 2
+    assert 0 <= shard_of(keys[0], 256) < 256
+    with pytest.raises(InvalidArgument):
+        KVLayout("m", 0, 1, 1, "float16", 1)
+
+
+@pytest.mark.parametrize("homes", [3, 4, 5, 8])
+def test_hrw_is_balanced_and_stable(homes: int) -> None:
+    workers = [f"w{i}" for i in range(homes)]
+    owner = assignment(256, workers)
+    counts = {w: sum(1 for o in owner.values() if o == w) for w in workers}
+    assert max(counts.values()) <= 2 * 256 / homes, counts
+    # Removing one home moves only the shards it owned.
+    after = assignment(256, workers[1:])
+    assert all(after[s] == owner[s] for s in owner if owner[s] != "w0")
+    assert candidates(7, workers, 3) == candidates(7, list(reversed(workers)), 3)
+
+
+def test_lease_rules_and_fencing_tokens() -> None:
+    r = grant(None, 5, "a", now=0, ttl=3)
+    assert r == LeaseRecord(5, "a", 1, 3, 0)
+    assert grant(r, 5, "b", now=2, ttl=3) is None  # held by a
+    assert grant(r, 5, "a", now=2, ttl=3).expiry == 5  # type: ignore[union-attr]
+    r2 = grant(r, 5, "b", now=3.5, ttl=3)  # expired: b gets it with a higher token
+    assert r2 is not None and r2.holder == "b" and r2.token == 2
+    assert renew(r2, "a", 1, now=4, ttl=3) is None  # a's old token is fenced off
+    assert renew(r2, "b", 2, now=4, ttl=3).expiry == 7  # type: ignore[union-attr]
+    assert renew(r2, "b", 2, now=9, ttl=3) is None  # too late
+    gone = release(r2, "b", 2)
+    assert gone is not None and gone.holder == "" and grant(gone, 5, "a", now=4, ttl=3).token == 3  # type: ignore[union-attr]
+
+
+def test_home_refuses_after_local_expiry_and_stale_tokens() -> None:
+    h = HomeLeases("a")
+    h.granted(1, token=4, sent_at=100.0, ttl=3.0)
+    h.check(1, 4, now=101.0)
+    with pytest.raises(StaleFencingToken):
+        h.check(1, 3, now=101.0)
+    with pytest.raises(StaleFencingToken):
+        h.check(1, 4, now=103.0)  # paused past its lease: refuses before talking to anyone
+    with pytest.raises(StaleFencingToken):
+        h.check(2, 1, now=101.0)
+    assert h.expired(103.0) == [1]
+
+
+def test_home_acquisition_plan() -> None:
+    homes = ["a", "b", "c", "d"]
+    rank0 = {s: candidates(s, homes, 3)[0] for s in range(16)}
+    a = HomeLeases("a")
+    acquire, give = a.plan({}, homes, 16, gs_now=10, grace=0.25)
+    assert sorted(acquire) == sorted(s for s, w in rank0.items() if w == "a") and give == []
+    # A shard a is second for, whose lease just expired: a waits a grace period, then asks.
+    s = next(s for s in range(16) if candidates(s, homes, 3)[1] == "a")
+    rec = {s: LeaseRecord(s, rank0[s], 1, expiry=10.0)}
+    assert s not in a.plan(rec, homes, 16, gs_now=10.1, grace=0.25)[0]
+    dead_first = [h for h in homes if h != rank0[s]]
+    assert s in a.plan(rec, dead_first, 16, gs_now=10.1, grace=0.25)[0]
+    # Holding a shard whose rank-0 home is alive again: give it back.
+    a.granted(s, 2, 0.0, 100.0)
+    assert s in a.plan({}, homes, 16, gs_now=10, grace=0.25)[1]
+
+
+def test_page_store_lru_ttl_shards_and_leases() -> None:
+    store = PageStore(4 * 8192, "tctest-pages", arena_bytes=64 * 1024, max_page_bytes=8192, default_ttl=None)
+    try:
+        for i in range(4):
+            page, view = store.reserve(shard=i % 2, key=f"k{i}", nbytes=8000, now=0)
+            view[:] = bytes([i]) * 8000
+            store.commit(f"k{i}", page, None, now=0)
+        assert store.get("k0", now=1) is not None  # k0 becomes most recently used
+        page, view = store.reserve(0, "k4", 8000, now=2)  # full: evicts the LRU page, k1
+        store.commit("k4", page, ttl=5.0, now=2)
+        assert store.get("k1", now=2) is None and store.get("k0", now=2) is not None
+        assert store.get("k4", now=8) is None  # expired
+        held = store.get("k2", now=3)
+        assert held is not None
+        view, release = store.lease(held)
+        assert store.drop_shard(0) >= 1  # drops k0, k2 (shard 0)
+        assert store.get("k2", now=3) is None
+        for i in range(3):  # refill: the leased slot must not be reused
+            p, v = store.reserve(1, f"n{i}", 8000, now=4)
+            v[:] = b"\xff" * 8000
+            store.commit(f"n{i}", p, None, now=4)
+        assert bytes(view[:4]) == bytes([2]) * 4
+        release()
+        with pytest.raises(InvalidArgument):
+            store.reserve(0, "big", 9000, now=5)
+        tiny = PageStore(4096, "tctest-pages2", arena_bytes=64 * 1024, max_page_bytes=8192)
+        with pytest.raises(ResourceExhausted):
+            tiny.reserve(0, "x", 8000, now=0)
+        tiny.close()
+    finally:
+        store.close()
+    assert not leaked_segments("tctest-pages")
