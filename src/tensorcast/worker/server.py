@@ -36,6 +36,7 @@ from tensorcast.wire.messages import (
     DropArtifact,
     Evict,
     GetArtifact,
+    GSStats,
     Heartbeat,
     HeartbeatReply,
     InstanceCall,
@@ -48,6 +49,8 @@ from tensorcast.wire.messages import (
     ListWorkers,
     Mapped,
     MapTensors,
+    PageIndexGet,
+    PageIndexPut,
     PlanResult,
     Prefetch,
     Prefetched,
@@ -127,7 +130,8 @@ class Worker:
         r.register(DropArtifact, self.drop_artifact)
         # Metadata calls are answered by the GS; every worker forwards them so any worker is an entry point.
         forwarded: tuple[type, ...] = (GetArtifact, ListArtifacts, ListWorkers, RenewLease, RegisterInstance,
-                                       InstanceHeartbeat, ListInstances)
+                                       InstanceHeartbeat, ListInstances, ListShards, GSStats, PageIndexPut,
+                                       PageIndexGet)
         for msg_type in forwarded:
             r.register(msg_type, self.forward)
         r.register(DeleteArtifact, self.delete)
@@ -137,7 +141,6 @@ class Worker:
             r.register(RunPlan, self.run_plan)
         if self.kv_home is not None:
             self.kv_home.register(r)
-        r.register(ListShards, self.forward)
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> str:
