@@ -191,20 +191,59 @@ def _size(n: int) -> str:
 
 
 @main.command()
+@click.option("--shards", "show_shards", is_flag=True, help="List every shard lease, not just a summary.")
 @_address_option
 @_data_dir_option
-def status(address: str | None, data_dir: str) -> None:
-    """Show the cluster's workers."""
+def status(show_shards: bool, address: str | None, data_dir: str) -> None:
+    """Show the cluster's workers, instances and KV shard leases."""
     with _client(address, data_dir) as client:
         table = Table(title="workers")
-        for col in ("id", "address", "host", "roles", "memory", "artifacts", "alive", "last heartbeat"):
+        for col in ("id", "address", "host", "roles", "memory", "disk", "net in/out", "artifacts", "alive",
+                    "last heartbeat"):
             table.add_column(col)
         now = time.time()
         for w in client.list_workers():
             table.add_row(w.worker_id, w.address, w.host_id, ",".join(w.roles),
-                          f"{_size(w.memory_used)} / {_size(w.memory_capacity)}", str(w.artifacts),
+                          f"{_size(w.memory_used)} / {_size(w.memory_capacity)}",
+                          f"{_size(w.disk_used)} / {_size(w.disk_capacity)}" if w.disk_capacity else "-",
+                          f"{_size(int(w.net_in_bps))}/s / {_size(int(w.net_out_bps))}/s", str(w.artifacts),
                           "yes" if w.alive else "[red]no[/red]", f"{now - w.last_heartbeat:.1f}s ago")
         console.print(table)
+        instances = client.list_instances()
+        if instances:
+            itable = Table(title="instances")
+            for col in ("id", "engine", "home worker", "running", "waiting", "KV tokens", "alive"):
+                itable.add_column(col)
+            for i in instances:
+                itable.add_row(i.instance_id, i.engine, i.home_worker, str(i.running), str(i.waiting),
+                               f"{i.kv_tokens_used} / {i.kv_tokens_capacity}", "yes" if i.alive else "[red]no[/red]")
+            console.print(itable)
+        shards = client.list_shards()
+        stable = Table(title=f"KV shards ({shards.num_shards})")
+        if show_shards:
+            for col in ("shard", "holder", "fencing token", "lease age", "expires in"):
+                stable.add_column(col)
+            for lease in shards.leases:
+                live = lease.holder and lease.expiry > shards.now
+                stable.add_row(str(lease.shard), lease.holder or "-", str(lease.token),
+                               f"{shards.now - lease.acquired_at:.1f}s" if live else "-",
+                               f"{lease.expiry - shards.now:.1f}s" if live else "[red]expired[/red]")
+        else:
+            for col in ("holder", "shards", "oldest lease", "max fencing token"):
+                stable.add_column(col)
+            by_holder: dict[str, list[Any]] = {}
+            for lease in shards.leases:
+                live = lease.holder and lease.expiry > shards.now
+                by_holder.setdefault(lease.holder if live else "(none)", []).append(lease)
+            unleased = shards.num_shards - len(shards.leases)
+            if unleased:
+                by_holder.setdefault("(none)", [])
+            for holder, leases in sorted(by_holder.items()):
+                count = len(leases) + (unleased if holder == "(none)" else 0)
+                age = max((shards.now - lease.acquired_at for lease in leases), default=0.0)
+                token = max((lease.token for lease in leases), default=0)
+                stable.add_row(holder, str(count), f"{age:.1f}s" if holder != "(none)" else "-", str(token))
+        console.print(stable)
 
 
 @main.command()

@@ -235,6 +235,7 @@ class AsyncClient:
             await ch.close()
         self._channels.clear()
         self._reader.close()
+        self.kv.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -322,7 +322,7 @@ class GlobalStore:
 def _lease_msg(r: LeaseRecord, workers: dict[str, WorkerInfo]) -> ShardLease:
     w = workers.get(r.holder)
     return ShardLease(shard=r.shard, holder=r.holder, token=r.token, expiry=r.expiry, acquired_at=r.acquired_at,
-                      address=w.address if w else "")
+                      address=w.address if w else "", host_id=w.host_id if w else "")
 
 
 def validate_key(key: str) -> None:

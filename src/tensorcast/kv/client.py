@@ -12,25 +12,33 @@ what shard homes avoid.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import contextlib
+import mmap
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tensorcast.errors import InvalidArgument, StaleFencingToken, Unavailable
+from tensorcast.errors import InvalidArgument, StaleFencingToken, TensorCastError, Unavailable
 from tensorcast.kv.keys import shard_of
+from tensorcast.pool.segments import SegmentGone, map_shared
 from tensorcast.wire.messages import (
     Ack,
+    KVCommit,
     KVExists,
     KVExistsReply,
     KVGet,
     KVGetReply,
     KVPut,
     KVPutReply,
+    KVRelease,
     ListShards,
     PageIndexGet,
     PageIndexPut,
     PageIndexReply,
+    SegmentRef,
     ShardLease,
     ShardTable,
 )
@@ -41,6 +49,8 @@ if TYPE_CHECKING:
 __all__ = ["AsyncKV"]
 
 _RETRIES = 4
+_MAX_ARENA_MAPS = 256
+_INLINE_COPY_BYTES = 1 << 20
 
 
 def _page_view(page: Any) -> memoryview:
@@ -60,6 +70,9 @@ class AsyncKV:
         self.locations = locations
         self._table: ShardTable | None = None
         self._by_shard: dict[int, ShardLease] = {}
+        self._same_host: dict[str, bool] = {}  # holder address -> pages reachable through shared memory
+        self._arenas: OrderedDict[str, mmap.mmap] = OrderedDict()
+        self._tasks: set[asyncio.Task[Any]] = set()
         self.table_refreshes = 0
 
     # ----------------------------------------------------------------- lease table
@@ -67,6 +80,9 @@ class AsyncKV:
         table: ShardTable = await self.client._call(ListShards(), ShardTable)
         self._table = table
         self._by_shard = {lease.shard: lease for lease in table.leases}
+        for lease in table.leases:
+            if lease.address not in self._same_host:
+                self._same_host[lease.address] = (self.client._shm_ok and lease.host_id == self.client.host_id)
         self.table_refreshes += 1
         return table
 
@@ -127,6 +143,52 @@ class AsyncKV:
                               f"{_RETRIES} times); retry")
         # Reads: pages whose shard is between homes are misses, never errors.
 
+    # ----------------------------------------------------------------- same host
+    def _slot(self, ref: SegmentRef, address: str) -> memoryview:
+        mm = self._arenas.get(ref.path)
+        if mm is None:
+            try:
+                mm = map_shared(ref.path, os.stat(ref.path).st_size)
+            except (OSError, SegmentGone):
+                # Same host id, yet the home's shared memory is not visible here: use the socket path.
+                self._same_host[address] = False
+                raise Unavailable(f"shared memory of {address} is not reachable from this process") from None
+            self._arenas[ref.path] = mm
+            while len(self._arenas) > _MAX_ARENA_MAPS:
+                self._arenas.popitem(last=False)[1].close()
+        else:
+            self._arenas.move_to_end(ref.path)
+        return memoryview(mm)[ref.offset : ref.offset + ref.size]
+
+    async def _copy(self, pairs: list[tuple[memoryview, memoryview]]) -> None:
+        """dst[:] = src for each pair; big batches off the event loop."""
+        def run() -> None:
+            for dst, src in pairs:
+                dst[:] = src
+
+        if sum(s.nbytes for _, s in pairs) > _INLINE_COPY_BYTES:
+            await asyncio.to_thread(run)
+        else:
+            run()
+
+    def _background(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _release(self, address: str, lease: str) -> None:
+        with contextlib.suppress(TensorCastError):
+            await self.client._call(KVRelease(lease=lease), Ack, address=address)
+
+    def _local(self, address: str) -> bool:
+        return self._same_host.get(address, False)
+
+    def close(self) -> None:
+        for mm in self._arenas.values():
+            with contextlib.suppress(BufferError):
+                mm.close()
+        self._arenas.clear()
+
     # ----------------------------------------------------------------- operations
     async def put(self, keys: Sequence[str], pages: Sequence[Any], *, ttl: float | None = None) -> int:
         """Store pages under their keys (batched, one request per shard home). Returns pages newly stored."""
@@ -140,12 +202,22 @@ class AsyncKV:
             nonlocal stored
             batch: list[int] = []
             size = 0
+            local = self._local(address)
             for i in [*idx, -1]:
-                if i < 0 or (batch and size + views[i].nbytes > limit):
+                if i < 0 or (batch and size + views[i].nbytes > limit and not local):
                     ks = tuple(keys[j] for j in batch)
-                    reply: KVPutReply = await self.client._call(
-                        KVPut(keys=ks, sizes=tuple(views[j].nbytes for j in batch), tokens=self._tokens(ks),
-                              ttl=ttl), KVPutReply, address=address, payload=[views[j] for j in batch])
+                    msg = KVPut(keys=ks, sizes=tuple(views[j].nbytes for j in batch), tokens=self._tokens(ks),
+                                ttl=ttl, same_host=local)
+                    if local:  # reserve slots, copy straight into them, commit: no socket copy
+                        reserved: KVPutReply = await self.client._call(msg, KVPutReply, address=address)
+                        await self._copy([(self._slot(ref, address), views[j]) for j, ref
+                                          in zip(batch, reserved.locations, strict=True) if ref is not None])
+                        reply: KVPutReply = await self.client._call(
+                            KVCommit(reservation=reserved.reservation, keys=ks, tokens=msg.tokens), KVPutReply,
+                            address=address)
+                    else:
+                        reply = await self.client._call(msg, KVPutReply, address=address,
+                                                        payload=[views[j] for j in batch])
                     stored += reply.stored
                     batch, size = [], 0
                 if i >= 0:
@@ -162,8 +234,6 @@ class AsyncKV:
         out: list[np.ndarray[Any, Any] | None] = [None] * len(keys)
 
         async def fetch(address: str, idx: list[int]) -> None:
-            ks = tuple(keys[j] for j in idx)
-
             def sink(reply: Any) -> list[memoryview]:
                 views = []
                 for j, size in zip(idx, reply.sizes, strict=True):
@@ -173,8 +243,7 @@ class AsyncKV:
                         views.append(memoryview(buf))  # type: ignore[arg-type]
                 return views
 
-            await self.client._call(KVGet(keys=ks, tokens=self._tokens(ks)), KVGetReply, address=address,
-                                    sink=sink)
+            await self._get(address, [keys[j] for j in idx], sink)
 
         if self.locations == "global-store":
             await self._index_get(keys)
@@ -192,8 +261,6 @@ class AsyncKV:
         hits = [False] * len(keys)
 
         async def fetch(address: str, idx: list[int]) -> None:
-            ks = tuple(keys[j] for j in idx)
-
             def sink(reply: Any) -> list[memoryview]:
                 views = []
                 for j, size in zip(idx, reply.sizes, strict=True):
@@ -205,11 +272,25 @@ class AsyncKV:
                         views.append(targets[j][:size])
                 return views
 
-            await self.client._call(KVGet(keys=ks, tokens=self._tokens(ks)), KVGetReply, address=address,
-                                    sink=sink)
+            await self._get(address, [keys[j] for j in idx], sink)
 
         await self._run(keys, fetch, need_all=False)
         return hits
+
+    async def _get(self, address: str, keys: list[str], sink: Callable[[Any], list[memoryview]]) -> None:
+        """One KVGet to one home; ``sink(reply)`` names the destination of each hit, in order."""
+        ks = tuple(keys)
+        if not self._local(address):
+            await self.client._call(KVGet(keys=ks, tokens=self._tokens(ks)), KVGetReply, address=address, sink=sink)
+            return
+        reply: KVGetReply = await self.client._call(KVGet(keys=ks, tokens=self._tokens(ks), same_host=True),
+                                                    KVGetReply, address=address)
+        try:
+            dests = sink(reply)
+            srcs = [self._slot(ref, address) for ref in reply.locations if ref is not None]
+            await self._copy(list(zip(dests, srcs, strict=True)))
+        finally:
+            self._background(self._release(address, reply.lease))  # don't wait a round trip for it
 
     async def exists(self, keys: Sequence[str]) -> int:
         """How many leading keys are present (prefix semantics: stop at the first miss)."""

@@ -13,28 +13,33 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from tensorcast.config import KVConfig
 from tensorcast.context import CallContext
-from tensorcast.errors import InvalidArgument, StaleFencingToken, TensorCastError
+from tensorcast.errors import InvalidArgument, NotFound, StaleFencingToken, TensorCastError
 from tensorcast.kv.keys import shard_of
 from tensorcast.kv.leases import HomeLeases, LeaseRecord
 from tensorcast.kv.pages import Page, PageStore
 from tensorcast.wire.connection import Connection
 from tensorcast.wire.messages import (
+    Ack,
     AcquireShards,
+    KVCommit,
     KVExists,
     KVExistsReply,
     KVGet,
     KVGetReply,
     KVPut,
     KVPutReply,
+    KVRelease,
     ListShards,
     ListWorkers,
     ReleaseShards,
     RenewShards,
+    SegmentRef,
     ShardGrants,
     ShardTable,
     WorkerList,
@@ -50,6 +55,11 @@ log = logging.getLogger("tensorcast.kv")
 class _PendingPut:
     pages: list[tuple[str, Page] | None]  # None: the page was already stored (bytes discarded)
     started: float
+    ttl: float | None = None
+
+
+# Same-host reservations and read leases not committed/released within this long are reclaimed.
+_SAME_HOST_TIMEOUT = 60.0
 
 
 class ShardHome:
@@ -62,13 +72,17 @@ class ShardHome:
                                max_page_bytes=config.max_page_bytes, default_ttl=config.page_ttl)
         self.num_shards = 0
         self._pending: dict[int, _PendingPut] = {}
+        self._reservations: dict[str, _PendingPut] = {}  # same-host puts awaiting KVCommit
+        self._read_leases: dict[str, tuple[float, list[Any]]] = {}  # same-host gets awaiting KVRelease
         self._scratch = memoryview(bytearray(config.max_page_bytes))
         self._task: asyncio.Task[None] | None = None
         self.serving = True
 
     def register(self, registry: HandlerRegistry) -> None:
         registry.register(KVPut, self.put, sink=self.put_sink)
+        registry.register(KVCommit, self.commit)
         registry.register(KVGet, self.get)
+        registry.register(KVRelease, self.release)
         registry.register(KVExists, self.exists)
 
     def start(self) -> None:
@@ -166,7 +180,7 @@ class ShardHome:
         return shards
 
     # ----------------------------------------------------------------- handlers
-    def put_sink(self, msg: KVPut, conn: Connection) -> list[memoryview]:
+    def _reserve(self, msg: KVPut) -> tuple[_PendingPut, list[memoryview]]:
         if len(msg.keys) != len(msg.sizes):
             raise InvalidArgument("keys and sizes differ in length")
         shards = self._check(msg.keys, msg.tokens)
@@ -183,18 +197,34 @@ class ShardHome:
                 pages.append((key, page))
                 views.append(view)
         except BaseException:
-            for entry in pages:
-                if entry is not None:
-                    self.store.abandon(entry[1])
+            self._abandon(_PendingPut(pages, 0.0))
             raise
-        stale = self._pending.pop(id(msg), None)  # an id reused after a put that never completed
-        for entry in stale.pages if stale else ():
+        return _PendingPut(pages, time.monotonic(), msg.ttl), views
+
+    def _abandon(self, pending: _PendingPut | None) -> None:
+        for entry in pending.pages if pending else ():
             if entry is not None:
                 self.store.abandon(entry[1])
-        self._pending[id(msg)] = _PendingPut(pages, time.monotonic())
+
+    def put_sink(self, msg: KVPut, conn: Connection) -> list[memoryview]:
+        pending, views = self._reserve(msg)
+        self._abandon(self._pending.pop(id(msg), None))  # an id reused after a put that never completed
+        self._pending[id(msg)] = pending
         return views
 
     async def put(self, msg: KVPut, req: Request) -> KVPutReply:
+        if msg.same_host:
+            reserved, _ = self._reserve(msg)
+            rid = uuid.uuid4().hex
+            self._reservations[rid] = reserved
+            locations: list[SegmentRef | None] = []
+            for entry in reserved.pages:
+                if entry is None:
+                    locations.append(None)
+                else:
+                    path, offset = self.store.location(entry[1])
+                    locations.append(SegmentRef(path=path, size=entry[1].nbytes, offset=offset))
+            return KVPutReply(stored=0, locations=tuple(locations), reservation=rid)
         pending = self._pending.pop(id(msg), None)
         if pending is None:
             self._check(msg.keys, msg.tokens)
@@ -208,35 +238,64 @@ class ShardHome:
                 if entry is not None:
                     self.store.abandon(entry[1])
             raise
+        return KVPutReply(stored=self._commit(pending))
+
+    def _commit(self, pending: _PendingPut) -> int:
         now = time.time()
         stored = 0
         for entry in pending.pages:
             if entry is not None:
-                self.store.commit(entry[0], entry[1], msg.ttl, now)
+                self.store.commit(entry[0], entry[1], pending.ttl, now)
                 stored += 1
-        return KVPutReply(stored=stored)
+        return stored
+
+    async def commit(self, msg: KVCommit, req: Request) -> KVPutReply:
+        pending = self._reservations.pop(msg.reservation, None)
+        if pending is None:
+            raise NotFound(f"no KV reservation {msg.reservation} (committed, expired or lost with a lease)")
+        try:
+            self._check(msg.keys, msg.tokens)
+        except StaleFencingToken:
+            self._abandon(pending)
+            raise
+        return KVPutReply(stored=self._commit(pending))
 
     async def get(self, msg: KVGet, req: Request) -> Reply:
         self._check(msg.keys, msg.tokens)
         now = time.time()
         sizes: list[int] = []
         views: list[memoryview] = []
+        locations: list[SegmentRef | None] = []
         releases: list[Any] = []
         for key in msg.keys:
             page = self.store.get(key, now)
             if page is None:
                 sizes.append(-1)
+                locations.append(None)
                 continue
             view, release = self.store.lease(page)
             sizes.append(page.nbytes)
             views.append(view)
             releases.append(release)
+            if msg.same_host:
+                path, offset = self.store.location(page)
+                locations.append(SegmentRef(path=path, size=page.nbytes, offset=offset))
 
         def done() -> None:
             for release in releases:
                 release()
 
+        if msg.same_host:  # the caller copies from the slots, then releases the read lease
+            lease = uuid.uuid4().hex
+            self._read_leases[lease] = (time.monotonic(), releases)
+            return Reply(KVGetReply(sizes=tuple(sizes), locations=tuple(locations), lease=lease))
         return Reply(KVGetReply(sizes=tuple(sizes)), payload=views or None, on_sent=done)
+
+    async def release(self, msg: KVRelease, req: Request) -> Ack:
+        _, releases = self._read_leases.pop(msg.lease, (0.0, []))
+        for release in releases:
+            release()
+        return Ack()
 
     async def exists(self, msg: KVExists, req: Request) -> KVExistsReply:
         self._check(msg.keys, msg.tokens)
@@ -244,9 +303,12 @@ class ShardHome:
         return KVExistsReply(present=bytes(1 if self.store.contains(k, now) else 0 for k in msg.keys))
 
     def _reap_pending(self) -> None:
-        """Reservations whose bytes never arrived (the writer vanished mid-payload)."""
-        cutoff = time.monotonic() - 60.0
+        """Reservations whose bytes never arrived, and same-host leases never released (the caller died)."""
+        cutoff = time.monotonic() - _SAME_HOST_TIMEOUT
         for rid in [r for r, p in self._pending.items() if p.started < cutoff]:
-            for entry in self._pending.pop(rid).pages:
-                if entry is not None:
-                    self.store.abandon(entry[1])
+            self._abandon(self._pending.pop(rid))
+        for res in [r for r, p in self._reservations.items() if p.started < cutoff]:
+            self._abandon(self._reservations.pop(res))
+        for lease in [r for r, (t, _) in self._read_leases.items() if t < cutoff]:
+            for release in self._read_leases.pop(lease)[1]:
+                release()

@@ -104,6 +104,10 @@ class PageStore:
         page = self.index.get(key)
         return page is not None and (page.expires is None or page.expires > now)
 
+    def location(self, page: Page) -> tuple[str, int]:
+        """(file path, offset) of a page's slot, for same-host callers."""
+        return self._arenas[page.arena].path, page.offset
+
     def lease(self, page: Page) -> tuple[memoryview, Callable[[], None]]:
         """The page's bytes, held (not reused) until the returned callable runs."""
         self.slab.lease(page.arena, page.offset)

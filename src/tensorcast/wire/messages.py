@@ -361,6 +361,7 @@ class ShardLease(_Rec):
     expiry: float  # global-store clock
     acquired_at: float = 0.0
     address: str = ""  # the holder's RPC address
+    host_id: str = ""  # the holder's host, for same-host (shared-memory) page access
 
 
 class ListShards(_Msg):
@@ -405,21 +406,41 @@ class KVPut(_Msg):
     sizes: tuple[int, ...]
     tokens: dict[int, int]
     ttl: float | None = None
+    # Same host: no payload; the reply names reserved slots, the caller copies into them, then KVCommit.
+    same_host: bool = False
 
 
 class KVPutReply(_Msg):
     stored: int
+    locations: tuple[SegmentRef | None, ...] = ()  # same_host: where to write each page (None: present)
+    reservation: str = ""
+
+
+class KVCommit(_Msg):
+    """Same host: the caller wrote the reserved slots; make the pages visible (fencing checked again)."""
+
+    reservation: str
+    keys: tuple[str, ...]
+    tokens: dict[int, int]
 
 
 class KVGet(_Msg):
     keys: tuple[str, ...]
     tokens: dict[int, int]
+    # Same host: no payload; the reply names the slots (held under a read lease until KVRelease).
+    same_host: bool = False
 
 
 class KVGetReply(_Msg):
     """``sizes[i]`` bytes of page i follow in the payload, or -1 for a miss."""
 
     sizes: tuple[int, ...]
+    locations: tuple[SegmentRef | None, ...] = ()
+    lease: str = ""
+
+
+class KVRelease(_Msg):
+    lease: str
 
 
 class KVExists(_Msg):
@@ -607,6 +628,8 @@ Message = (
     | KVPutReply
     | KVGet
     | KVGetReply
+    | KVCommit
+    | KVRelease
     | KVExists
     | KVExistsReply
     | GSStats
