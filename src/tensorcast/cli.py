@@ -293,6 +293,56 @@ def get(key: str, out: str, address: str | None, data_dir: str) -> None:
         console.print(f"wrote {out} ({_size(art.nbytes)})")
 
 
+@main.command()
+@click.argument("path", type=click.Path(exists=True))
+@click.argument("key")
+@click.option("--warm", "warm_on", default=None, metavar="WORKER",
+              help="Also read the weights into WORKER's memory now (the warm path), with progress.")
+@click.option("--tp", default=None, metavar="RANK/WORLD", help="With --warm: only this tensor-parallel rank.")
+@click.option("--no-verify", is_flag=True, help="Do not refuse reads of files changed after registration.")
+@_address_option
+@_data_dir_option
+def load(path: str, key: str, warm_on: str | None, tp: str | None, no_verify: bool, address: str | None,
+         data_dir: str) -> None:
+    """Register a safetensors checkpoint PATH under KEY (its bytes are read on use or with --warm)."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    from tensorcast.views import TP
+
+    tp_spec = None
+    if tp is not None:
+        try:
+            rank, world = (int(x) for x in tp.split("/"))
+        except ValueError:
+            raise InvalidArgument(f"--tp expects RANK/WORLD, e.g. 0/2, got {tp!r}") from None
+        tp_spec = TP(rank, world)
+    with _client(address, data_dir) as client:
+        art = client.from_disk(path, key, verify_checksums=not no_verify)
+        console.print(f"{art.id} {key}: {len(art.tensor_names)} tensors, {_size(art.nbytes)}, model_type "
+                      f"{art.info.meta.get('model_type') or '-'} (registered, not read)")
+        if warm_on is None:
+            return
+        total = art.nbytes
+        if tp_spec is not None:
+            view = art.view(tp=tp_spec)
+            total = sum(int(np.prod(view.shape(n), dtype=np.int64)) * art.meta(n).nbytes
+                        // max(int(np.prod(art.meta(n).shape, dtype=np.int64)), 1) for n in view.tensor_names)
+        before = next(w.memory_used for w in client.list_workers() if w.worker_id == warm_on)
+        op = art.prefetch(to=warm_on, tp=tp_spec)
+        with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                      TransferSpeedColumn(), console=console) as progress:
+            task = progress.add_task(f"reading into {warm_on}", total=total)
+            while not op.done():
+                # Worker memory use arrives with heartbeats: coarse but real progress.
+                used = next(w.memory_used for w in client.list_workers() if w.worker_id == warm_on)
+                progress.update(task, completed=min(max(used - before, 0), total))
+                time.sleep(0.2)
+            result = op.result()
+            progress.update(task, completed=total)
+        console.print(f"warm on {warm_on}: {_size(result.bytes_moved)} in {result.seconds:.2f}s"
+                      + (" (already there)" if result.already_present else ""))
+
+
 @main.command(name="ls")
 @click.argument("prefix", default="")
 @_address_option

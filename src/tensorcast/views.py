@@ -19,16 +19,19 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
+import blake3
+import msgspec
 import numpy as np
 
 from tensorcast.errors import InvalidArgument
 from tensorcast.wire.messages import SliceSpec
 
-__all__ = ["TP", "RuleSpec", "TPRules", "apply_slices", "byte_range", "chunk_range", "normalize_slices",
-           "sliced_shape"]
+__all__ = ["TP", "Fused", "RuleSpec", "TPRules", "apply_slices", "byte_range", "chunk_range", "normalize_slices",
+           "sliced_shape", "view_artifact_id"]
 
+_ENCODER = msgspec.msgpack.Encoder()
 SliceFn = Callable[[str, tuple[int, ...], "TP"], Sequence[tuple[int, slice]]]
-RuleSpec = Union[int, str, SliceFn]  # noqa: UP007 - a runtime alias with a forward reference
+RuleSpec = Union[int, str, SliceFn, "Fused"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,17 +78,19 @@ def normalize_slices(shape: tuple[int, ...], slices: Sequence[tuple[int, slice]]
 def sliced_shape(shape: tuple[int, ...], specs: Sequence[SliceSpec]) -> tuple[int, ...]:
     dims = list(shape)
     for s in specs:
-        dims[s.dim] = len(range(s.start, s.stop, s.step))
+        dims[s.dim] = sum(b - a for a, b in s.ranges) if s.ranges else len(range(s.start, s.stop, s.step))
     return tuple(dims)
 
 
 def byte_range(shape: tuple[int, ...], itemsize: int, specs: Sequence[SliceSpec]) -> tuple[int, int] | None:
     """The byte range the slices select if it is one contiguous run of a row-major tensor, else None."""
-    full = [s for s in specs if not (s.start == 0 and s.stop == shape[s.dim] and s.step == 1)]
+    full = [s for s in specs if s.ranges or not (s.start == 0 and s.stop == shape[s.dim] and s.step == 1)]
     if not full:
         return 0, int(np.prod(shape, dtype=np.int64)) * itemsize
-    if len(full) > 1 or full[0].step != 1:
+    if len(full) > 1 or full[0].step != 1 or len(full[0].ranges) > 1:
         return None
+    if full[0].ranges:
+        full = [SliceSpec(dim=full[0].dim, start=full[0].ranges[0][0], stop=full[0].ranges[0][1])]
     dim = full[0].dim
     if any(shape[d] != 1 for d in range(dim)):
         return None
@@ -95,9 +100,51 @@ def byte_range(shape: tuple[int, ...], itemsize: int, specs: Sequence[SliceSpec]
 
 def apply_slices(arr: np.ndarray[Any, Any], specs: Sequence[SliceSpec]) -> np.ndarray[Any, Any]:
     index: list[slice] = [slice(None)] * arr.ndim
+    multi: list[SliceSpec] = []
     for s in specs:
-        index[s.dim] = slice(s.start, s.stop, s.step)
-    return arr[tuple(index)]
+        if s.ranges:
+            multi.append(s)
+        else:
+            index[s.dim] = slice(s.start, s.stop, s.step)
+    out = arr[tuple(index)]
+    for s in multi:
+        parts = []
+        for a, b in s.ranges:
+            sel: list[slice] = [slice(None)] * arr.ndim
+            sel[s.dim] = slice(a, b)
+            parts.append(out[tuple(sel)])
+        out = np.concatenate(parts, axis=s.dim)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Fused:
+    """A rule spec for a tensor that stacks parts along ``dim`` (fused qkv: sizes (q, k, v); fused gate_up:
+    parts=2): each rank gets its ``torch.chunk`` share of every part, concatenated in part order."""
+
+    dim: int = 0
+    parts: int = 0
+    sizes: tuple[int, ...] = ()
+
+    def ranges(self, name: str, n: int, tp: TP) -> tuple[tuple[int, int], ...]:
+        sizes = self.sizes or ((n // self.parts,) * self.parts if self.parts and n % self.parts == 0 else ())
+        if not sizes or sum(sizes) != n:
+            raise InvalidArgument(f"{name}: dimension {self.dim} of size {n} does not split into "
+                                  f"{self.sizes or self.parts}")
+        out = []
+        base = 0
+        for size in sizes:
+            lo, hi = chunk_range(size, tp)
+            out.append((base + lo, base + hi))
+            base += size
+        return tuple(out)
+
+
+def view_artifact_id(parent_id: str, slices: Mapping[str, Sequence[SliceSpec]]) -> str:
+    """The id of the artifact that materializes these slices of ``parent_id`` (same slices, same id)."""
+    doc = [parent_id, sorted((name, [list(msgspec.structs.astuple(s)) for s in specs]) for name, specs
+                             in slices.items())]
+    return "tc-" + str(blake3.blake3(_ENCODER.encode(doc)).hexdigest())[:32]
 
 
 def _matcher(pattern: str) -> Callable[[str], bool]:
@@ -113,6 +160,7 @@ class TPRules:
     def __init__(self, rules: Mapping[str, RuleSpec] | Sequence[tuple[str, RuleSpec]] = (),
                  default: RuleSpec | None = None) -> None:
         items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
+        self.items: list[tuple[str, RuleSpec]] = list(items)
         self._rules: list[tuple[Callable[[str], bool], str, RuleSpec]] = []
         for pattern, spec in items:
             self._check_spec(pattern, spec)
@@ -123,6 +171,8 @@ class TPRules:
 
     @staticmethod
     def _check_spec(pattern: str, spec: RuleSpec) -> None:
+        if isinstance(spec, Fused):
+            return
         if not ((isinstance(spec, int) and not isinstance(spec, bool)) or spec == "replicated" or callable(spec)):
             raise InvalidArgument(f"rule {pattern!r}: spec must be a dimension, 'replicated' or a callable, "
                                   f"got {spec!r}")
@@ -139,13 +189,18 @@ class TPRules:
         spec = self.spec_for(name)
         if spec == "replicated":
             return ()
+        if isinstance(spec, Fused):
+            if not -len(shape) <= spec.dim < len(shape):
+                raise InvalidArgument(f"rule for {name!r} fuses dimension {spec.dim}, but its shape is {shape}")
+            dim = spec.dim % len(shape)
+            return (SliceSpec(dim=dim, start=0, stop=shape[dim], ranges=spec.ranges(name, shape[dim], tp)),)
         if callable(spec):
             return normalize_slices(shape, spec(name, shape, tp))
         assert isinstance(spec, int)
         if not shape:
             raise InvalidArgument(f"tensor {name!r} is 0-d: it can only be replicated")
-        dim = spec % len(shape) if -len(shape) <= spec < len(shape) else None
-        if dim is None:
+        if not -len(shape) <= spec < len(shape):
             raise InvalidArgument(f"rule for {name!r} splits dimension {spec}, but its shape is {shape}")
+        dim = spec % len(shape)
         lo, hi = chunk_range(shape[dim], tp)
         return (SliceSpec(dim=dim, start=lo, stop=hi),)

@@ -44,3 +44,19 @@ def test_put_get_ls_status_rm(shared_cluster: LocalCluster, tmp_path: Path) -> N
         assert tc_cli("rm", key, address=addr).returncode == 0
     missing = tc_cli("get", "cli/a", str(tmp_path / "x.npy"), address=addr)
     assert missing.returncode == 2 and "NOT_FOUND" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_load_registers_a_checkpoint_and_warms_it(shared_cluster: LocalCluster, tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    weights = {"model.layers.0.self_attn.q_proj.weight": torch.randn(64, 32), "model.norm.weight": torch.ones(32)}
+    save_file(weights, str(ckpt / "model.safetensors"))
+    (ckpt / "config.json").write_text('{"model_type": "llama"}')
+    r = tc_cli("load", str(ckpt), "cli/ckpt", "--warm", "w1", "--tp", "1/2", address=shared_cluster.address)
+    assert r.returncode == 0, r.stderr
+    assert "registered, not read" in r.stdout and "warm on w1" in r.stdout
+    bad = tc_cli("load", str(tmp_path), "cli/bad", address=shared_cluster.address)
+    assert bad.returncode == 2 and "NOT_FOUND" in bad.stderr

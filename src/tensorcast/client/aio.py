@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
 import uuid
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -22,13 +25,14 @@ from tensorcast.client.artifact import ArtifactBase, check_target
 from tensorcast.client.reads import Diagnostics, Reader
 from tensorcast.config import Config, default_host_id
 from tensorcast.context import CallContext
-from tensorcast.errors import InvalidArgument, NotFound, TensorCastError
+from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, Unavailable
 from tensorcast.kv.client import AsyncKV
 from tensorcast.plans.builder import Plan, PlanOutcome
 from tensorcast.pool.placement import Placement, resolve_placement
 from tensorcast.pool.segments import SegmentGone, map_shared
 from tensorcast.tensors import ARTIFACT_ID_RE, TensorInput, normalize_tensors
-from tensorcast.views import TP, TPRules, normalize_slices, sliced_shape
+from tensorcast.views import TP, TPRules, normalize_slices, sliced_shape, view_artifact_id
+from tensorcast.weights.rules import rules_for
 from tensorcast.wire.messages import (
     Ack,
     ArtifactInfo,
@@ -54,6 +58,7 @@ from tensorcast.wire.messages import (
     PutData,
     PutDone,
     PutPlan,
+    RegisterCheckpoint,
     ReleaseLease,
     RenewLease,
     RunPlan,
@@ -74,6 +79,23 @@ class AsyncView:
     def __init__(self, artifact: AsyncArtifact, slices: dict[str, tuple[SliceSpec, ...]]) -> None:
         self.artifact = artifact
         self.slices = slices
+        self.view_id = view_artifact_id(artifact.id, slices)
+        self.last_diagnostics: Diagnostics | None = None
+
+    async def _materialize(self, names: tuple[str, ...], like: str, source: str) -> dict[str, Any]:
+        """Warm: a worker already materialized this view (``prefetch(tp=...)``): map that artifact.
+        Cold: slice the parent where its replica lives."""
+        client = self.artifact._client
+        try:
+            info = await client._call(GetArtifact(key_or_id=self.view_id), ArtifactInfo)
+            if any(r.alive for r in info.replicas):
+                out, self.last_diagnostics = await client._reader.materialize(info, names, like, None, source)
+                return out
+        except (NotFound, Unavailable):
+            pass
+        out = await self.artifact._materialize(names, like, source, self.slices)
+        self.last_diagnostics = self.artifact.last_diagnostics
+        return out
 
     @property
     def tensor_names(self) -> tuple[str, ...]:
@@ -89,10 +111,10 @@ class AsyncView:
             name = next(iter(self.slices))
         if name not in self.slices:
             raise NotFound(f"view has no tensor {name!r}")
-        return (await self.artifact._materialize((name,), like, source, self.slices))[name]
+        return (await self._materialize((name,), like, source))[name]
 
     async def tensor_dict(self, like: str = "torch", *, source: str = "auto") -> dict[str, Any]:
-        return await self.artifact._materialize(self.tensor_names, like, source, self.slices)
+        return await self._materialize(self.tensor_names, like, source)
 
     async def tensor_dict_into(self, targets: Mapping[str, Any], *, source: str = "auto") -> None:
         for n in targets:
@@ -100,7 +122,8 @@ class AsyncView:
                 raise NotFound(f"view has no tensor {n!r}")
             meta = self.artifact.meta(n)
             check_target(msgspec.structs.replace(meta, shape=self.shape(n)), targets[n])
-        await self.artifact._fill(targets, source, self.slices)
+        sources = await self._materialize(tuple(targets), _like(targets), source)
+        _copy_into(targets, sources)
 
 
 class AsyncArtifact(ArtifactBase):
@@ -132,26 +155,30 @@ class AsyncArtifact(ArtifactBase):
 
     async def _fill(self, targets: Mapping[str, Any], source: str,
                     slices: dict[str, tuple[SliceSpec, ...]] | None) -> None:
-        names = tuple(targets)
-        like = "torch" if any(type(t).__module__.startswith("torch") for t in targets.values()) else "numpy"
-        sources = await self._materialize(names, like, source, slices)
-        for n in names:
-            dst, src = targets[n], sources[n]
-            if isinstance(dst, np.ndarray):
-                np.copyto(dst, np.asarray(src))
-            else:
-                dst.copy_(src)
+        _copy_into(targets, await self._materialize(tuple(targets), _like(targets), source, slices))
 
     def view(self, slices: Mapping[str, Sequence[tuple[int, slice]]] | None = None, *, tp: TP | None = None,
              rules: TPRules | Mapping[str, Any] | None = None) -> AsyncView:
         """A lazy view: explicit ``slices={name: [(dim, slice), ...]}``, or one tensor-parallel rank's shard
-        with ``tp=TP(rank, world_size)`` and ``rules`` (name pattern -> split dim or "replicated")."""
+        with ``tp=TP(rank, world_size)`` and ``rules`` (name pattern -> split dim or "replicated"; for a
+        checkpoint, the rule set of its ``model_type`` by default)."""
         return AsyncView(self, build_view_slices(self.info, slices, tp, rules))
 
     async def prefetch(self, to: str, *, pin: bool = False, pin_ttl: float | None = None,
-                       timeout: float | None = None, streams: int = 0) -> Prefetched:
-        """Copy this artifact into worker ``to``'s memory (worker-to-worker; a no-op where present)."""
-        return await self._client.prefetch(self.id, to, pin=pin, pin_ttl=pin_ttl, timeout=timeout, streams=streams)
+                       timeout: float | None = None, streams: int = 0, tp: TP | None = None,
+                       rules: TPRules | Mapping[str, Any] | None = None,
+                       slices: Mapping[str, Sequence[tuple[int, slice]]] | None = None) -> Prefetched:
+        """Copy this artifact into worker ``to``'s memory (worker-to-worker; a no-op where present). With
+        ``tp=TP(rank, world)`` (or ``slices``), materialize only that view there: the warm path."""
+        if tp is None and slices is None:
+            return await self._client.prefetch(self.id, to, pin=pin, pin_ttl=pin_ttl, timeout=timeout,
+                                               streams=streams)
+        view = self.view(slices, tp=tp, rules=rules)
+        meta = {"tp": f"{tp.rank}/{tp.world_size}"} if tp is not None else {}
+        msg = Prefetch(artifact_id=self.id, worker_id=to, pin=pin, pin_ttl=pin_ttl, streams=streams,
+                       view=view.slices, view_id=view.view_id, view_meta=meta)
+        done: Prefetched = await self._client._call(msg, Prefetched, self._client._ctx(timeout))
+        return done
 
     async def evict(self, on: str) -> None:
         """Drop worker ``on``'s memory replica (a cache decision; its disk copy, if any, stays)."""
@@ -176,6 +203,19 @@ class AsyncArtifact(ArtifactBase):
         return self
 
 
+def _like(targets: Mapping[str, Any]) -> str:
+    return "torch" if any(type(t).__module__.startswith("torch") for t in targets.values()) else "numpy"
+
+
+def _copy_into(targets: Mapping[str, Any], sources: Mapping[str, Any]) -> None:
+    for n, dst in targets.items():
+        src = sources[n]
+        if isinstance(dst, np.ndarray):
+            np.copyto(dst, np.asarray(src))
+        else:
+            dst.copy_(src)
+
+
 def build_view_slices(info: ArtifactInfo, slices: Mapping[str, Sequence[tuple[int, slice]]] | None,
                       tp: TP | None, rules: TPRules | Mapping[str, Any] | None) -> dict[str, tuple[SliceSpec, ...]]:
     metas = {t.name: t for t in info.tensors}
@@ -190,8 +230,14 @@ def build_view_slices(info: ArtifactInfo, slices: Mapping[str, Sequence[tuple[in
         return out
     assert tp is not None
     if rules is None:
-        raise InvalidArgument("a tensor-parallel view needs rules (tensor name pattern -> split dim or 'replicated')")
-    rule_set = rules if isinstance(rules, TPRules) else TPRules(rules)
+        model_type = info.meta.get("model_type", "")
+        if not model_type:
+            raise InvalidArgument("a tensor-parallel view needs rules (tensor name pattern -> split dim or "
+                                  "'replicated'); this artifact has no model_type to choose them by")
+        config = json.loads(info.meta.get("config", "{}"))
+        rule_set = rules_for(model_type, config)
+    else:
+        rule_set = rules if isinstance(rules, TPRules) else TPRules(rules)
     return {t.name: rule_set.slices(t.name, t.shape, tp) for t in info.tensors}
 
 
@@ -304,6 +350,17 @@ class AsyncClient:
         # Best effort: the worker reclaims abandoned puts after worker.put_timeout anyway.
         with contextlib.suppress(TensorCastError, asyncio.CancelledError):
             await self._call(PutAbort(put_id=put_id), object, CallContext().with_timeout(5.0), address=address)
+
+    async def from_disk(self, path: str | os.PathLike[str], key: str | None = None, *, verify_checksums: bool = True,
+                        on: str | None = None, timeout: float | None = None) -> AsyncArtifact:
+        """Register a safetensors checkpoint (a file, or a directory, sharded or not) as an artifact without
+        reading its tensor bytes; they are read on first use or on ``prefetch``. The worker (the gateway, or
+        ``on``) must see ``path``. ``verify_checksums``: validate every header entry now, and refuse reads
+        if a file changed since (safetensors carries no content checksums to compare against)."""
+        address = self.address if on is None else await self._worker_address(on)
+        msg = RegisterCheckpoint(path=str(Path(path).absolute()), key=key, verify_checksums=verify_checksums)
+        info: ArtifactInfo = await self._call(msg, ArtifactInfo, self._ctx(timeout), address=address)
+        return AsyncArtifact(self, info)
 
     async def prefetch(self, key_or_id: str, to: str, *, pin: bool = False, pin_ttl: float | None = None,
                        timeout: float | None = None, streams: int = 0) -> Prefetched:

@@ -136,7 +136,7 @@ class Reader:
             if ref is None and meta.nbytes:
                 unmapped.append(name)  # a slab-arena object: copied out over the data plane
                 continue
-            buf = None if ref is None else map_private(ref.path, ref.size)
+            buf = None if ref is None else map_private(ref.path, ref.size, ref.offset)
             spec = slices.get(name, ())
             out[name] = wrap_bytes(buf, meta, like) if not spec else _slice_local(buf, meta, spec, like)
         if unmapped:

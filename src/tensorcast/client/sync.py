@@ -74,6 +74,15 @@ class View:
     def tensor_names(self) -> tuple[str, ...]:
         return self._inner.tensor_names
 
+    @property
+    def view_id(self) -> str:
+        """The artifact id this view has once materialized on a worker (``prefetch(tp=...)``)."""
+        return self._inner.view_id
+
+    @property
+    def last_diagnostics(self) -> Diagnostics | None:
+        return self._inner.last_diagnostics
+
     def shape(self, name: str) -> tuple[int, ...]:
         return self._inner.shape(name)
 
@@ -124,12 +133,14 @@ class Artifact(ArtifactBase):
         """A lazy view: ``slices={name: [(dim, slice), ...]}`` or ``tp=TP(rank, world_size)`` with ``rules``."""
         return View(self, self._inner.view(slices, tp=tp, rules=rules))
 
-    def prefetch(self, to: str, *, pin: bool = False, pin_ttl: float | None = None,
-                 timeout: float | None = None, streams: int = 0) -> Operation[Prefetched]:
-        """Copy the artifact into worker ``to``'s memory, worker-to-worker. Returns at once."""
-        return Operation(self._client._loop.submit(self._inner.prefetch(to, pin=pin, pin_ttl=pin_ttl,
-                                                                        timeout=timeout, streams=streams)),
-                         "prefetch")
+    def prefetch(self, to: str, *, pin: bool = False, pin_ttl: float | None = None, timeout: float | None = None,
+                 streams: int = 0, tp: TP | None = None, rules: TPRules | Mapping[str, Any] | None = None,
+                 slices: Mapping[str, Sequence[tuple[int, slice]]] | None = None) -> Operation[Prefetched]:
+        """Copy the artifact into worker ``to``'s memory, worker-to-worker; with ``tp=TP(rank, world)`` only
+        that rank's view (the warm path for weights). Returns at once."""
+        return Operation(self._client._loop.submit(self._inner.prefetch(
+            to, pin=pin, pin_ttl=pin_ttl, timeout=timeout, streams=streams, tp=tp, rules=rules, slices=slices)),
+            "prefetch")
 
     def evict(self, on: str) -> None:
         """Drop worker ``on``'s memory replica now (its disk copy, if any, stays)."""
@@ -185,6 +196,12 @@ class Client:
                  timeout: float | None = None) -> Operation[Prefetched]:
         return Operation(self._loop.submit(self.aio.prefetch(key_or_id, to, pin=pin, pin_ttl=pin_ttl,
                                                              timeout=timeout)), "prefetch")
+
+    def from_disk(self, path: str | os.PathLike[str], key: str | None = None, *, verify_checksums: bool = True,
+                  on: str | None = None, timeout: float | None = None) -> Artifact:
+        """Register a safetensors checkpoint without reading it (see ``AsyncClient.from_disk``)."""
+        return self._wrap(self._run(self.aio.from_disk(path, key, verify_checksums=verify_checksums, on=on,
+                                                       timeout=timeout)))
 
     def artifact(self, key_or_id: str, *, timeout: float | None = None) -> Artifact:
         return self._wrap(self._run(self.aio.artifact(key_or_id, timeout=timeout)))

@@ -144,7 +144,7 @@ class GlobalStore:
             keys=await self.backend.keys_of(artifact_id),
             owner="system" if row.lease_expiry is None else "lease",
             lease_expiry=row.lease_expiry, created_at=row.info.created_at, replicas=tuple(replicas),
-            policy=row.info.policy,
+            policy=row.info.policy, meta=row.info.meta,
         )
 
     # ----------------------------------------------------------------- handlers

@@ -47,7 +47,8 @@ CREATE TABLE IF NOT EXISTS artifacts (
     nbytes INTEGER NOT NULL,
     created_at REAL NOT NULL,
     lease_expiry REAL,
-    policy TEXT NOT NULL DEFAULT 'cache'
+    policy TEXT NOT NULL DEFAULT 'cache',
+    meta TEXT NOT NULL DEFAULT '{}'
 );
 CREATE INDEX IF NOT EXISTS artifacts_lease ON artifacts(lease_expiry) WHERE lease_expiry IS NOT NULL;
 CREATE TABLE IF NOT EXISTS keys (
@@ -244,8 +245,9 @@ class SqliteBackend(MetadataBackend):
             row = db.execute("SELECT lease_expiry FROM artifacts WHERE artifact_id=?", (info.id,)).fetchone()
             lease = merge_lease(False if row is None else row[0], lease_expiry)
             if row is None:
-                db.execute("INSERT INTO artifacts VALUES (?,?,?,?,?,?)",
-                           (info.id, _TENSORS.encode(info.tensors), info.nbytes, now, lease, info.policy))
+                db.execute("INSERT INTO artifacts VALUES (?,?,?,?,?,?,?)",
+                           (info.id, _TENSORS.encode(info.tensors), info.nbytes, now, lease, info.policy,
+                            json.dumps(info.meta)))
             else:
                 db.execute("UPDATE artifacts SET lease_expiry=? WHERE artifact_id=?", (lease, info.id))
             if key is not None:
@@ -264,12 +266,12 @@ class SqliteBackend(MetadataBackend):
 
     async def get_artifact(self, artifact_id: str) -> ArtifactRow | None:
         row = self.db.execute(
-            "SELECT tensors, nbytes, created_at, lease_expiry, policy FROM artifacts WHERE artifact_id=?",
+            "SELECT tensors, nbytes, created_at, lease_expiry, policy, meta FROM artifacts WHERE artifact_id=?",
             (artifact_id,)).fetchone()
         if row is None:
             return None
         info = ArtifactInfo(id=artifact_id, tensors=_TENSORS_DEC.decode(row[0]), nbytes=row[1], created_at=row[2],
-                            policy=row[4])
+                            policy=row[4], meta=json.loads(row[5]))
         return ArtifactRow(info, row[3])
 
     async def keys_of(self, artifact_id: str) -> tuple[str, ...]:

@@ -208,16 +208,22 @@ def _map(path: str, size: int, flags: int, prot: int, offset: int = 0) -> mmap.m
     except (FileNotFoundError, PermissionError):
         raise SegmentGone(f"segment {path} is gone (deleted, or on another host)") from None
     try:
-        if os.fstat(fd).st_size < offset + size:
+        if os.fstat(fd).st_size < offset + size:  # offset: where the mapping starts
             raise SegmentGone(f"segment {path} is smaller than expected")
         return mmap.mmap(fd, size, flags=flags, prot=prot, offset=offset)
     finally:
         os.close(fd)
 
 
-def map_private(path: str, size: int) -> mmap.mmap:
-    """Copy-on-write mapping: the caller may write into it; the pool's bytes never change."""
-    return _map(path, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+def map_private(path: str, size: int, offset: int = 0) -> mmap.mmap | memoryview:
+    """Copy-on-write mapping: the caller may write into it; the pool's bytes never change. With an
+    ``offset`` (a tensor inside a checkpoint file), the mapping starts at the page below it and the
+    returned memoryview covers exactly ``[offset, offset + size)`` (it keeps the mapping alive)."""
+    if offset == 0:
+        return _map(path, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+    base = offset - offset % mmap.ALLOCATIONGRANULARITY
+    mm = _map(path, size + offset - base, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE, offset=base)
+    return memoryview(mm)[offset - base : offset - base + size]
 
 
 def map_shared(path: str, size: int) -> mmap.mmap:

@@ -58,6 +58,9 @@ class ArtifactInfo(_Msg):
     created_at: float = 0.0
     replicas: tuple[ReplicaInfo, ...] = ()
     policy: str = "cache"
+    # Descriptive metadata: for checkpoints registered with from_disk, "source", "format", "model_type",
+    # "config" (config.json as JSON); for materialized views, "view_of" and "view".
+    meta: dict[str, str] = {}
 
 
 class WorkerInfo(_Rec):
@@ -95,6 +98,17 @@ class InstanceInfo(_Rec):
     alive: bool = True
     last_heartbeat: float = 0.0
     engine: str = ""
+
+
+class SliceSpec(_Rec):
+    """``tensor[..., start:stop:step, ...]`` on dimension ``dim``; or, when ``ranges`` is set, the
+    concatenation of ``tensor[..., a:b, ...]`` for each ``(a, b)`` (one rank's part of a fused tensor)."""
+
+    dim: int
+    start: int
+    stop: int
+    step: int = 1
+    ranges: tuple[tuple[int, int], ...] = ()
 
 
 class SegmentRef(_Rec):
@@ -203,6 +217,10 @@ class Prefetch(_Msg):
     pin_ttl: float | None = None
     pin: bool = False
     streams: int = 0  # parallel TCP streams per tensor; 0 = transport.streams / automatic
+    # Materialize a view (e.g. one tensor-parallel rank's slices) as the artifact ``view_id`` instead.
+    view: dict[str, tuple[SliceSpec, ...]] | None = None
+    view_id: str = ""
+    view_meta: dict[str, str] = {}
 
 
 class Prefetched(_Msg):
@@ -213,6 +231,14 @@ class Prefetched(_Msg):
     bytes_moved: int = 0
     seconds: float = 0.0
     retries: int = 0
+
+
+class RegisterCheckpoint(_Msg):
+    """Register a safetensors checkpoint (file or directory, readable by the worker) without reading it."""
+
+    path: str
+    key: str | None = None
+    verify_checksums: bool = True
 
 
 class Unpin(_Msg):
@@ -239,15 +265,6 @@ class DropArtifact(_Msg):
 class DataHello(_Msg):
     protocol_version: int
     token: str | None = None
-
-
-class SliceSpec(_Rec):
-    """``tensor[..., start:stop:step, ...]`` on dimension ``dim``."""
-
-    dim: int
-    start: int
-    stop: int
-    step: int = 1
 
 
 class DataRequest(_Msg):
@@ -593,6 +610,7 @@ Message = (
     | Prefetch
     | Prefetched
     | Unpin
+    | RegisterCheckpoint
     | Evict
     | GetArtifact
     | ListArtifacts

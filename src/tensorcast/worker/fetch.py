@@ -13,18 +13,42 @@ import asyncio
 import logging
 import time
 
+import blake3
+import msgspec
+import numpy as np
+
 from tensorcast.config import TransportConfig
 from tensorcast.errors import NotFound, TensorCastError, Unavailable
 from tensorcast.pool.memory import BlobLoc
 from tensorcast.pool.placement import PRESETS
+from tensorcast.tensors import numpy_dtype
 from tensorcast.transport.base import ChunkCorrupted, stream_count
 from tensorcast.transport.tcp import TcpTransport
-from tensorcast.wire.messages import ArtifactInfo, DataRequest, Prefetched, ReplicaInfo, TensorMeta
+from tensorcast.views import apply_slices, byte_range, sliced_shape
+from tensorcast.weights.reader import pread_into
+from tensorcast.wire.messages import ArtifactInfo, DataRequest, Prefetched, ReplicaInfo, SliceSpec, TensorMeta
 from tensorcast.worker.store import LocalStore
 
-__all__ = ["Fetcher"]
+__all__ = ["Fetcher", "view_digest"]
+
+
+def view_digest(digest: str, specs: tuple[SliceSpec, ...]) -> str:
+    """Identity of a slice of a tensor: derived from the source's digest and the slices, not re-hashed."""
+    if not specs:
+        return digest
+    return str(blake3.blake3(_ENC.encode([digest, list(specs)])).hexdigest())
+
+
+def _copy_slices(src: memoryview, meta: TensorMeta, specs: tuple[SliceSpec, ...], dest: memoryview) -> None:
+    dtype = numpy_dtype(meta.dtype)
+    arr = np.frombuffer(src, dtype=np.uint8).view(dtype).reshape(meta.shape) if meta.nbytes else \
+        np.empty(meta.shape, dtype)
+    part = apply_slices(arr, specs) if specs else arr
+    out = np.frombuffer(dest, dtype=np.uint8).view(dtype).reshape(part.shape)
+    np.copyto(out, part)
 
 log = logging.getLogger("tensorcast.worker")
+_ENC = msgspec.msgpack.Encoder()
 
 
 class Fetcher:
@@ -74,6 +98,85 @@ class Fetcher:
                           source_tier=result.source_tier, bytes_moved=result.bytes_moved,
                           seconds=time.perf_counter() - t0, retries=result.retries)
 
+    async def materialize_view(self, info: ArtifactInfo, view: dict[str, tuple[SliceSpec, ...]], view_id: str,
+                               deadline: float | None, trace_id: str) -> tuple[Prefetched, tuple[TensorMeta, ...]]:
+        """Build artifact ``view_id`` in memory from slices of ``info``'s tensors: read here (a checkpoint in
+        place with parallel preads, or a local replica) or fetched sliced from a peer. Returns its tensors."""
+        store = self.store
+        if store.memory.has_replica(view_id):
+            store.touch(view_id)
+            return Prefetched(worker_id=self.worker_id, already_present=True), store.memory.tensors(view_id)
+        metas = {t.name: t for t in info.tensors}
+        unknown = sorted(set(view) - set(metas))
+        if unknown:
+            raise NotFound(f"artifact {info.id} has no tensors {unknown[:5]}")
+        out: list[TensorMeta] = []
+        for name in sorted(view):
+            meta, specs = metas[name], view[name]
+            shape = sliced_shape(meta.shape, specs) if specs else meta.shape
+            nbytes = int(np.prod(shape, dtype=np.int64)) * numpy_dtype(meta.dtype).itemsize
+            out.append(TensorMeta(name=name, dtype=meta.dtype, shape=shape, nbytes=nbytes,
+                                  digest=view_digest(meta.digest, specs)))
+        await store.make_room(sum(t.nbytes for t in out), "evict", exclude=frozenset({view_id}))
+        t0 = time.perf_counter()
+        allocated: dict[str, BlobLoc] = {}
+        moved = 0
+        source = ""
+        self.in_flight += 1
+        try:
+            for t in out:
+                if not t.nbytes or store.memory.has_blob(t.digest) or t.digest in allocated:
+                    continue
+                loc = store.memory.allocate(t.nbytes)
+                allocated[t.digest] = loc
+                src = await self._fill_view(info, metas[t.name], view[t.name], loc, deadline, trace_id)
+                source = source or src
+                moved += t.nbytes
+            for digest, loc in allocated.items():
+                store.memory.commit_blob(digest, loc)
+            allocated.clear()
+            store.add_memory_replica(view_id, tuple(out), PRESETS["cache"])
+        except BaseException:
+            for loc in allocated.values():
+                store.memory.discard(loc)
+            store.memory.release_unreferenced()
+            raise
+        finally:
+            self.in_flight -= 1
+        return Prefetched(worker_id=self.worker_id, already_present=False, source=source, source_tier="disk",
+                          bytes_moved=moved, seconds=time.perf_counter() - t0), tuple(out)
+
+    async def _fill_view(self, info: ArtifactInfo, meta: TensorMeta, specs: tuple[SliceSpec, ...], loc: BlobLoc,
+                         deadline: float | None, trace_id: str) -> str:
+        itemsize = numpy_dtype(meta.dtype).itemsize
+        rng = byte_range(meta.shape, itemsize, specs) if specs else (0, meta.nbytes)
+        ext = self.store.external_location(info.id, meta.name)
+        if ext is not None and rng is not None:  # a checkpoint in place: only the slice's bytes are read
+            await asyncio.to_thread(pread_into, ext.file, ext.offset + rng[0], loc.view(),
+                                    streams=self.config.max_streams)
+            return self.worker_id
+        if ext is not None or self.store.memory.has_blob(meta.digest) or (
+                self.store.disk is not None and self.store.disk.has_blob(meta.digest)):
+            src, _tier, release = self.store.lease_tensor(info.id, meta, "")
+            try:
+                await asyncio.to_thread(_copy_slices, src, meta, specs, loc.view())
+            finally:
+                release()
+            return self.worker_id
+        last: TensorCastError = NotFound(f"artifact {info.id} has no live replica to slice {meta.name!r} from")
+        for replica in self._sources(info):
+            req = DataRequest(artifact_id=info.id, name=meta.name, tier=replica.tier)
+            req = msgspec.structs.replace(req, offset=rng[0], length=rng[1] - rng[0]) if rng is not None else \
+                msgspec.structs.replace(req, slices=specs)
+            try:
+                await asyncio.to_thread(self.transport.fetch, replica.data_address, req, loc.view(),
+                                        streams=stream_count(self.config, loc.size), deadline=deadline,
+                                        trace_id=trace_id)
+                return replica.worker_id
+            except (Unavailable, NotFound) as exc:
+                last = exc
+        raise last
+
     def _sources(self, info: ArtifactInfo) -> list[ReplicaInfo]:
         peers = [r for r in info.replicas if r.worker_id != self.worker_id and r.alive and r.data_address]
         return sorted(peers, key=lambda r: r.tier != "memory")
@@ -81,6 +184,10 @@ class Fetcher:
     async def _fill(self, info: ArtifactInfo, meta: TensorMeta, loc: BlobLoc, deadline: float | None,
                     trace_id: str, streams: int) -> tuple[str, str, int]:
         """Fill ``loc`` with ``meta``'s bytes; returns (source worker, tier, retries)."""
+        ext = self.store.external_location(info.id, meta.name)
+        if ext is not None:  # a checkpoint registered in place on this worker: parallel reads
+            await asyncio.to_thread(pread_into, ext.file, ext.offset, loc.view(), streams=self.config.max_streams)
+            return "", "disk", 0
         disk = self.store.disk
         if disk is not None and disk.has_blob(meta.digest):
             src, tier, release = self.store._lease_bytes(meta, "disk")

@@ -19,13 +19,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+import blake3
+
 from tensorcast.config import Config, default_host_id
 from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, Unavailable
 from tensorcast.kv.home import ShardHome
 from tensorcast.plans.executor import PlanExecutor
 from tensorcast.pool.placement import resolve_placement
+from tensorcast.tensors import ARTIFACT_ID_RE, artifact_id
 from tensorcast.transport.tcp import DataServer, TcpTransport
+from tensorcast.weights.safetensors import Checkpoint, CheckpointTensor, open_checkpoint
 from tensorcast.wire.messages import (
     Ack,
     AddReplica,
@@ -60,6 +64,7 @@ from tensorcast.wire.messages import (
     PutData,
     PutDone,
     PutPlan,
+    RegisterCheckpoint,
     Registered,
     RegisterInstance,
     RegisterWorker,
@@ -127,6 +132,7 @@ class Worker:
         r.register(Prefetch, self.prefetch)
         r.register(Unpin, self.unpin)
         r.register(Evict, self.evict)
+        r.register(RegisterCheckpoint, self.register_checkpoint)
         r.register(DropArtifact, self.drop_artifact)
         # Metadata calls are answered by the GS; every worker forwards them so any worker is an entry point.
         forwarded: tuple[type, ...] = (GetArtifact, ListArtifacts, ListWorkers, RenewLease, RegisterInstance,
@@ -193,8 +199,23 @@ class Worker:
                     raise Unavailable(f"cannot register with the global store: {exc}") from exc
                 await asyncio.sleep(0.2)
 
+    async def _restore_external(self) -> None:
+        """Checkpoints registered in place before a restart: re-open them (unchanged files only)."""
+        for aid, path, verify in self.store.external_registrations():
+            if aid in self.store.external:
+                continue
+            try:
+                ckpt = await asyncio.to_thread(open_checkpoint, path)
+            except TensorCastError as exc:
+                log.warning("checkpoint %s registered as %s is no longer usable: %s", path, aid, exc)
+                continue
+            metas = _checkpoint_metas(ckpt)
+            if artifact_id(metas) == aid:
+                self.store.add_external(aid, metas, dict(ckpt.tensors), verify, ckpt.path)
+
     async def _announce_replicas(self) -> None:
         """Tell the GS which replicas this worker holds (disk replicas survive restarts)."""
+        await self._restore_external()
         ids = set(self.store.memory.replica_ids())
         if self.store.disk is not None:
             ids |= set(self.store.disk.manifests)
@@ -387,6 +408,8 @@ class Worker:
             return routed  # type: ignore[no-any-return]
         info = (await self.gs.call(GetArtifact(key_or_id=msg.artifact_id), req.ctx)).message
         assert isinstance(info, ArtifactInfo)
+        if msg.view is not None:
+            return await self._materialize_view(info, msg, req)
         result = await self.fetcher.fetch(info, req.ctx.deadline, req.ctx.trace_id, msg.streams)
         if msg.pin:
             self.store.pin(info.id, msg.pin_ttl)
@@ -396,6 +419,40 @@ class Worker:
             log.info("prefetched %s from %s (%d bytes, %.3fs, %d retries)", info.id, result.source or "local disk",
                      result.bytes_moved, result.seconds, result.retries)
         return result
+
+    async def _materialize_view(self, info: ArtifactInfo, msg: Prefetch, req: Request) -> Prefetched:
+        assert msg.view is not None
+        if not ARTIFACT_ID_RE.match(msg.view_id):
+            raise InvalidArgument(f"view_id {msg.view_id!r} is not an artifact id")
+        result, tensors = await self.fetcher.materialize_view(info, msg.view, msg.view_id, req.ctx.deadline,
+                                                               req.ctx.trace_id)
+        if msg.pin:
+            self.store.pin(msg.view_id, msg.pin_ttl)
+        self.bytes_in += result.bytes_moved
+        if not result.already_present:
+            view_info = ArtifactInfo(id=msg.view_id, tensors=tensors, nbytes=_nbytes(tensors), policy="cache",
+                                     meta={**msg.view_meta, "view_of": info.id})
+            await self.gs.call(CommitArtifact(artifact=view_info, worker_id=self.worker_id, tiers=("memory",)),
+                               req.ctx)
+            log.info("materialized view %s of %s (%d bytes, %.3fs)", msg.view_id, info.id, result.bytes_moved,
+                     result.seconds)
+        return result
+
+    async def register_checkpoint(self, msg: RegisterCheckpoint, req: Request) -> ArtifactInfo:
+        ckpt = await asyncio.to_thread(open_checkpoint, msg.path)
+        metas = _checkpoint_metas(ckpt)
+        aid = artifact_id(metas)
+        self.store.add_external(aid, metas, dict(ckpt.tensors), msg.verify_checksums, ckpt.path)
+        meta = {"source": ckpt.path, "format": "safetensors", "model_type": ckpt.model_type,
+                "config": json.dumps(ckpt.config)}
+        info = ArtifactInfo(id=aid, tensors=metas, nbytes=_nbytes(metas), policy="durable", meta=meta)
+        frame = await self.gs.call(CommitArtifact(artifact=info, worker_id=self.worker_id, key=msg.key,
+                                                  tiers=("disk",)), req.ctx)
+        log.info("registered checkpoint %s as %s (%d tensors, %d bytes, not read)", ckpt.path, aid, len(metas),
+                 info.nbytes)
+        done = frame.message
+        assert isinstance(done, ArtifactInfo)
+        return done
 
     async def unpin(self, msg: Unpin, req: Request) -> Ack:
         routed = await self._route(msg.worker_id, msg, req)
@@ -432,6 +489,19 @@ class Worker:
     def _drop(self, aid: str) -> None:
         self.store.drop(aid)
         self._dropped.add(aid)
+
+
+def _checkpoint_metas(ckpt: Checkpoint) -> tuple[TensorMeta, ...]:
+    return tuple(sorted((TensorMeta(name=t.name, dtype=t.dtype, shape=t.shape, nbytes=t.nbytes,
+                                    digest=_location_digest(t)) for t in ckpt.tensors.values()),
+                        key=lambda m: m.name))
+
+
+def _location_digest(t: CheckpointTensor) -> str:
+    """Identity of a tensor inside a checkpoint file registered in place: where it is, not its content
+    (reading every byte to hash it is what from_disk avoids). Re-registering unchanged files is a no-op."""
+    return str(blake3.blake3(f"file:{t.file}:{t.file_size}:{t.file_mtime_ns}:{t.offset}:{t.nbytes}".encode())
+               .hexdigest())
 
 
 def _nbytes(tensors: tuple[TensorMeta, ...]) -> int:

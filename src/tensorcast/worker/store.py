@@ -9,8 +9,11 @@ plane needs it. Does not own: the put and fetch protocols (``worker.puts``, ``wo
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -28,6 +31,7 @@ from tensorcast.pool.state import MemoryReplica
 from tensorcast.tensors import numpy_dtype
 from tensorcast.transport.base import CHUNK_BYTES, SourceLease, chunk_checksums
 from tensorcast.views import apply_slices
+from tensorcast.weights.safetensors import CheckpointTensor
 from tensorcast.wire.messages import DataRequest, SegmentRef, TensorMeta
 
 __all__ = ["LocalStore"]
@@ -49,13 +53,18 @@ class LocalStore:
         self._lock = threading.Lock()
         self._disk_segments: dict[str, Segment] = {}  # open read mappings of disk blobs
         self._checksums: dict[str, list[int]] = {}  # digest -> data-plane chunk checksums
+        # Checkpoints registered in place (from_disk): artifact id -> tensor name -> where its bytes are.
+        self.external: dict[str, dict[str, CheckpointTensor]] = {}
+        self._external_meta: dict[str, tuple[TensorMeta, ...]] = {}
+        self._external_verify: dict[str, bool] = {}
+        self._files: dict[str, Segment] = {}
 
     # ----------------------------------------------------------------- queries
     def tiers(self, artifact_id: str) -> tuple[str, ...]:
         out = []
         if self.memory.has_replica(artifact_id):
             out.append("memory")
-        if self.disk is not None and self.disk.has_artifact(artifact_id):
+        if (self.disk is not None and self.disk.has_artifact(artifact_id)) or artifact_id in self.external:
             out.append("disk")
         return tuple(out)
 
@@ -64,6 +73,8 @@ class LocalStore:
             return self.memory.tensors(artifact_id)
         if self.disk is not None and artifact_id in self.disk.manifests:
             return self.disk.manifests[artifact_id].tensors
+        if artifact_id in self._external_meta:
+            return self._external_meta[artifact_id]
         raise NotFound(f"artifact {artifact_id} has no replica on this worker")
 
     def meta(self, artifact_id: str, name: str) -> TensorMeta:
@@ -139,6 +150,12 @@ class LocalStore:
     def drop(self, artifact_id: str) -> bool:
         """Forget every local replica of an artifact (it was deleted)."""
         gone = self.memory.remove_replica(artifact_id)
+        if self.external.pop(artifact_id, None) is not None:
+            self._external_meta.pop(artifact_id, None)
+            if self.config.disk_dir:
+                with contextlib.suppress(OSError):
+                    (Path(self.config.disk_dir) / "external" / artifact_id).unlink()
+            gone = True
         if self.disk is not None and self.disk.remove_artifact(artifact_id):
             gone = True
             with self._lock:
@@ -161,6 +178,50 @@ class LocalStore:
                     release()
         disk.add_artifact(Manifest(artifact_id, tensors, policy))
 
+    # ----------------------------------------------------------------- checkpoints in place
+    def add_external(self, artifact_id: str, tensors: tuple[TensorMeta, ...],
+                     locations: dict[str, CheckpointTensor], verify: bool, source: str) -> None:
+        self.external[artifact_id] = locations
+        self._external_meta[artifact_id] = tensors
+        self._external_verify[artifact_id] = verify
+        if self.config.disk_dir:  # remembered across restarts (the files are re-validated then)
+            reg = Path(self.config.disk_dir) / "external"
+            reg.mkdir(parents=True, exist_ok=True)
+            (reg / artifact_id).write_text(json.dumps({"path": source, "verify": verify}))
+
+    def external_registrations(self) -> list[tuple[str, str, bool]]:
+        """(artifact id, path, verify) of checkpoints registered in place before a restart."""
+        reg = Path(self.config.disk_dir) / "external" if self.config.disk_dir else None
+        if reg is None or not reg.exists():
+            return []
+        out = []
+        for f in reg.iterdir():
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                doc = json.loads(f.read_text())
+                out.append((f.name, str(doc["path"]), bool(doc["verify"])))
+        return out
+
+    def external_location(self, artifact_id: str, name: str) -> CheckpointTensor | None:
+        loc = self.external.get(artifact_id, {}).get(name)
+        if loc is not None and self._external_verify.get(artifact_id, True):
+            try:
+                st = os.stat(loc.file)
+            except OSError as exc:
+                raise NotFound(f"checkpoint file {loc.file} (tensor {name!r}) is gone: {exc}") from None
+            if st.st_size != loc.file_size or st.st_mtime_ns != loc.file_mtime_ns:
+                raise InvalidArgument(f"checkpoint file {loc.file} changed since it was registered (tensor "
+                                      f"{name!r}): register it again")
+        return loc
+
+    def _file(self, path: str) -> Segment:
+        with self._lock:
+            seg = self._files.get(path)
+            if seg is None:
+                seg = Segment.open_existing(path)
+                self._files[path] = seg
+            seg.readers += 1
+            return seg
+
     # ----------------------------------------------------------------- sources
     def _disk_segment(self, digest: str) -> Segment:
         disk = self.require_disk()
@@ -173,6 +234,19 @@ class LocalStore:
                 self._disk_segments[digest] = seg
             seg.readers += 1
             return seg
+
+    def lease_tensor(self, artifact_id: str, meta: TensorMeta, tier: str) -> tuple[memoryview, str, Callable[[], None]]:
+        """A tensor's bytes from any local tier, checkpoints in place included, held until released."""
+        loc = self.external_location(artifact_id, meta.name) if tier in ("", "disk") else None
+        if loc is not None and not (tier == "" and self.memory.has_blob(meta.digest)):
+            seg = self._file(loc.file)
+
+            def release_file() -> None:
+                with self._lock:
+                    seg.readers -= 1
+
+            return seg.view()[loc.offset : loc.offset + loc.nbytes], "disk", release_file
+        return self._lease_bytes(meta, tier)
 
     def _lease_bytes(self, meta: TensorMeta, tier: str) -> tuple[memoryview, str, Callable[[], None]]:
         if tier in ("", "memory") and self.memory.has_blob(meta.digest):
@@ -193,7 +267,7 @@ class LocalStore:
         meta = self.meta(req.artifact_id, req.name)
         if meta.nbytes == 0:
             return SourceLease(memoryview(b""), "memory", lambda: None)
-        view, tier, release = self._lease_bytes(meta, req.tier)
+        view, tier, release = self.lease_tensor(req.artifact_id, meta, req.tier)
         if req.slices:
             try:
                 arr = np.frombuffer(view, dtype=np.uint8).view(numpy_dtype(meta.dtype)).reshape(meta.shape)
@@ -227,6 +301,8 @@ class LocalStore:
                     ref = SegmentRef(path=loc.segment.path, size=loc.size, tier="memory")
             elif meta.nbytes and tier in ("", "disk") and self.disk is not None and self.disk.has_blob(meta.digest):
                 ref = SegmentRef(path=self.disk.blob_path(meta.digest), size=meta.nbytes, tier="disk")
+            elif meta.nbytes and tier in ("", "disk") and (ext := self.external_location(artifact_id, name)):
+                ref = SegmentRef(path=ext.file, size=ext.nbytes, offset=ext.offset, tier="disk")
             elif meta.nbytes:
                 raise NotFound(f"tensor {name!r} has no {tier or 'local'} replica here")
             out.append(ref)
@@ -235,9 +311,10 @@ class LocalStore:
     def close(self) -> None:
         self.memory.close()
         with self._lock:
-            for seg in self._disk_segments.values():
+            for seg in [*self._disk_segments.values(), *self._files.values()]:
                 seg.try_close()
             self._disk_segments.clear()
+            self._files.clear()
 
 
 def pin_deadline(ttl: float | None) -> float:
