@@ -14,6 +14,7 @@ so pages are only valid at their original positions: ``position_ids`` start at t
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ class HFCausalLMAdaptor:
 
     def __init__(self, model: Any, *, kv_tokens_capacity: int = 1 << 20) -> None:
         self.model = model.eval()
+        # transformers renamed ``past_key_values`` to ``cache`` (5.2x); speak whichever this version takes.
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.config = model.config
         self.kv_tokens_capacity = kv_tokens_capacity
         self.requests: dict[str, _Request] = {}
@@ -49,13 +52,14 @@ class HFCausalLMAdaptor:
 
         n = ids.shape[1]
         with torch.no_grad():
-            return self.model(
+            out = self.model(
                 input_ids=ids,
-                cache=cache,
                 use_cache=True,
                 position_ids=torch.arange(start, start + n).unsqueeze(0),
                 attention_mask=torch.ones(1, start + n, dtype=torch.long),
+                **{self._cache_kw: cache},
             )
+        return out, getattr(out, "cache", None) or out.past_key_values
 
     def _new_cache(self) -> Any:
         from transformers import DynamicCache
@@ -75,8 +79,8 @@ class HFCausalLMAdaptor:
         ids = torch.tensor([input_ids], dtype=torch.long)
         if ids.shape[1] < 2:
             raise InvalidArgument("a prompt needs at least two tokens")
-        out = self._forward(ids, self._new_cache(), 0)
-        req = _Request(ids, out.cache, ids.shape[1], out.logits[0, -1].clone())
+        out, cache = self._forward(ids, self._new_cache(), 0)
+        req = _Request(ids, cache, ids.shape[1], out.logits[0, -1].clone())
         self.requests[request_id] = req
         return [float(x) for x in req.logits]
 
@@ -84,7 +88,7 @@ class HFCausalLMAdaptor:
         req = self._request(request_id)
         if req.logits is None:
             # Hydrated: the cache covers all but the last prompt token, which we run now.
-            out = self._forward(req.input_ids[:, req.cached :], req.cache, req.cached)
+            out, _ = self._forward(req.input_ids[:, req.cached :], req.cache, req.cached)
             req.cached = req.input_ids.shape[1]
             req.logits = out.logits[0, -1].clone()
         return [float(x) for x in req.logits]
@@ -100,7 +104,7 @@ class HFCausalLMAdaptor:
             tok = int(torch.argmax(req.logits))
             tokens.append(tok)
             step = torch.tensor([[tok]], dtype=torch.long)
-            out = self._forward(step, req.cache, req.cached)
+            out, _ = self._forward(step, req.cache, req.cached)
             req.input_ids = torch.cat([req.input_ids, step], dim=1)
             req.cached += 1
             req.logits = out.logits[0, -1].clone()

@@ -1,0 +1,243 @@
+"""Weight loading on a CPU-only host: TensorCast cold and warm against the usual loaders, in one run.
+
+A Llama-shaped bf16 checkpoint with random weights is generated (sharded safetensors; >= 4 GiB in the full
+run, ~0.5 GiB with --quick), then for TP=1 and TP=2 (rank 0), with the page cache warm and, separately,
+after ``posix_fadvise(DONTNEED)`` on the files, we time:
+- physical limits: N parallel ``readinto`` streams into freshly allocated memory and into already-touched
+  memory (first touch of fresh memory costs about as much as the read itself here);
+- ``safetensors.torch.load_file`` of every shard (TP=2: ``safe_open(...).get_slice`` of the rank's part);
+- ``transformers`` ``from_pretrained`` (TP=1): a model with every weight in its parameters;
+- TensorCast cold: ``from_disk`` + ``prefetch(to=worker[, tp])`` (parallel preads into pre-faulted pool
+  memory) + the caller's ``tensor_dict`` (mapped, zero-copy) — weights resident and in the caller's hands;
+- TensorCast warm: the rank already prefetched: ``tensor_dict`` only (flat in checkpoint size);
+- TensorCast into a transformers model (TP=1): ``from_tensorcast`` (meta device + assign), cold and warm.
+Every figure is also given as a ratio to ``safetensors.load_file`` measured in the same run (vLLM's loaders
+are not installed by default; see docs/weights.md).
+
+Usage: python benchmarks/weights_load.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import tensorcast as tc
+from tensorcast.integrations.transformers import from_tensorcast
+from tensorcast.weights import open_checkpoint
+
+GiB = 1 << 30
+
+
+def make_checkpoint(root: Path, target_bytes: int) -> Path:
+    hidden, inter, vocab, heads, kv_heads = 2048, 5632, 32000, 16, 4
+    head_dim = hidden // heads
+    per_layer = 2 * (hidden * hidden * 2 + 2 * hidden * kv_heads * head_dim + 3 * hidden * inter + 2 * hidden)
+    layers = max(1, (target_bytes - 2 * 2 * vocab * hidden) // per_layer)
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
+           "intermediate_size": inter, "num_hidden_layers": int(layers), "num_attention_heads": heads,
+           "num_key_value_heads": kv_heads, "vocab_size": vocab, "max_position_embeddings": 2048,
+           "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "dtype": "bfloat16", "torch_dtype": "bfloat16"}
+    path = root / "llama-bench"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.rand(*shape, generator=g, dtype=torch.float32) * 0.02 - 0.01).to(torch.bfloat16)
+
+    shards: list[dict[str, torch.Tensor]] = [{"model.embed_tokens.weight": rand(vocab, hidden)}]
+    kv = kv_heads * head_dim
+    for i in range(int(layers)):
+        p = f"model.layers.{i}."
+        shards.append({
+            p + "self_attn.q_proj.weight": rand(hidden, hidden), p + "self_attn.k_proj.weight": rand(kv, hidden),
+            p + "self_attn.v_proj.weight": rand(kv, hidden), p + "self_attn.o_proj.weight": rand(hidden, hidden),
+            p + "mlp.gate_proj.weight": rand(inter, hidden), p + "mlp.up_proj.weight": rand(inter, hidden),
+            p + "mlp.down_proj.weight": rand(hidden, inter),
+            p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16)})
+    shards.append({"model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16), "lm_head.weight": rand(vocab, hidden)})
+    # Group into ~1 GiB files with an index, as Hugging Face lays them out.
+    files: list[dict[str, torch.Tensor]] = [{}]
+    for group in shards:
+        if files[-1] and sum(t.nbytes for t in files[-1].values()) > GiB:
+            files.append({})
+        files[-1].update(group)
+    weight_map = {}
+    for i, f in enumerate(files):
+        name = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        save_file(f, str(path / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in f})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return path
+
+
+def drop_cache(path: Path) -> None:
+    for f in path.glob("*.safetensors"):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def warm_cache(path: Path) -> None:
+    for f in path.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            while fh.read(64 << 20):
+                pass
+
+
+def readinto_streams(path: Path, streams: int, touched: bool) -> float:
+    files = sorted(path.glob("*.safetensors"))
+    sizes = [f.stat().st_size for f in files]
+    bufs = [np.ones(s, np.uint8) if touched else np.empty(s, np.uint8) for s in sizes]
+    t0 = time.perf_counter()
+
+    def read(job: tuple[int, int, int]) -> None:
+        i, a, b = job
+        fd = os.open(files[i], os.O_RDONLY)
+        try:
+            view = memoryview(bufs[i])[a:b]  # type: ignore[arg-type]
+            pos = 0
+            while pos < len(view):
+                pos += os.preadv(fd, [view[pos:]], a + pos)
+        finally:
+            os.close(fd)
+
+    chunk = 64 << 20
+    jobs = [(i, a, min(a + chunk, s)) for i, s in enumerate(sizes) for a in range(0, s, chunk)]
+    with ThreadPoolExecutor(streams) as ex:
+        list(ex.map(read, jobs))
+    return time.perf_counter() - t0
+
+
+def st_load(path: Path, tp: tc.TP | None) -> float:
+    t0 = time.perf_counter()
+    out: dict[str, torch.Tensor] = {}
+    rules = None
+    if tp is not None:
+        from tensorcast.weights import rules_for
+
+        rules = rules_for("llama")
+    for f in sorted(path.glob("*.safetensors")):
+        if tp is None:
+            out.update(load_file(str(f)))
+            continue
+        with safe_open(str(f), "pt") as fh:
+            for name in fh.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+                spec = rules.spec_for(name) if rules else "replicated"
+                sl = fh.get_slice(name)
+                shape = sl.get_shape()
+                if spec == "replicated" or not shape:
+                    out[name] = fh.get_tensor(name)
+                    continue
+                n = shape[spec]
+                per = -(-n // tp.world_size)
+                lo, hi = min(tp.rank * per, n), min((tp.rank + 1) * per, n)
+                out[name] = sl[lo:hi] if spec == 0 else sl[:, lo:hi]
+    elapsed = time.perf_counter() - t0
+    del out
+    return elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    target = GiB // 2 if args.quick else 4 * GiB + GiB // 4
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="tc-weights-") as tmp:
+        t0 = time.perf_counter()
+        path = make_checkpoint(Path(tmp), target)
+        total = open_checkpoint(path).nbytes
+        print(f"checkpoint: {total / GiB:.2f} GiB in {len(list(path.glob('*.safetensors')))} files "
+              f"(generated in {time.perf_counter() - t0:.1f}s)\n")
+        with tc.LocalCluster(workers=1, memory_capacity=f"{2 * total + GiB}",
+                             config={"worker.prefault_bytes": 2 * total}) as cluster, \
+                tc.connect(cluster.address) as client:
+            for cache in ("warm", "cold"):
+                prep = warm_cache if cache == "warm" else drop_cache
+                for tp in (None, tc.TP(0, 2)):
+                    label = "TP=1" if tp is None else "TP=2 rank 0"
+                    res: dict[str, float] = {}
+                    for streams in (1, 4):
+                        for touched in (False, True):
+                            prep(path)
+                            res[f"readinto x{streams} {'touched' if touched else 'fresh'}"] = \
+                                readinto_streams(path, streams, touched)
+                    prep(path)
+                    res["safetensors.load_file" if tp is None else "safetensors get_slice"] = st_load(path, tp)
+                    if tp is None:
+                        from transformers import AutoModelForCausalLM
+
+                        prep(path)
+                        t = time.perf_counter()
+                        m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+                        res["transformers from_pretrained"] = time.perf_counter() - t
+                        del m
+                    # TensorCast cold: register, read the rank into pool memory on the worker, map it.
+                    prep(path)
+                    for a in client.ls():
+                        client.delete(a.id)
+                    t = time.perf_counter()
+                    art = client.from_disk(path)
+                    art.prefetch(to="w0", tp=tp).result(timeout=600)
+                    got = art.view(tp=tp).tensor_dict() if tp is not None else art.tensor_dict()
+                    res["tensorcast cold (resident, mapped)"] = time.perf_counter() - t
+                    assert len(got) == len(art.tensor_names)
+                    del got
+                    t = time.perf_counter()
+                    got = art.view(tp=tp).tensor_dict() if tp is not None else art.tensor_dict()
+                    res["tensorcast warm (mapped)"] = time.perf_counter() - t
+                    del got
+                    if tp is None:
+                        client.delete(art.id)
+                        for a in client.ls():
+                            client.delete(a.id)
+                        prep(path)
+                        t = time.perf_counter()
+                        art = client.from_disk(path, key="bench/model")
+                        art.prefetch(to="w0").result(timeout=600)
+                        m = from_tensorcast(client, "bench/model")
+                        res["tensorcast -> transformers model, cold"] = time.perf_counter() - t
+                        del m
+                        t = time.perf_counter()
+                        m = from_tensorcast(client, "bench/model")
+                        res["tensorcast -> transformers model, warm"] = time.perf_counter() - t
+                        del m
+                    base = res["safetensors.load_file" if tp is None else "safetensors get_slice"]
+                    print(f"page cache {cache}, {label}:")
+                    for name, secs in res.items():
+                        moved = total if tp is None or "readinto" in name else total / 2
+                        print(f"  {name:<42} {secs:8.3f} s {moved / secs / 1e9:7.2f} GB/s  "
+                              f"{secs / base:6.3f}x of safetensors")
+                        rows.append({"cache": cache, "tp": label, "loader": name, "seconds": secs,
+                                     "ratio_to_safetensors": secs / base})
+                    best_read = min(v for k, v in res.items() if k.startswith("readinto") and "touched" in k)
+                    cold = res["tensorcast cold (resident, mapped)"]
+                    print(f"  tensorcast cold / best parallel read into touched memory: {cold / best_read:.2f}x "
+                          f"(goal <= 1.25x)\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "weights_load", "quick": args.quick, "machine": platform.platform(),
+                       "checkpoint_bytes": total, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

