@@ -69,7 +69,8 @@ def make_checkpoint(root: Path, target_bytes: int) -> Path:
             p + "mlp.down_proj.weight": rand(hidden, inter),
             p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
             p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16)})
-    shards.append({"model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16), "lm_head.weight": rand(vocab, hidden)})
+    shards.append({"model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+                   "lm_head.weight": rand(vocab, hidden)})
     # Group into ~1 GiB files with an index, as Hugging Face lays them out.
     files: list[dict[str, torch.Tensor]] = [{}]
     for group in shards:
