@@ -5,7 +5,8 @@ run, ~0.5 GiB with --quick), then for TP=1 and TP=2 (rank 0), with the page cach
 after ``posix_fadvise(DONTNEED)`` on the files, we time:
 - physical limits: N parallel ``readinto`` streams into freshly allocated memory and into already-touched
   memory (first touch of fresh memory costs about as much as the read itself here);
-- ``safetensors.torch.load_file`` of every shard (TP=2: ``safe_open(...).get_slice`` of the rank's part);
+- ``safetensors.torch.load_file`` of every shard, cloned (it maps lazily; a mapped file not yet read is
+  not loaded) (TP=2: ``safe_open(...).get_slice`` of the rank's part, cloned);
 - ``transformers`` ``from_pretrained`` (TP=1): a model with every weight in its parameters;
 - TensorCast cold: ``from_disk`` + ``prefetch(to=worker[, tp])`` (parallel preads into pre-faulted pool
   memory) + the caller's ``tensor_dict`` (mapped, zero-copy) — weights resident and in the caller's hands;
@@ -137,7 +138,8 @@ def st_load(path: Path, tp: tc.TP | None) -> float:
         rules = rules_for("llama")
     for f in sorted(path.glob("*.safetensors")):
         if tp is None:
-            out.update(load_file(str(f)))
+            # load_file maps lazily: clone, so that the bytes are really in memory (that is "loaded").
+            out.update({k: v.clone() for k, v in load_file(str(f)).items()})
             continue
         with safe_open(str(f), "pt") as fh:
             for name in fh.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
@@ -145,12 +147,12 @@ def st_load(path: Path, tp: tc.TP | None) -> float:
                 sl = fh.get_slice(name)
                 shape = sl.get_shape()
                 if spec == "replicated" or not shape:
-                    out[name] = fh.get_tensor(name)
+                    out[name] = fh.get_tensor(name).clone()
                     continue
                 n = shape[spec]
                 per = -(-n // tp.world_size)
                 lo, hi = min(tp.rank * per, n), min((tp.rank + 1) * per, n)
-                out[name] = sl[lo:hi] if spec == 0 else sl[:, lo:hi]
+                out[name] = (sl[lo:hi] if spec == 0 else sl[:, lo:hi]).clone()
     elapsed = time.perf_counter() - t0
     del out
     return elapsed

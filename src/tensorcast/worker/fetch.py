@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 import blake3
 import msgspec
@@ -75,9 +76,12 @@ class Fetcher:
         self.in_flight += 1
         try:
             for digest, meta in missing.items():
-                loc = store.memory.allocate(meta.nbytes)
-                allocated[digest] = loc
-                source, tier, retries = await self._fill(info, meta, loc, deadline, trace_id, streams)
+                allocated[digest] = store.memory.allocate(meta.nbytes)
+            # Several tensors at once (each may itself use several streams): small tensors would otherwise
+            # move one at a time, and first-touch faults of fresh segments spread over the cores.
+            fills = await self._bounded([self._fill(info, meta, allocated[d], deadline, trace_id, streams)
+                                         for d, meta in missing.items()])
+            for (source, tier, retries), meta in zip(fills, missing.values(), strict=True):
                 result = Prefetched(worker_id=self.worker_id, already_present=False, source=source,
                                     source_tier=tier, bytes_moved=result.bytes_moved + meta.nbytes,
                                     retries=result.retries + retries)
@@ -124,14 +128,16 @@ class Fetcher:
         source = ""
         self.in_flight += 1
         try:
+            todo = []
             for t in out:
                 if not t.nbytes or store.memory.has_blob(t.digest) or t.digest in allocated:
                     continue
-                loc = store.memory.allocate(t.nbytes)
-                allocated[t.digest] = loc
-                src = await self._fill_view(info, metas[t.name], view[t.name], loc, deadline, trace_id)
-                source = source or src
-                moved += t.nbytes
+                allocated[t.digest] = store.memory.allocate(t.nbytes)
+                todo.append(t)
+            sources = await self._bounded([self._fill_view(info, metas[t.name], view[t.name], allocated[t.digest],
+                                                           deadline, trace_id) for t in todo])
+            source = next((s for s in sources if s), "")
+            moved = sum(t.nbytes for t in todo)
             for digest, loc in allocated.items():
                 store.memory.commit_blob(digest, loc)
             allocated.clear()
@@ -176,6 +182,16 @@ class Fetcher:
             except (Unavailable, NotFound) as exc:
                 last = exc
         raise last
+
+    async def _bounded(self, coros: list[Any]) -> list[Any]:
+        """Run fills concurrently, at most ``transport.max_streams`` at a time; the first error wins."""
+        sem = asyncio.Semaphore(self.config.max_streams)
+
+        async def one(coro: Any) -> Any:
+            async with sem:
+                return await coro
+
+        return list(await asyncio.gather(*(one(c) for c in coros)))
 
     def _sources(self, info: ArtifactInfo) -> list[ReplicaInfo]:
         peers = [r for r in info.replicas if r.worker_id != self.worker_id and r.alive and r.data_address]
