@@ -3,6 +3,7 @@ idempotent re-runs (same gateway from its record; another gateway after the firs
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -164,3 +165,18 @@ def test_operations_are_lazy_handles(shared_cluster: LocalCluster) -> None:
         assert pre.result(timeout=30).bytes_moved >= 0
         c.ops.unpin("ops/x", "w1").result(timeout=30)
         c.ops.delete(art.id).result(timeout=30)
+
+
+def test_trace_id_reaches_the_logs_of_every_process_touched(shared_cluster: LocalCluster) -> None:
+    with tc.connect(shared_cluster.address) as c:
+        art = c.put(np.arange(4096), on="w0")
+        trace = "trace-" + "5e7" * 4
+        plan = c.plan(ctx=tc.context(timeout=30, trace_id=trace))
+        plan.prefetch(art, to="w1")  # gateway w0 runs the plan; w1 pulls from w0
+        assert plan.run().result(timeout=30).ok
+        time.sleep(0.2)
+        logs = shared_cluster.data_dir / "logs"
+        for proc in ("w0", "w1"):
+            lines = [json.loads(x) for x in (logs / f"{proc}.log").read_text().splitlines() if trace in x]
+            assert lines and all(doc.get("trace_id") == trace for doc in lines), proc
+        c.delete(art.id)
