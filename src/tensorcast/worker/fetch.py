@@ -10,8 +10,10 @@ Nothing partial is ever kept: a failed fetch frees what it allocated. Does not o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import blake3
@@ -71,10 +73,8 @@ class Fetcher:
         missing = {t.digest: t for t in info.tensors if t.nbytes and not store.memory.has_blob(t.digest)}
         await store.make_room(sum(t.nbytes for t in missing.values()), "evict", exclude=frozenset({info.id}))
         t0 = time.perf_counter()
-        allocated: dict[str, BlobLoc] = {}
         result = Prefetched(worker_id=self.worker_id, already_present=False)
-        self.in_flight += 1
-        try:
+        with self._staging() as allocated:
             for digest, meta in missing.items():
                 allocated[digest] = store.memory.allocate(meta.nbytes)
             # Several tensors at once (each may itself use several streams): small tensors would otherwise
@@ -85,19 +85,10 @@ class Fetcher:
                 result = Prefetched(worker_id=self.worker_id, already_present=False, source=source,
                                     source_tier=tier, bytes_moved=result.bytes_moved + meta.nbytes,
                                     retries=result.retries + retries)
-            for digest, loc in allocated.items():
-                store.memory.commit_blob(digest, loc)
-            allocated.clear()
+            self._commit(allocated)
             if any(t.nbytes and not store.memory.has_blob(t.digest) for t in info.tensors):
                 raise Unavailable(f"a tensor of {info.id} was evicted during the fetch; retry")
             store.add_memory_replica(info.id, info.tensors, placement)
-        except BaseException:
-            for loc in allocated.values():
-                store.memory.discard(loc)
-            store.memory.release_unreferenced()
-            raise
-        finally:
-            self.in_flight -= 1
         return Prefetched(worker_id=self.worker_id, already_present=False, source=result.source,
                           source_tier=result.source_tier, bytes_moved=result.bytes_moved,
                           seconds=time.perf_counter() - t0, retries=result.retries)
@@ -123,11 +114,7 @@ class Fetcher:
                                   digest=view_digest(meta.digest, specs)))
         await store.make_room(sum(t.nbytes for t in out), "evict", exclude=frozenset({view_id}))
         t0 = time.perf_counter()
-        allocated: dict[str, BlobLoc] = {}
-        moved = 0
-        source = ""
-        self.in_flight += 1
-        try:
+        with self._staging() as allocated:
             todo = []
             for t in out:
                 if not t.nbytes or store.memory.has_blob(t.digest) or t.digest in allocated:
@@ -138,17 +125,8 @@ class Fetcher:
                                                            deadline, trace_id) for t in todo])
             source = next((s for s in sources if s), "")
             moved = sum(t.nbytes for t in todo)
-            for digest, loc in allocated.items():
-                store.memory.commit_blob(digest, loc)
-            allocated.clear()
+            self._commit(allocated)
             store.add_memory_replica(view_id, tuple(out), PRESETS["cache"])
-        except BaseException:
-            for loc in allocated.values():
-                store.memory.discard(loc)
-            store.memory.release_unreferenced()
-            raise
-        finally:
-            self.in_flight -= 1
         return Prefetched(worker_id=self.worker_id, already_present=False, source=source, source_tier="disk",
                           bytes_moved=moved, seconds=time.perf_counter() - t0), tuple(out)
 
@@ -182,6 +160,27 @@ class Fetcher:
             except (Unavailable, NotFound) as exc:
                 last = exc
         raise last
+
+    @contextlib.contextmanager
+    def _staging(self) -> Iterator[dict[str, BlobLoc]]:
+        """Blobs being filled (digest -> allocation). If anything fails they are all discarded, so nothing
+        partial is ever kept; ``_commit`` stores them."""
+        allocated: dict[str, BlobLoc] = {}
+        self.in_flight += 1
+        try:
+            yield allocated
+        except BaseException:
+            for loc in allocated.values():
+                self.store.memory.discard(loc)
+            self.store.memory.release_unreferenced()
+            raise
+        finally:
+            self.in_flight -= 1
+
+    def _commit(self, allocated: dict[str, BlobLoc]) -> None:
+        for digest, loc in allocated.items():
+            self.store.memory.commit_blob(digest, loc)
+        allocated.clear()
 
     async def _bounded(self, coros: list[Any]) -> list[Any]:
         """Run fills concurrently, at most ``transport.max_streams`` at a time; the first error wins."""
