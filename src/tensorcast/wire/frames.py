@@ -21,30 +21,19 @@ import struct
 from tensorcast.errors import InvalidArgument, ResourceExhausted
 from tensorcast.wire.messages import PROTOCOL_VERSION
 
-__all__ = ["HEADER", "MAGIC", "FrameHeader", "pack_header", "parse_header"]
+__all__ = ["HEADER", "MAGIC", "pack_header", "parse_header"]
 
 MAGIC = b"TC"
 HEADER = struct.Struct("!2sBBIQ")
-
-
-class FrameHeader(tuple[int, int]):
-    __slots__ = ()
-
-    @property
-    def body_len(self) -> int:
-        return self[0]
-
-    @property
-    def payload_len(self) -> int:
-        return self[1]
 
 
 def pack_header(body_len: int, payload_len: int) -> bytes:
     return HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, body_len, payload_len)
 
 
-def parse_header(data: bytes | memoryview, max_body: int) -> FrameHeader:
-    """Validate a header; raise ``InvalidArgument`` (garbage) or ``ResourceExhausted`` (too big)."""
+def parse_header(data: bytes | memoryview, max_body: int) -> tuple[int, int]:
+    """Validate a header; return (body length, payload length). Raise ``InvalidArgument`` (garbage) or
+    ``ResourceExhausted`` (too big)."""
     magic, version, _flags, body_len, payload_len = HEADER.unpack(data)
     if magic != MAGIC:
         raise InvalidArgument(f"malformed frame: bad magic {bytes(magic)!r}")
@@ -52,4 +41,4 @@ def parse_header(data: bytes | memoryview, max_body: int) -> FrameHeader:
         raise InvalidArgument(f"unsupported protocol version {version} (this side speaks {PROTOCOL_VERSION})")
     if body_len > max_body:
         raise ResourceExhausted(f"frame body of {body_len} bytes exceeds the limit of {max_body} bytes")
-    return FrameHeader((body_len, payload_len))
+    return body_len, payload_len

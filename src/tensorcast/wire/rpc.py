@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from tensorcast.config import WireConfig
 from tensorcast.context import CallContext, set_current_trace
@@ -45,7 +45,6 @@ from tensorcast.wire.messages import (
 __all__ = ["HandlerRegistry", "Reply", "Request", "RpcChannel", "RpcServer", "parse_address"]
 
 log = logging.getLogger("tensorcast.rpc")
-M = TypeVar("M")
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -373,11 +372,3 @@ class RpcChannel:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
-
-
-async def call_typed(channel: RpcChannel, message: Any, ctx: CallContext, expect: type[M]) -> M:
-    """``channel.call`` that checks the reply type."""
-    frame = await channel.call(message, ctx)
-    if not isinstance(frame.message, expect):
-        raise InternalError(f"expected {expect.__name__}, got {type(frame.message).__name__}")
-    return frame.message

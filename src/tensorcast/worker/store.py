@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import threading
 import time
@@ -316,6 +315,3 @@ class LocalStore:
             self._disk_segments.clear()
             self._files.clear()
 
-
-def pin_deadline(ttl: float | None) -> float:
-    return math.inf if ttl is None else time.time() + ttl
