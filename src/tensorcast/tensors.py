@@ -31,6 +31,7 @@ __all__ = [
     "TensorInput",
     "artifact_id",
     "digest_bytes",
+    "dtype_name",
     "normalize_tensors",
     "numpy_dtype",
     "wrap_bytes",
@@ -75,6 +76,17 @@ def numpy_dtype(name: str) -> np.dtype[Any]:
         return DTYPES[name]
     except KeyError:
         raise InvalidArgument(f"unsupported dtype {name!r}; supported: {', '.join(DTYPES)}") from None
+
+
+def dtype_name(dtype: Any) -> str:
+    """TensorCast's name of a numpy or torch dtype (``InvalidArgument`` if unsupported)."""
+    if isinstance(dtype, np.dtype) or (isinstance(dtype, type) and issubclass(dtype, np.generic)):
+        name = _NAME_BY_NUMPY.get(np.dtype(dtype))
+    else:
+        name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise InvalidArgument(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
+    return name
 
 
 def digest_bytes(data: memoryview | bytes | np.ndarray[Any, Any]) -> str:

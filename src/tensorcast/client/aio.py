@@ -82,18 +82,19 @@ class AsyncView:
         self.view_id = view_artifact_id(artifact.id, slices)
         self.last_diagnostics: Diagnostics | None = None
 
-    async def _materialize(self, names: tuple[str, ...], like: str, source: str) -> dict[str, Any]:
+    async def _materialize(self, names: tuple[str, ...], like: str, source: str, device: str = "cpu") -> dict[str, Any]:
         """Warm: a worker already materialized this view (``prefetch(tp=...)``): map that artifact.
         Cold: slice the parent where its replica lives."""
         client = self.artifact._client
         try:
             info = await client._call(GetArtifact(key_or_id=self.view_id), ArtifactInfo)
             if any(r.alive for r in info.replicas):
-                out, self.last_diagnostics = await client._reader.materialize(info, names, like, None, source)
+                out, self.last_diagnostics = await client._reader.materialize(info, names, like, None, source,
+                                                                              device)
                 return out
         except (NotFound, Unavailable):
             pass
-        out = await self.artifact._materialize(names, like, source, self.slices)
+        out = await self.artifact._materialize(names, like, source, self.slices, device)
         self.last_diagnostics = self.artifact.last_diagnostics
         return out
 
@@ -104,17 +105,19 @@ class AsyncView:
     def shape(self, name: str) -> tuple[int, ...]:
         return sliced_shape(self.artifact.meta(name).shape, self.slices[name])
 
-    async def tensor(self, name: str | None = None, like: str = "torch", *, source: str = "auto") -> Any:
+    async def tensor(self, name: str | None = None, like: str = "torch", *, source: str = "auto",
+                     device: str = "cpu") -> Any:
         if name is None:
             if len(self.slices) != 1:
                 raise InvalidArgument(f"view holds {len(self.slices)} tensors: name one of {list(self.slices)}")
             name = next(iter(self.slices))
         if name not in self.slices:
             raise NotFound(f"view has no tensor {name!r}")
-        return (await self._materialize((name,), like, source))[name]
+        return (await self._materialize((name,), like, source, device))[name]
 
-    async def tensor_dict(self, like: str = "torch", *, source: str = "auto") -> dict[str, Any]:
-        return await self._materialize(self.tensor_names, like, source)
+    async def tensor_dict(self, like: str = "torch", *, source: str = "auto", device: str = "cpu") -> dict[str, Any]:
+        """``{name: tensor}`` of this view; ``device="cuda[:N]"``: on that GPU (see ``AsyncArtifact.tensor``)."""
+        return await self._materialize(self.tensor_names, like, source, device)
 
     async def tensor_dict_into(self, targets: Mapping[str, Any], *, source: str = "auto") -> None:
         for n in targets:
@@ -135,17 +138,22 @@ class AsyncArtifact(ArtifactBase):
         self.last_diagnostics: Diagnostics | None = None
 
     async def _materialize(self, names: tuple[str, ...], like: str, source: str,
-                           slices: dict[str, tuple[SliceSpec, ...]] | None = None) -> dict[str, Any]:
-        out, self.last_diagnostics = await self._client._reader.materialize(self.info, names, like, slices, source)
+                           slices: dict[str, tuple[SliceSpec, ...]] | None = None,
+                           device: str = "cpu") -> dict[str, Any]:
+        out, self.last_diagnostics = await self._client._reader.materialize(self.info, names, like, slices, source,
+                                                                            device)
         return out
 
-    async def tensor(self, name: str | None = None, like: str = "torch", *, source: str = "auto") -> Any:
-        """One tensor. Same host: a copy-on-write mapping of the pool (no copy). Another host: fetched."""
+    async def tensor(self, name: str | None = None, like: str = "torch", *, source: str = "auto",
+                     device: str = "cpu") -> Any:
+        """One tensor. Same host: a copy-on-write mapping of the pool (no copy). Another host: fetched.
+        ``device="cuda[:N]"`` (torch with CUDA): a same-host worker's copy on that device opened with CUDA IPC
+        (no copy; see ``prefetch(device=...)``), else the host bytes copied there through pinned staging."""
         name = self._single_name(name)
-        return (await self._materialize((name,), like, source))[name]
+        return (await self._materialize((name,), like, source, device=device))[name]
 
-    async def tensor_dict(self, like: str = "torch", *, source: str = "auto") -> dict[str, Any]:
-        return await self._materialize(self.tensor_names, like, source)
+    async def tensor_dict(self, like: str = "torch", *, source: str = "auto", device: str = "cpu") -> dict[str, Any]:
+        return await self._materialize(self.tensor_names, like, source, device=device)
 
     async def tensor_dict_into(self, targets: Mapping[str, Any], *, source: str = "auto") -> None:
         """Copy each named tensor into the caller's tensor of the same name (shape and dtype must match)."""
@@ -167,18 +175,24 @@ class AsyncArtifact(ArtifactBase):
     async def prefetch(self, to: str, *, pin: bool = False, pin_ttl: float | None = None,
                        timeout: float | None = None, streams: int = 0, tp: TP | None = None,
                        rules: TPRules | Mapping[str, Any] | None = None,
-                       slices: Mapping[str, Sequence[tuple[int, slice]]] | None = None) -> Prefetched:
+                       slices: Mapping[str, Sequence[tuple[int, slice]]] | None = None,
+                       device: str = "") -> Prefetched:
         """Copy this artifact into worker ``to``'s memory (worker-to-worker; a no-op where present). With
-        ``tp=TP(rank, world)`` (or ``slices``), materialize only that view there: the warm path."""
+        ``tp=TP(rank, world)`` (or ``slices``), materialize only that view there: the warm path. With
+        ``device="cuda:N"`` the worker also keeps a copy on that GPU, which same-host callers then open
+        with CUDA IPC (``tensor_dict(device=...)``); a worker without CUDA refuses it."""
         if tp is None and slices is None:
-            return await self._client.prefetch(self.id, to, pin=pin, pin_ttl=pin_ttl, timeout=timeout,
-                                               streams=streams)
+            done = await self._client.prefetch(self.id, to, pin=pin, pin_ttl=pin_ttl, timeout=timeout,
+                                               streams=streams, device=device)
+            if not done.already_present or all(r.worker_id != to or r.tier != "memory" for r in self.info.replicas):
+                await self.refresh()  # reads through this handle should see the new replica
+            return done
         view = self.view(slices, tp=tp, rules=rules)
         meta = {"tp": f"{tp.rank}/{tp.world_size}"} if tp is not None else {}
         msg = Prefetch(artifact_id=self.id, worker_id=to, pin=pin, pin_ttl=pin_ttl, streams=streams,
-                       view=view.slices, view_id=view.view_id, view_meta=meta)
-        done: Prefetched = await self._client._call(msg, Prefetched, self._client._ctx(timeout))
-        return done
+                       view=view.slices, view_id=view.view_id, view_meta=meta, device=device)
+        materialized: Prefetched = await self._client._call(msg, Prefetched, self._client._ctx(timeout))
+        return materialized
 
     async def evict(self, on: str) -> None:
         """Drop worker ``on``'s memory replica (a cache decision; its disk copy, if any, stays)."""
@@ -363,10 +377,11 @@ class AsyncClient:
         return AsyncArtifact(self, info)
 
     async def prefetch(self, key_or_id: str, to: str, *, pin: bool = False, pin_ttl: float | None = None,
-                       timeout: float | None = None, streams: int = 0) -> Prefetched:
-        """Make worker ``to`` hold a memory replica, copied worker-to-worker (a no-op where present)."""
+                       timeout: float | None = None, streams: int = 0, device: str = "") -> Prefetched:
+        """Make worker ``to`` hold a memory replica, copied worker-to-worker (a no-op where present); with
+        ``device="cuda:N"`` also a copy on that GPU of the worker, for CUDA IPC hand-offs."""
         aid = key_or_id if ARTIFACT_ID_RE.match(key_or_id) else (await self.artifact(key_or_id)).id
-        msg = Prefetch(artifact_id=aid, worker_id=to, pin=pin, pin_ttl=pin_ttl, streams=streams)
+        msg = Prefetch(artifact_id=aid, worker_id=to, pin=pin, pin_ttl=pin_ttl, streams=streams, device=device)
         done: Prefetched = await self._call(msg, Prefetched, self._ctx(timeout))
         return done
 

@@ -4,8 +4,10 @@ Owns: the source order (``auto``: this host's memory, this host's disk, other wo
 workers' disk; ``local_only``; ``prefer_p2p``: any memory replica before any disk one; ``prefer_disk``),
 same-host zero-copy mapping (copy-on-write), fetching over the data plane for other hosts (several
 streams for large ranges; slices cut by the holder, so only their bytes travel), retries (a corrupted
-chunk is fetched again; a failed holder makes way for the next replica), and ``Diagnostics``.
-Does not own: the client's RPC plumbing (``client.aio``).
+chunk is fetched again; a failed holder makes way for the next replica), and ``Diagnostics``. With
+``device="cuda[:N]"``: a same-host worker's copy on that device is opened with CUDA IPC (no copy);
+otherwise the host tensors above are copied to the device through pinned staging buffers, pipelined
+(``transport.h2d``). Does not own: the client's RPC plumbing (``client.aio``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, Unavai
 from tensorcast.pool.segments import SegmentGone, map_private
 from tensorcast.tensors import digest_bytes, numpy_dtype, wrap_bytes
 from tensorcast.transport.base import ChunkCorrupted, stream_count
+from tensorcast.transport.cuda_ipc import import_handle
+from tensorcast.transport.h2d import cuda_available, to_device
 from tensorcast.transport.tcp import TcpTransport
 from tensorcast.views import apply_slices, byte_range, sliced_shape
 from tensorcast.wire.messages import ArtifactInfo, DataRequest, Mapped, MapTensors, ReplicaInfo, SliceSpec, TensorMeta
@@ -92,9 +96,15 @@ class Reader:
 
     async def materialize(self, info: ArtifactInfo, names: tuple[str, ...], like: str,
                           slices: Mapping[str, tuple[SliceSpec, ...]] | None = None,
-                          source: str = "auto") -> tuple[dict[str, Any], Diagnostics]:
+                          source: str = "auto", device: str = "cpu") -> tuple[dict[str, Any], Diagnostics]:
         if like not in ("torch", "numpy"):
             raise InvalidArgument(f"like must be 'torch' or 'numpy', got {like!r}")
+        if device != "cpu":
+            if like != "torch":
+                raise InvalidArgument(f"device {device!r} needs like='torch'")
+            if not device.startswith("cuda") or not cuda_available():
+                raise InvalidArgument(f"device {device!r}: this process has no such device (CUDA devices need "
+                                      "torch with CUDA and a GPU); use device='cpu'")
         metas = {t.name: t for t in info.tensors}
         for n in names:
             if n not in metas:
@@ -108,12 +118,15 @@ class Reader:
             try:
                 if self.client._shm_ok and replica.host_id == self.client.host_id:
                     try:
-                        out = await self._map_local(info, replica, names, metas, like, slices, diag)
+                        out = await self._map_local(info, replica, names, metas, like, slices, diag, device)
                     except SegmentGone:
                         out = await self._fetch(info, replica, names, metas, like, slices, diag)
                         self.client._shm_ok = False  # the worker holds it, yet we cannot see its files
                 else:
                     out = await self._fetch(info, replica, names, metas, like, slices, diag)
+                if device != "cpu" and diag.transport != "cuda-ipc":
+                    out = await asyncio.to_thread(to_device, out, device)
+                    diag.transport += "+h2d"
                 diag.seconds = time.perf_counter() - t0
                 return out, diag
             except (Unavailable, NotFound) as exc:
@@ -125,9 +138,13 @@ class Reader:
 
     async def _map_local(self, info: ArtifactInfo, replica: ReplicaInfo, names: tuple[str, ...],
                          metas: dict[str, TensorMeta], like: str, slices: Mapping[str, tuple[SliceSpec, ...]],
-                         diag: Diagnostics) -> dict[str, Any]:
-        mapped: Mapped = await self.client._call(MapTensors(artifact_id=info.id, names=names, tier=replica.tier),
-                                                 Mapped, address=replica.address)
+                         diag: Diagnostics, device: str = "cpu") -> dict[str, Any]:
+        want_ipc = device != "cpu" and not any(slices.get(n) for n in names)
+        msg = MapTensors(artifact_id=info.id, names=names, tier=replica.tier, device=device if want_ipc else "")
+        mapped: Mapped = await self.client._call(msg, Mapped, address=replica.address)
+        if want_ipc and len(mapped.cuda_ipc) == len(names):
+            diag.transport = "cuda-ipc"
+            return {n: import_handle(h) for n, h in zip(names, mapped.cuda_ipc, strict=True)}
         diag.transport = "shared-memory"
         out: dict[str, Any] = {}
         unmapped: list[str] = []

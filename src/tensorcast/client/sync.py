@@ -86,11 +86,13 @@ class View:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._inner.shape(name)
 
-    def tensor(self, name: str | None = None, like: str = "torch", *, source: str = "auto") -> Any:
-        return self._artifact._sync(self._inner.tensor(name, like, source=source))
+    def tensor(self, name: str | None = None, like: str = "torch", *, source: str = "auto",
+               device: str = "cpu") -> Any:
+        return self._artifact._sync(self._inner.tensor(name, like, source=source, device=device))
 
-    def tensor_dict(self, like: str = "torch", *, source: str = "auto") -> dict[str, Any]:
-        return self._artifact._sync(self._inner.tensor_dict(like, source=source))
+    def tensor_dict(self, like: str = "torch", *, source: str = "auto", device: str = "cpu") -> dict[str, Any]:
+        """``{name: tensor}`` of this view (e.g. one rank's weights); ``device="cuda[:N]"``: on that GPU."""
+        return self._artifact._sync(self._inner.tensor_dict(like, source=source, device=device))
 
     def tensor_dict_into(self, targets: Mapping[str, Any], *, source: str = "auto") -> None:
         self._artifact._sync(self._inner.tensor_dict_into(targets, source=source))
@@ -115,14 +117,17 @@ class Artifact(ArtifactBase):
         """How the last materialization was served: replica, tier, transport, bytes moved, time, retries."""
         return self._inner.last_diagnostics
 
-    def tensor(self, name: str | None = None, like: str = "torch", *, source: str = "auto") -> Any:
+    def tensor(self, name: str | None = None, like: str = "torch", *, source: str = "auto",
+               device: str = "cpu") -> Any:
         """One tensor. Same host: a copy-on-write mapping of the pool's memory (no copy; writes stay
         private). Another host: fetched over the data plane. ``source``: auto, local_only, prefer_p2p,
-        prefer_disk."""
-        return self._sync(self._inner.tensor(name, like, source=source))
+        prefer_disk. ``device="cuda[:N]"`` (torch with CUDA): a same-host worker's copy on that GPU opened
+        with CUDA IPC (no copy; ``prefetch(device=...)``), else the bytes copied there through pinned
+        staging buffers, pipelined."""
+        return self._sync(self._inner.tensor(name, like, source=source, device=device))
 
-    def tensor_dict(self, like: str = "torch", *, source: str = "auto") -> dict[str, Any]:
-        return self._sync(self._inner.tensor_dict(like, source=source))
+    def tensor_dict(self, like: str = "torch", *, source: str = "auto", device: str = "cpu") -> dict[str, Any]:
+        return self._sync(self._inner.tensor_dict(like, source=source, device=device))
 
     def tensor_dict_into(self, targets: Mapping[str, Any], *, source: str = "auto") -> None:
         """Fill caller-owned tensors in place (e.g. ``model.state_dict()``)."""
@@ -135,12 +140,14 @@ class Artifact(ArtifactBase):
 
     def prefetch(self, to: str, *, pin: bool = False, pin_ttl: float | None = None, timeout: float | None = None,
                  streams: int = 0, tp: TP | None = None, rules: TPRules | Mapping[str, Any] | None = None,
-                 slices: Mapping[str, Sequence[tuple[int, slice]]] | None = None) -> Operation[Prefetched]:
+                 slices: Mapping[str, Sequence[tuple[int, slice]]] | None = None,
+                 device: str = "") -> Operation[Prefetched]:
         """Copy the artifact into worker ``to``'s memory, worker-to-worker; with ``tp=TP(rank, world)`` only
-        that rank's view (the warm path for weights). Returns at once."""
+        that rank's view (the warm path for weights); with ``device="cuda:N"`` also onto that GPU of the
+        worker, for CUDA IPC hand-offs. Returns at once."""
         return Operation(self._client._loop.submit(self._inner.prefetch(
-            to, pin=pin, pin_ttl=pin_ttl, timeout=timeout, streams=streams, tp=tp, rules=rules, slices=slices)),
-            "prefetch")
+            to, pin=pin, pin_ttl=pin_ttl, timeout=timeout, streams=streams, tp=tp, rules=rules, slices=slices,
+            device=device)), "prefetch")
 
     def evict(self, on: str) -> None:
         """Drop worker ``on``'s memory replica now (its disk copy, if any, stays)."""

@@ -159,7 +159,8 @@ class GlobalStore:
             msg.worker_id, msg.incarnation,
             {"memory_used": msg.memory_used, "memory_capacity": msg.memory_capacity, "artifacts": msg.artifacts,
              "disk_used": msg.disk_used, "disk_capacity": msg.disk_capacity, "net_in_bps": msg.net_in_bps,
-             "net_out_bps": msg.net_out_bps, "transfers_in_flight": msg.transfers_in_flight},
+             "net_out_bps": msg.net_out_bps, "transfers_in_flight": msg.transfers_in_flight,
+             "memory_prefaulted": msg.memory_prefaulted},
             time.time(), msg.dropped)
         return HeartbeatReply(drop=drop, reregister=not known)
 

@@ -39,7 +39,8 @@ CREATE TABLE IF NOT EXISTS workers (
     disk_capacity INTEGER NOT NULL DEFAULT 0,
     net_in_bps REAL NOT NULL DEFAULT 0,
     net_out_bps REAL NOT NULL DEFAULT 0,
-    transfers_in_flight INTEGER NOT NULL DEFAULT 0
+    transfers_in_flight INTEGER NOT NULL DEFAULT 0,
+    memory_prefaulted INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS artifacts (
     artifact_id TEXT PRIMARY KEY,
@@ -112,11 +113,18 @@ class SqliteBackend(MetadataBackend):
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(f"PRAGMA synchronous={self.synchronous}")
         self._db.executescript(_SCHEMA)
+        self._migrate()
 
     async def close(self) -> None:
         if self._db is not None:
             self._db.close()
             self._db = None
+
+    def _migrate(self) -> None:
+        """Columns added since a database was created (all have defaults)."""
+        have = {r[1] for r in self.db.execute("PRAGMA table_info(workers)")}
+        if "memory_prefaulted" not in have:
+            self.db.execute("ALTER TABLE workers ADD COLUMN memory_prefaulted INTEGER NOT NULL DEFAULT 0")
 
     def _tx(self) -> sqlite3.Connection:
         self.db.execute("BEGIN IMMEDIATE")
@@ -129,7 +137,7 @@ class SqliteBackend(MetadataBackend):
             row = db.execute("SELECT incarnation FROM workers WHERE worker_id=?", (worker.worker_id,)).fetchone()
             incarnation = (row[0] if row else 0) + 1
             db.execute(
-                "INSERT OR REPLACE INTO workers VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,0,0,0)",
+                "INSERT OR REPLACE INTO workers VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,0,0,0,0)",
                 (worker.worker_id, worker.address, worker.host_id, json.dumps(list(worker.roles)), worker.pid,
                  incarnation, now, now, worker.memory_used, worker.memory_capacity, worker.artifacts,
                  worker.data_address, worker.disk_used, worker.disk_capacity),
@@ -148,11 +156,11 @@ class SqliteBackend(MetadataBackend):
         try:
             cur = db.execute(
                 "UPDATE workers SET last_heartbeat=?, memory_used=?, memory_capacity=?, artifacts=?, disk_used=?, "
-                "disk_capacity=?, net_in_bps=?, net_out_bps=?, transfers_in_flight=? "
+                "disk_capacity=?, net_in_bps=?, net_out_bps=?, transfers_in_flight=?, memory_prefaulted=? "
                 "WHERE worker_id=? AND incarnation=?",
                 (now, stats["memory_used"], stats["memory_capacity"], stats["artifacts"], stats.get("disk_used", 0),
                  stats.get("disk_capacity", 0), stats.get("net_in_bps", 0.0), stats.get("net_out_bps", 0.0),
-                 stats.get("transfers_in_flight", 0), worker_id, incarnation),
+                 stats.get("transfers_in_flight", 0), stats.get("memory_prefaulted", 0), worker_id, incarnation),
             )
             if cur.rowcount == 0:
                 db.execute("COMMIT")
@@ -172,12 +180,12 @@ class SqliteBackend(MetadataBackend):
     @staticmethod
     def _worker(row: tuple[Any, ...]) -> WorkerInfo:
         (wid, address, host_id, roles, pid, inc, reg, hb, used, cap, arts, data_address, disk_used,
-         disk_cap, net_in, net_out, in_flight) = row
+         disk_cap, net_in, net_out, in_flight, prefaulted) = row
         return WorkerInfo(
             worker_id=wid, address=address, host_id=host_id, roles=tuple(json.loads(roles)), pid=pid,
             incarnation=inc, registered_at=reg, last_heartbeat=hb, memory_used=used, memory_capacity=cap,
             artifacts=arts, data_address=data_address, disk_used=disk_used, disk_capacity=disk_cap,
-            net_in_bps=net_in, net_out_bps=net_out, transfers_in_flight=in_flight,
+            net_in_bps=net_in, net_out_bps=net_out, transfers_in_flight=in_flight, memory_prefaulted=prefaulted,
         )
 
     async def list_workers(self) -> list[WorkerInfo]:

@@ -6,9 +6,11 @@ every engine process — multiprocessing included — has it. Configuration come
 ``model_loader_extra_config`` (``address``: the cluster's gateway, default ``TENSORCAST_ADDRESS``;
 ``key``: an artifact key or id, default: the model directory registered in place with ``from_disk``).
 
-Cold: the tensors are read from the checkpoint files where they lie (a worker on this host maps them;
-a remote worker sends them). Warm: after ``prefetch(to=<this host's worker>)`` they are mapped from the
-pool. Either way vLLM's own ``model.load_weights`` shards them into its tensor-parallel parameters.
+Cold: a worker on this host reads the checkpoint into its pre-faulted pool memory with parallel preads
+(``prefetch``; ``model_loader_extra_config["prefetch"] = False`` maps the files where they lie instead,
+and without a worker on this host a remote one sends the bytes). Warm: the artifact was already
+prefetched to this host's worker: nothing is read, the pool's copy is mapped. Either way vLLM's own
+``model.load_weights`` shards the (full) tensors into its tensor-parallel parameters.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ def register() -> None:
             with tc.connect(address, token=extra.get("token")) as client:
                 key = extra.get("key")
                 art = client.artifact(key) if key else client.from_disk(model_config.model)
+                if extra.get("prefetch", True):
+                    _prefetch_here(client, art)
                 tensors = art.tensor_dict(like="torch")
                 diag = art.last_diagnostics
                 loaded = model.load_weights(iter(tensors.items()))
@@ -58,3 +62,14 @@ def register() -> None:
                          art.nbytes, art.id, diag.transport if diag else "?")
 
     _registered = True
+
+
+def _prefetch_here(client: Any, art: Any) -> None:
+    """Make a worker on this host hold the artifact in memory (a no-op when one does): the cold read is then
+    parallel preads into pre-faulted pool memory, and every rank of this host maps the same copy."""
+    host = client.aio.host_id
+    if any(r.tier == "memory" and r.host_id == host and r.alive for r in art.info.replicas):
+        return
+    local = next((w for w in client.list_workers() if w.host_id == host and w.alive), None)
+    if local is not None:
+        art.prefetch(to=local.worker_id).result()

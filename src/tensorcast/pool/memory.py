@@ -1,7 +1,8 @@
 """A worker's memory tier: ``PoolState`` decisions applied to shared-memory segments and slab arenas.
 
-Owns: where each blob's bytes are (its own segment for large tensors, a slot in a slab arena for small
-objects such as KV pages), allocating under the capacity (pre-faulted stock first), committing uploads
+Owns: where each blob's bytes are (its own segment for a large tensor, a slot in a slab arena for small
+objects such as KV pages, or a place in a pack segment shared by the tensors of one batch, e.g. a
+checkpoint), allocating under the capacity (pre-faulted stock first), committing uploads
 (deduplicated by digest), replicas as sets of blobs, eviction, and read leases that keep bytes from being
 unmapped or reused while a data-plane thread sends them. Thread-safe: data-plane threads take leases
 while the event loop mutates. Does not own: placement policy (``worker``), the disk tier (``pool.disk``).
@@ -9,6 +10,7 @@ while the event loop mutates. Does not own: placement policy (``worker``), the d
 
 from __future__ import annotations
 
+import mmap
 import threading
 import uuid
 from collections.abc import Callable
@@ -21,6 +23,8 @@ from tensorcast.pool.state import MemoryReplica, PoolState
 from tensorcast.wire.messages import TensorMeta
 
 __all__ = ["BlobLoc", "MemoryTier"]
+
+_PAGE = mmap.PAGESIZE  # blobs in a pack start on a page: callers map each one on its own
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,12 +40,12 @@ class BlobLoc:
 
 
 class MemoryTier:
-    def __init__(self, capacity: int, prefix: str, *, stock_budget: int = 0, arena_bytes: int = 16 << 20,
-                 small_object_bytes: int = 256 << 10) -> None:
+    def __init__(self, capacity: int, prefix: str, *, stock_budget: int = 0, stock_chunk_bytes: int = 256 << 20,
+                 arena_bytes: int = 16 << 20, small_object_bytes: int = 256 << 10) -> None:
         self.state = PoolState(capacity)
         self.prefix = prefix
         self.slab = SlabAllocator(arena_bytes, max_slot=small_object_bytes)
-        self.stock = SegmentStock(SHM_DIR, f"{prefix}-s", stock_budget)
+        self.stock = SegmentStock(SHM_DIR, f"{prefix}-s", stock_budget, stock_chunk_bytes)
         self.lock = threading.RLock()
         self._blobs: dict[str, BlobLoc] = {}
         self._arenas: dict[str, Segment] = {}
@@ -78,6 +82,57 @@ class MemoryTier:
                 self.state.unreserve(nbytes)
             raise
         return BlobLoc(seg, 0, nbytes, nbytes)
+
+    def allocate_pack(self, sizes: list[int]) -> list[BlobLoc]:
+        """Room for a batch of blobs that live and die together (the tensors of one artifact or view).
+
+        Small ones go to slab arenas; the others are carved, page-aligned, out of pre-faulted stock chunks
+        (first fit, in order), so that a checkpoint of hundreds of tensors is filled without first-touch
+        faults. A tensor larger than a chunk, or any once the stock is empty, gets a segment of its own. A
+        chunk goes when its last blob does: until then freed blobs' pages stay (they may be mapped by
+        callers). Blocking (it may create segments): call it off the event loop. All or nothing.
+        """
+        out: list[BlobLoc | None] = [None] * len(sizes)
+        try:
+            open_chunk: Segment | None = None
+            used = 0
+            for i, size in enumerate(sizes):
+                if not size or self.slab.slot_size(size) is not None or size > self.stock.chunk_bytes:
+                    out[i] = self.allocate(size)
+                    continue
+                with self.lock:
+                    self.state.reserve(size)
+                if open_chunk is not None and used + size > open_chunk.size:
+                    self._close_chunk(open_chunk, used)
+                    open_chunk = None
+                if open_chunk is None:
+                    open_chunk, used = self.stock.take_chunk(), 0
+                    if open_chunk is None:  # the stock is empty: a segment of its own
+                        try:
+                            out[i] = BlobLoc(Segment.create(SHM_DIR, self.prefix, size), 0, size, size)
+                        except BaseException:
+                            with self.lock:
+                                self.state.unreserve(size)
+                            raise
+                        continue
+                    open_chunk.blobs = 0
+                open_chunk.blobs += 1
+                out[i] = BlobLoc(open_chunk, used, size, size)
+                used += -(-size // _PAGE) * _PAGE
+            if open_chunk is not None:
+                self._close_chunk(open_chunk, used)
+        except BaseException:
+            for loc in out:
+                if loc is not None:
+                    self.discard(loc)
+            raise
+        return [loc for loc in out if loc is not None]
+
+    def _close_chunk(self, chunk: Segment, used: int) -> None:
+        if chunk.blobs == 0:
+            self._retire(chunk)
+        else:
+            chunk.shrink(min(chunk.size, used))  # give back the tail pages
 
     def discard(self, loc: BlobLoc) -> None:
         """Give back an allocation that was never committed."""
@@ -164,7 +219,9 @@ class MemoryTier:
             if empty is not None:
                 self._retire(self._arenas.pop(empty))
         else:
-            self._retire(loc.segment)
+            loc.segment.blobs -= 1
+            if loc.segment.blobs <= 0:
+                self._retire(loc.segment)
 
     def _retire(self, segment: Segment) -> None:
         segment.unlink()
@@ -178,7 +235,7 @@ class MemoryTier:
 
     def close(self) -> None:
         with self.lock:
-            segs = [b.segment for b in self._blobs.values() if b.arena is None]
+            segs = list({id(b.segment): b.segment for b in self._blobs.values() if b.arena is None}.values())
             for seg in segs + list(self._arenas.values()) + self._closing:
                 seg.unlink()
                 seg.try_close()

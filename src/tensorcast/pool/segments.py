@@ -4,9 +4,10 @@ Owns: the OS side of both tiers. A segment is a file (under /dev/shm for the mem
 directory for the disk tier) mapped shared by the worker. Creation reserves its space with
 ``posix_fallocate``, so a full /dev/shm or disk is a clean ``ResourceExhausted`` at allocation and never
 a SIGBUS mid-copy. ``SegmentStock`` keeps a budget of pre-faulted segments so that filling one on the hot
-path pays no first-touch page faults. Deleting a segment unlinks its name immediately but keeps the
-mapping until no reader in this process still uses it; callers that mapped it (copy-on-write) keep their
-pages: a segment's memory is never reused for other bytes. Does not own: accounting (``pool.state``).
+path pays no first-touch page faults (here first touch costs about as much as the copy itself).
+Deleting a segment unlinks its name immediately but keeps the mapping until no reader in this process
+still uses it; callers that mapped it (copy-on-write) keep their pages: a segment's memory is never
+reused for other bytes. Does not own: accounting (``pool.state``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import mmap
 import os
 import threading
 import uuid
+from collections.abc import Callable
 
 from tensorcast.errors import NotFound, ResourceExhausted
 
@@ -37,13 +39,14 @@ class SegmentGone(NotFound):
 class Segment:
     """A mapped file owned by this process (a worker)."""
 
-    __slots__ = ("_mm", "_unlinked", "path", "readers", "size")
+    __slots__ = ("_mm", "_unlinked", "blobs", "path", "readers", "size")
 
     def __init__(self, path: str, size: int, mm: mmap.mmap | None) -> None:
         self.path = path
         self.size = size
         self._mm = mm
         self.readers = 0
+        self.blobs = 1  # blobs living in it: a pack segment holds several, and goes with the last one
         self._unlinked = False
 
     @classmethod
@@ -79,24 +82,19 @@ class Segment:
         return cls(path, size, mm)
 
     def shrink(self, size: int) -> None:
-        """Cut a (stock) segment down to ``size`` bytes; the tail pages are given back."""
+        """Cut a (stock) segment down to ``size`` bytes; the tail pages are given back. The mapping keeps its
+        length (unmapping and re-mapping a populated segment costs more than the shrink saves), but
+        ``view()`` covers ``size`` bytes only, so nothing here touches the tail."""
         if size == self.size:
             return
-        assert self._mm is not None and self.readers == 0
-        self._mm.close()
-        fd = os.open(self.path, os.O_RDWR)
-        try:
-            os.ftruncate(fd, size)
-            self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE,
-                                 prot=mmap.PROT_READ | mmap.PROT_WRITE) if size else None
-        finally:
-            os.close(fd)
+        assert self._mm is not None and 0 < size < self.size
+        os.truncate(self.path, size)
         self.size = size
 
     def view(self) -> memoryview:
         if self._mm is None:
             return memoryview(b"")
-        return memoryview(self._mm)
+        return memoryview(self._mm)[: self.size]
 
     def flush(self) -> None:
         """Write dirty pages to the file (disk tier durability)."""
@@ -128,73 +126,107 @@ class Segment:
 
 
 class SegmentStock:
-    """Pre-faulted segments by power-of-two size class, refilled while the worker is idle, up to a budget.
+    """Pre-faulted segments, built while the worker is idle, up to a byte budget.
 
-    ``take(size)`` returns a ready segment of at least ``size`` bytes (shrunk to ``size``) or None on a
-    miss; every request (hit or miss) records demand for its class, and ``refill()`` — called by the worker
-    when no transfer or put is running, so pre-faulting never competes with the hot path for CPU — builds
-    one segment per demanded class. A workload that keeps asking for similar sizes finds them ready.
-    The stock is extra memory beyond the tier's capacity.
+    Two kinds, so that both a burst of many tensors and repeated large puts find memory ready:
+    - **chunks** of ``chunk_bytes``: the budget left after the demanded classes is kept full of them.
+      ``take_chunk()`` hands one out whole (a pack allocation carves many tensors out of it);
+      ``take(size)`` for ``size <= chunk_bytes`` cuts one down to ``size`` (the tail pages go back).
+    - **size classes** (powers of two) for objects larger than a chunk: every miss records demand for its
+      class and ``refill()`` builds one segment per demanded class (first), so that a workload that keeps
+      putting similar large tensors finds one ready.
+
+    ``refill(busy)`` builds one segment at a time and stops as soon as ``busy()`` says the hot path needs
+    the CPU again. The stock is extra memory beyond the tier's capacity; its size is a worker signal.
     """
 
     MIN_CLASS = 4 * 1024 * 1024
 
-    def __init__(self, directory: str, prefix: str, budget: int) -> None:
+    def __init__(self, directory: str, prefix: str, budget: int, chunk_bytes: int = 256 * 1024 * 1024) -> None:
         self.directory = directory
         self.prefix = prefix
         self.budget = budget
+        self.chunk_bytes = max(self.MIN_CLASS, min(chunk_bytes, budget)) if budget > 0 else chunk_bytes
         self._lock = threading.Lock()
+        self._chunks: list[Segment] = []
         self._stock: dict[int, list[Segment]] = {}
         self._bytes = 0
         self._closed = False
-        self._wanted: dict[int, int] = {}  # class -> segments to keep ready
+        self._wanted: set[int] = set()  # classes above the chunk size to keep one segment ready of
+
+    @property
+    def ready_bytes(self) -> int:
+        return self._bytes
 
     @classmethod
     def size_class(cls, size: int) -> int:
         return max(cls.MIN_CLASS, 1 << (size - 1).bit_length())
 
+    def take_chunk(self) -> Segment | None:
+        """A whole pre-faulted chunk (``chunk_bytes``), or None."""
+        with self._lock:
+            if not self._chunks:
+                return None
+            seg = self._chunks.pop()
+            self._bytes -= seg.size
+            return seg
+
     def take(self, size: int) -> Segment | None:
+        """A pre-faulted segment of exactly ``size`` bytes, or None on a miss."""
         if self.budget <= 0 or size < self.MIN_CLASS // 2:
             return None
-        cls = self.size_class(size)
-        with self._lock:
-            self._wanted[cls] = max(self._wanted.get(cls, 0), 1)
-            segs = self._stock.get(cls)
-            seg = segs.pop() if segs else None
-            if seg is not None:
-                self._bytes -= seg.size
+        if size <= self.chunk_bytes:
+            seg = self.take_chunk()
+        else:
+            cls = self.size_class(size)
+            with self._lock:
+                self._wanted.add(cls)
+                segs = self._stock.get(cls)
+                seg = segs.pop() if segs else None
+                if seg is not None:
+                    self._bytes -= seg.size
         if seg is not None:
             seg.shrink(size)
         return seg
 
-    def refill(self) -> int:
-        """Pre-fault segments for demanded classes within the budget (blocking); returns bytes added."""
+    def _next_build(self) -> tuple[int, list[Segment]] | None:
+        """What to pre-fault next (size, list to add it to), or None when the stock is full."""
+        with self._lock:
+            if self._closed:
+                return None
+            for cls in sorted(self._wanted):
+                if not self._stock.get(cls) and self._bytes + cls <= self.budget:
+                    return cls, self._stock.setdefault(cls, [])
+            if self._bytes + self.chunk_bytes <= self.budget:
+                return self.chunk_bytes, self._chunks
+            return None
+
+    def refill(self, busy: Callable[[], bool] = lambda: False) -> int:
+        """Pre-fault segments until the budget is used or ``busy()`` (blocking); returns bytes added."""
         added = 0
-        for cls, want in sorted(self._wanted.items()):
-            while True:
-                with self._lock:
-                    have = len(self._stock.get(cls, ()))
-                    if self._closed or have >= want or self._bytes + cls > self.budget:
-                        break
-                try:
-                    seg = Segment.create(self.directory, self.prefix, cls, populate=True)
-                except Exception as exc:
-                    log.debug("prefault of %d bytes failed: %s", cls, exc)
-                    return added
-                with self._lock:
-                    if self._closed:
-                        seg.unlink()
-                        seg.try_close()
-                        return added
-                    self._stock.setdefault(cls, []).append(seg)
-                    self._bytes += cls
-                added += cls
+        while not busy() and (job := self._next_build()) is not None:
+            size, into = job
+            try:
+                seg = Segment.create(self.directory, self.prefix, size, populate=True)
+            except Exception as exc:  # a full /dev/shm: the stock is an optimisation, never an error
+                log.debug("prefault of %d bytes failed: %s", size, exc)
+                return added
+            with self._lock:
+                if not self._closed:
+                    into.append(seg)
+                    self._bytes += size
+                    added += size
+                    continue
+            seg.unlink()
+            seg.try_close()
+            return added
         return added
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            segs = [s for ss in self._stock.values() for s in ss]
+            segs = self._chunks + [s for ss in self._stock.values() for s in ss]
+            self._chunks = []
             self._stock.clear()
             self._bytes = 0
         for s in segs:

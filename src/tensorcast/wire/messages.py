@@ -83,6 +83,8 @@ class WorkerInfo(_Rec):
     net_in_bps: float = 0.0
     net_out_bps: float = 0.0
     transfers_in_flight: int = 0
+    # Pre-faulted shared memory ready for fills (beyond memory_capacity; config worker.prefault_bytes).
+    memory_prefaulted: int = 0
 
 
 class InstanceInfo(_Rec):
@@ -118,6 +120,24 @@ class SegmentRef(_Rec):
     size: int
     offset: int = 0
     tier: str = "memory"
+
+
+class CudaIpcHandle(_Rec):
+    """A CUDA tensor a worker holds, exported for a process on the same host (``cudaIpcGetMemHandle`` with
+    torch's reference counting): what ``torch.multiprocessing`` would pickle, as plain fields."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    tensor_offset: int
+    dtype: str
+    device: int
+    storage_handle: bytes
+    storage_size: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes | None = None
+    event_sync_required: bool = False
 
 
 # --------------------------------------------------------------------------- connection set-up
@@ -203,10 +223,14 @@ class MapTensors(_Msg):
     artifact_id: str
     names: tuple[str, ...] = ()
     tier: str = ""  # "" = memory if present, else disk
+    # A CUDA device ("cuda:N"): also export the worker's copies on that device, if it holds them.
+    device: str = ""
 
 
 class Mapped(_Msg):
     segments: tuple[SegmentRef | None, ...]
+    # With MapTensors.device: one handle per name when the worker holds them all on that device, else ().
+    cuda_ipc: tuple[CudaIpcHandle, ...] = ()
 
 
 class Prefetch(_Msg):
@@ -221,6 +245,9 @@ class Prefetch(_Msg):
     view: dict[str, tuple[SliceSpec, ...]] | None = None
     view_id: str = ""
     view_meta: dict[str, str] = {}
+    # Also copy the result to this CUDA device of the worker ("cuda:N"), so that same-host callers map it
+    # with CUDA IPC (the warm GPU hand-off). Refused with InvalidArgument by a worker without CUDA.
+    device: str = ""
 
 
 class Prefetched(_Msg):
@@ -554,6 +581,7 @@ class Heartbeat(_Msg):
     net_in_bps: float = 0.0
     net_out_bps: float = 0.0
     transfers_in_flight: int = 0
+    memory_prefaulted: int = 0
     # Artifact ids this worker dropped since the last heartbeat (acknowledges HeartbeatReply.drop).
     dropped: tuple[str, ...] = ()
 

@@ -28,7 +28,7 @@ from tensorcast.tensors import numpy_dtype
 from tensorcast.transport.base import ChunkCorrupted, stream_count
 from tensorcast.transport.tcp import TcpTransport
 from tensorcast.views import apply_slices, byte_range, sliced_shape
-from tensorcast.weights.reader import pread_into
+from tensorcast.weights.reader import ReadJob, read_ranges
 from tensorcast.wire.messages import ArtifactInfo, DataRequest, Prefetched, ReplicaInfo, SliceSpec, TensorMeta
 from tensorcast.worker.store import LocalStore
 
@@ -75,13 +75,17 @@ class Fetcher:
         t0 = time.perf_counter()
         result = Prefetched(worker_id=self.worker_id, already_present=False)
         with self._staging() as allocated:
-            for digest, meta in missing.items():
-                allocated[digest] = store.memory.allocate(meta.nbytes)
+            await self._allocate(allocated, list(missing.values()))
+            # A checkpoint registered in place here: one batch of parallel preads for all its tensors.
+            in_place = {d: m for d, m in missing.items() if store.external_location(info.id, m.name) is not None}
+            await self._read_in_place(info, [(m, allocated[d], (0, m.nbytes)) for d, m in in_place.items()])
+            rest = {d: m for d, m in missing.items() if d not in in_place}
             # Several tensors at once (each may itself use several streams): small tensors would otherwise
-            # move one at a time, and first-touch faults of fresh segments spread over the cores.
+            # move one at a time.
             fills = await self._bounded([self._fill(info, meta, allocated[d], deadline, trace_id, streams)
-                                         for d, meta in missing.items()])
-            for (source, tier, retries), meta in zip(fills, missing.values(), strict=True):
+                                         for d, meta in rest.items()])
+            fills += [("", "disk", 0)] * len(in_place)
+            for (source, tier, retries), meta in zip(fills, [*rest.values(), *in_place.values()], strict=True):
                 result = Prefetched(worker_id=self.worker_id, already_present=False, source=source,
                                     source_tier=tier, bytes_moved=result.bytes_moved + meta.nbytes,
                                     retries=result.retries + retries)
@@ -115,14 +119,21 @@ class Fetcher:
         await store.make_room(sum(t.nbytes for t in out), "evict", exclude=frozenset({view_id}))
         t0 = time.perf_counter()
         with self._staging() as allocated:
-            todo = []
-            for t in out:
-                if not t.nbytes or store.memory.has_blob(t.digest) or t.digest in allocated:
-                    continue
-                allocated[t.digest] = store.memory.allocate(t.nbytes)
-                todo.append(t)
-            sources = await self._bounded([self._fill_view(info, metas[t.name], view[t.name], allocated[t.digest],
-                                                           deadline, trace_id) for t in todo])
+            todo = list({t.digest: t for t in out if t.nbytes and not store.memory.has_blob(t.digest)}.values())
+            await self._allocate(allocated, todo)
+            # Contiguous slices of a checkpoint in place here: one batch of parallel preads of just their bytes.
+            direct = []
+            for t in todo:
+                meta = metas[t.name]
+                rng = byte_range(meta.shape, numpy_dtype(meta.dtype).itemsize, view[t.name]) \
+                    if view[t.name] else (0, meta.nbytes)
+                if rng is not None and store.external_location(info.id, t.name) is not None:
+                    direct.append((meta, allocated[t.digest], rng))
+            await self._read_in_place(info, direct)
+            done = {id(loc) for _m, loc, _r in direct}
+            sources = [self.worker_id] * bool(direct) + await self._bounded([
+                self._fill_view(info, metas[t.name], view[t.name], allocated[t.digest], deadline, trace_id)
+                for t in todo if id(allocated[t.digest]) not in done])
             source = next((s for s in sources if s), "")
             moved = sum(t.nbytes for t in todo)
             self._commit(allocated)
@@ -135,10 +146,6 @@ class Fetcher:
         itemsize = numpy_dtype(meta.dtype).itemsize
         rng = byte_range(meta.shape, itemsize, specs) if specs else (0, meta.nbytes)
         ext = self.store.external_location(info.id, meta.name)
-        if ext is not None and rng is not None:  # a checkpoint in place: only the slice's bytes are read
-            await asyncio.to_thread(pread_into, ext.file, ext.offset + rng[0], loc.view(),
-                                    streams=self.config.max_streams)
-            return self.worker_id
         if ext is not None or self.store.memory.has_blob(meta.digest) or (
                 self.store.disk is not None and self.store.disk.has_blob(meta.digest)):
             src, _tier, release = self.store.lease_tensor(info.id, meta, "")
@@ -177,6 +184,21 @@ class Fetcher:
         finally:
             self.in_flight -= 1
 
+    async def _read_in_place(self, info: ArtifactInfo, jobs: list[tuple[TensorMeta, BlobLoc, tuple[int, int]]]) -> None:
+        """Read byte ranges ``(start, end)`` of tensors of a checkpoint registered in place on this worker."""
+        reads = []
+        for meta, loc, (start, _end) in jobs:
+            ext = self.store.external_location(info.id, meta.name)
+            assert ext is not None
+            reads.append(ReadJob(ext.file, ext.offset + start, loc.view(), meta.name))
+        if reads:
+            await asyncio.to_thread(read_ranges, reads, streams=self.config.max_streams)
+
+    async def _allocate(self, allocated: dict[str, BlobLoc], metas: list[TensorMeta]) -> None:
+        """One pack for the batch, carved out of pre-faulted chunks (off the loop: it may create segments)."""
+        locs = await asyncio.to_thread(self.store.memory.allocate_pack, [t.nbytes for t in metas])
+        allocated.update(zip((t.digest for t in metas), locs, strict=True))
+
     def _commit(self, allocated: dict[str, BlobLoc]) -> None:
         for digest, loc in allocated.items():
             self.store.memory.commit_blob(digest, loc)
@@ -199,10 +221,6 @@ class Fetcher:
     async def _fill(self, info: ArtifactInfo, meta: TensorMeta, loc: BlobLoc, deadline: float | None,
                     trace_id: str, streams: int) -> tuple[str, str, int]:
         """Fill ``loc`` with ``meta``'s bytes; returns (source worker, tier, retries)."""
-        ext = self.store.external_location(info.id, meta.name)
-        if ext is not None:  # a checkpoint registered in place on this worker: parallel reads
-            await asyncio.to_thread(pread_into, ext.file, ext.offset, loc.view(), streams=self.config.max_streams)
-            return "", "disk", 0
         disk = self.store.disk
         if disk is not None and disk.has_blob(meta.digest):
             src, tier, release = self.store._lease_bytes(meta, "disk")

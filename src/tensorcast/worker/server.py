@@ -26,8 +26,11 @@ from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, Unavailable
 from tensorcast.kv.home import ShardHome
 from tensorcast.plans.executor import PlanExecutor
+from tensorcast.pool.device import DeviceTier, check_device
 from tensorcast.pool.placement import resolve_placement
-from tensorcast.tensors import ARTIFACT_ID_RE, artifact_id
+from tensorcast.tensors import ARTIFACT_ID_RE, artifact_id, wrap_bytes
+from tensorcast.transport.cuda_ipc import export_handle
+from tensorcast.transport.h2d import to_device
 from tensorcast.transport.tcp import DataServer, TcpTransport
 from tensorcast.weights.safetensors import Checkpoint, CheckpointTensor, open_checkpoint
 from tensorcast.wire.messages import (
@@ -102,6 +105,7 @@ class Worker:
         self.puts = PutManager(config.worker, self.store)
         self.transport = TcpTransport(config.wire, token=config.token, max_streams=config.transport.max_streams * 2)
         self.fetcher = Fetcher(worker_id, self.store, self.transport, config.transport)
+        self.devices = DeviceTier(config.worker.device_capacity)
         self.data_server = DataServer(self.store.open_source, config.wire, token=config.token,
                                       corrupt_chunks=config.worker.fault_corrupt_chunks)
         self.gs = RpcChannel(gs_address, config.wire, token=config.token, peer_id=worker_id, host_id=self.host_id)
@@ -268,12 +272,18 @@ class Worker:
             try:
                 self.puts.reap(time.time())
                 await self.store.housekeeping()
-                if not self.puts.pending and not self.fetcher.in_flight and not self.data_server.active:
-                    await asyncio.to_thread(self.store.memory.stock.refill)
+                if not self._busy():
+                    await asyncio.to_thread(self.store.memory.stock.refill, self._busy)
             except Exception:
                 log.exception("housekeeping failed")
 
+    def _busy(self) -> bool:
+        """A put, fetch or send is running: pre-faulting must not compete with it for the CPU."""
+        return bool(self.puts.pending or self.fetcher.in_flight or self.data_server.active)
+
     async def _replica_gone(self, artifact_id: str, tier: str) -> None:
+        if tier == "memory":
+            self.devices.remove(artifact_id)
         with contextlib.suppress(TensorCastError):
             await self.gs.call(RemoveReplica(artifact_id=artifact_id, worker_id=self.worker_id, tier=tier),
                                CallContext(deadline=time.time() + 5))
@@ -400,17 +410,28 @@ class Worker:
     # ----------------------------------------------------------------- replicas
     async def map_tensors(self, msg: MapTensors, req: Request) -> Mapped:
         names = msg.names or tuple(t.name for t in self.store.tensors(msg.artifact_id))
-        return Mapped(segments=tuple(self.store.segment_refs(msg.artifact_id, names, msg.tier)))
+        refs = tuple(self.store.segment_refs(msg.artifact_id, names, msg.tier))
+        if msg.device and self.devices.has(msg.artifact_id, msg.device):
+            on_device = self.devices.get(msg.artifact_id, msg.device)
+            if all(n in on_device for n in names):
+                return Mapped(segments=refs, cuda_ipc=tuple(export_handle(on_device[n]) for n in names))
+        return Mapped(segments=refs)
 
     async def prefetch(self, msg: Prefetch, req: Request) -> Prefetched:
         routed = await self._route(msg.worker_id, msg, req)
         if routed is not None:
             return routed  # type: ignore[no-any-return]
+        device = check_device(msg.device) if msg.device else ""  # refused before any work
         info = (await self.gs.call(GetArtifact(key_or_id=msg.artifact_id), req.ctx)).message
         assert isinstance(info, ArtifactInfo)
         if msg.view is not None:
-            return await self._materialize_view(info, msg, req)
+            done = await self._materialize_view(info, msg, req)
+            if device:
+                await self._copy_to_device(msg.view_id, device)
+            return done
         result = await self.fetcher.fetch(info, req.ctx.deadline, req.ctx.trace_id, msg.streams)
+        if device:
+            await self._copy_to_device(info.id, device)
         if msg.pin:
             self.store.pin(info.id, msg.pin_ttl)
         self.bytes_in += result.bytes_moved
@@ -419,6 +440,30 @@ class Worker:
             log.info("prefetched %s from %s (%d bytes, %.3fs, %d retries)", info.id, result.source or "local disk",
                      result.bytes_moved, result.seconds, result.retries)
         return result
+
+    async def _copy_to_device(self, artifact_id: str, device: str) -> None:
+        """Copy a memory replica to ``device`` (pipelined H2D), kept for CUDA IPC hand-offs."""
+        if self.devices.has(artifact_id, device):
+            return
+        metas = self.store.memory.tensors(artifact_id)
+        nbytes = sum(t.nbytes for t in metas)
+        self.devices.reserve(nbytes)
+        releases = []
+        try:
+            host = {}
+            for t in metas:
+                src, _tier, release = self.store.lease_tensor(artifact_id, t, "memory")
+                releases.append(release)
+                host[t.name] = wrap_bytes(src, t, "numpy")
+            tensors = await asyncio.to_thread(to_device, host, device)
+        except BaseException:
+            self.devices.unreserve(nbytes)
+            raise
+        finally:
+            for release in releases:
+                release()
+        self.devices.add(artifact_id, device, tensors, nbytes)
+        log.info("copied %s to %s (%d bytes)", artifact_id, device, nbytes)
 
     async def _materialize_view(self, info: ArtifactInfo, msg: Prefetch, req: Request) -> Prefetched:
         assert msg.view is not None
@@ -487,6 +532,7 @@ class Worker:
         return Ack()
 
     def _drop(self, aid: str) -> None:
+        self.devices.remove(aid)
         self.store.drop(aid)
         self._dropped.add(aid)
 

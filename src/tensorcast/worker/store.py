@@ -45,7 +45,8 @@ class LocalStore:
     def __init__(self, config: WorkerConfig, worker_id: str, on_replica_gone: ReplicaGone) -> None:
         self.config = config
         self.memory = MemoryTier(config.memory_capacity, f"{config.shm_prefix}-{worker_id}",
-                                 stock_budget=config.prefault_bytes, arena_bytes=config.arena_bytes,
+                                 stock_budget=config.prefault_bytes,
+                                 stock_chunk_bytes=config.prefault_chunk_bytes, arena_bytes=config.arena_bytes,
                                  small_object_bytes=config.small_object_bytes)
         self.disk = DiskTier(Path(config.disk_dir), config.disk_capacity) if config.disk_dir else None
         self._on_replica_gone = on_replica_gone
@@ -94,6 +95,7 @@ class LocalStore:
             "artifacts": len(set(self.memory.replica_ids()) | set(self.disk.manifests if self.disk else ())),
             "disk_used": self.disk.used if self.disk else 0,
             "disk_capacity": self.disk.capacity if self.disk else 0,
+            "memory_prefaulted": self.memory.stock.ready_bytes,
         }
 
     # ----------------------------------------------------------------- room and memory replicas
@@ -297,7 +299,7 @@ class LocalStore:
             if meta.nbytes and tier in ("", "memory") and self.memory.has_blob(meta.digest):
                 loc: BlobLoc = self.memory.blob(meta.digest)
                 if loc.arena is None:  # arena slots are reused: never mapped by callers
-                    ref = SegmentRef(path=loc.segment.path, size=loc.size, tier="memory")
+                    ref = SegmentRef(path=loc.segment.path, size=loc.size, offset=loc.offset, tier="memory")
             elif meta.nbytes and tier in ("", "disk") and self.disk is not None and self.disk.has_blob(meta.digest):
                 ref = SegmentRef(path=self.disk.blob_path(meta.digest), size=meta.nbytes, tier="disk")
             elif meta.nbytes and tier in ("", "disk") and (ext := self.external_location(artifact_id, name)):
