@@ -189,23 +189,35 @@ class SegmentStock:
             seg.shrink(size)
         return seg
 
-    def _next_build(self) -> tuple[int, list[Segment]] | None:
-        """What to pre-fault next (size, list to add it to), or None when the stock is full."""
+    def _next_build(self) -> tuple[int, list[Segment], list[Segment]] | None:
+        """What to pre-fault next (size, list to add it to, chunks to give up for it), or None when full.
+        A demanded class comes first: chunks make room for it."""
         with self._lock:
             if self._closed:
                 return None
             for cls in sorted(self._wanted):
-                if not self._stock.get(cls) and self._bytes + cls <= self.budget:
-                    return cls, self._stock.setdefault(cls, [])
+                if self._stock.get(cls) or cls > self.budget:
+                    continue
+                dropped = []
+                while self._bytes + cls > self.budget and self._chunks:
+                    dropped.append(self._chunks.pop())
+                    self._bytes -= dropped[-1].size
+                if self._bytes + cls <= self.budget:
+                    return cls, self._stock.setdefault(cls, []), dropped
+                self._chunks += dropped
+                self._bytes += sum(s.size for s in dropped)
             if self._bytes + self.chunk_bytes <= self.budget:
-                return self.chunk_bytes, self._chunks
+                return self.chunk_bytes, self._chunks, []
             return None
 
     def refill(self, busy: Callable[[], bool] = lambda: False) -> int:
         """Pre-fault segments until the budget is used or ``busy()`` (blocking); returns bytes added."""
         added = 0
         while not busy() and (job := self._next_build()) is not None:
-            size, into = job
+            size, into, dropped = job
+            for seg in dropped:
+                seg.unlink()
+                seg.try_close()
             try:
                 seg = Segment.create(self.directory, self.prefix, size, populate=True)
             except Exception as exc:  # a full /dev/shm: the stock is an optimisation, never an error

@@ -157,12 +157,12 @@ def cuda_available() -> bool:
 
 
 def _host_bytes(t: Any) -> np.ndarray[Any, Any]:
-    """A flat uint8 view of a host tensor/array (no copy)."""
+    """A flat uint8 view of a host tensor/array (no copy unless it is not contiguous)."""
     if isinstance(t, np.ndarray):
-        return t.reshape(-1).view(np.uint8)
+        return np.ascontiguousarray(t).reshape(-1).view(np.uint8)
     import torch
 
-    return np.asarray(t.detach().reshape(-1).view(torch.uint8).numpy())
+    return np.asarray(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def to_device(tensors: Mapping[str, Any], device: str, *, engine: CopyEngine | None = None,

@@ -1,0 +1,89 @@
+"""The memory tier's pack allocation and the pre-faulted stock, on real shared-memory segments (no worker)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from tensorcast.errors import ResourceExhausted
+from tensorcast.pool.memory import MemoryTier
+from tensorcast.pool.segments import SegmentStock
+
+MiB = 1 << 20
+
+
+@pytest.fixture()
+def tier() -> Iterator[MemoryTier]:
+    t = MemoryTier(256 * MiB, f"tc-test-{uuid.uuid4().hex[:8]}", stock_budget=32 * MiB, stock_chunk_bytes=8 * MiB)
+    t.stock.refill()
+    yield t
+    t.close()
+
+
+def test_pack_is_carved_out_of_stock_chunks_page_aligned(tier: MemoryTier) -> None:
+    assert tier.stock.ready_bytes == 32 * MiB  # four chunks, pre-faulted
+    sizes = [3 * MiB, 3 * MiB + 5, 1 * MiB, 6 * MiB, 100]  # the last one is small: a slab arena
+    locs = tier.allocate_pack(sizes)
+    assert [loc.size for loc in locs] == sizes
+    big = [loc for loc in locs if loc.arena is None]
+    assert len({id(loc.segment) for loc in big}) == 2  # 3 + 3 + 1 MiB in one chunk, 6 MiB in the next
+    assert tier.stock.ready_bytes == 16 * MiB
+    assert all(loc.offset % os.sysconf("SC_PAGE_SIZE") == 0 for loc in big)
+    first = big[0].segment
+    assert os.stat(first.path).st_size < 8 * MiB  # the unused tail of the chunk went back
+    for i, loc in enumerate(locs):  # non-overlapping: each keeps its own bytes
+        np.frombuffer(loc.view(), np.uint8)[:] = i + 1
+    for i, loc in enumerate(locs):
+        assert set(np.unique(np.frombuffer(loc.view(), np.uint8))) == {i + 1}
+    assert tier.state.reserved == sum(sizes[:-1]) + 4096  # the small one is charged its slot
+
+
+def test_a_pack_segment_goes_with_its_last_blob(tier: MemoryTier) -> None:
+    a, b = tier.allocate_pack([2 * MiB, 2 * MiB])
+    assert a.segment is b.segment
+    tier.commit_blob("a" * 64, a)
+    tier.commit_blob("b" * 64, b)
+    path = a.segment.path
+    assert tier.state.commit_blob("a" * 64, 0) is False  # already there
+    tier.state.free_blob("a" * 64)
+    tier._release_loc(a)
+    assert os.path.exists(path)  # b still lives in it
+    tier.state.free_blob("b" * 64)
+    tier._release_loc(b)
+    assert not os.path.exists(path)
+
+
+def test_pack_is_all_or_nothing(tier: MemoryTier) -> None:
+    with pytest.raises(ResourceExhausted):
+        tier.allocate_pack([4 * MiB, 200 * MiB, 100 * MiB])  # the third does not fit in 256 MiB
+    assert tier.state.used == 0
+    assert not [p for p in os.listdir("/dev/shm") if p.startswith(tier.prefix + "-") and "-s-" not in p]
+
+
+def test_tensors_larger_than_a_chunk_get_their_own_segment(tier: MemoryTier) -> None:
+    locs = tier.allocate_pack([1 * MiB, 20 * MiB])
+    assert locs[0].segment is not locs[1].segment and locs[1].offset == 0 and locs[1].segment.size == 20 * MiB
+
+
+def test_stock_refill_stops_when_busy_and_learns_large_classes(tmp_path: object) -> None:
+    stock = SegmentStock("/dev/shm", f"tc-test-{uuid.uuid4().hex[:8]}", 64 * MiB, chunk_bytes=16 * MiB)
+    try:
+        calls = iter([False, True])
+        assert stock.refill(lambda: next(calls, True)) == 16 * MiB  # one chunk, then "busy"
+        assert stock.refill() == 48 * MiB and stock.ready_bytes == 64 * MiB
+        seg = stock.take(5 * MiB)  # a chunk cut down to size
+        assert seg is not None and seg.size == 5 * MiB and os.stat(seg.path).st_size == 5 * MiB
+        seg.unlink()
+        seg.try_close()
+        assert stock.take(20 * MiB) is None  # above a chunk: a miss that records demand for 32 MiB
+        stock.refill()
+        big = stock.take(20 * MiB)
+        assert big is not None and big.size == 20 * MiB
+        big.unlink()
+        big.try_close()
+    finally:
+        stock.close()
