@@ -93,6 +93,7 @@ def bench_tensorcast(workers: int, page: int, n: int, reps: int, locations: str)
         one = keys[:1]
         t_index_rt = timed(lambda: client._run(kv.exists(one)), reps * 20)
         t_page_rt = timed(lambda: client._run(kv.get_into(one, bufs[:1])), reps * 20)
+        client._run(kv.aclose())
     total = n * page
     return {"put_pages_s": n / t_put, "put_GBps": total / t_put / 1e9, "get_pages_s": n / t_get,
             "get_GBps": total / t_get / 1e9, "exists_keys_s": n / t_exists,

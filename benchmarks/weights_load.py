@@ -31,10 +31,12 @@ Usage: python benchmarks/weights_load.py [--quick] [--json PATH] [--no-vllm]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -190,8 +192,14 @@ def vllm_ready(path: Path, load_format: str, extra: dict[str, Any]) -> dict[str,
     """Spawn an instance; seconds to its first token, and its load_weights time (or the error)."""
     script = Path(__file__).with_name("vllm_instance.py")
     t0 = time.time()
-    r = subprocess.run([sys.executable, str(script), str(path), load_format, json.dumps(extra)],
-                       capture_output=True, text=True, timeout=1800)
+    proc = subprocess.Popen([sys.executable, str(script), str(path), load_format, json.dumps(extra)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=1800)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # engine helper processes, if any were left
+    r = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     ready = next((float(x.split()[1]) for x in r.stdout.splitlines() if x.startswith("READY ")), None)
     weights = next((float(x.split()[1]) for x in r.stdout.splitlines() if x.startswith("WEIGHTS ")), None)
     if ready is None:

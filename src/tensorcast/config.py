@@ -114,6 +114,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefault_bytes: int = 512 * 1024**2
     # The stock is mostly chunks of this size, out of which a batch of tensors (a checkpoint) is carved.
     prefault_chunk_bytes: int = 256 * 1024**2
+    # The stock is built only after the worker has been idle this long: right after a load, the engine
+    # that asked for it is starting up on the same CPUs.
+    prefault_idle_seconds: float = 2.0
     # Bytes this worker may keep on its CUDA devices (prefetch(..., device="cuda:N"), handed to same-host
     # callers with CUDA IPC); 0 = limited only by the devices' memory. Ignored without CUDA.
     device_capacity: int = 0

@@ -99,7 +99,8 @@ def test_page_store_lru_ttl_shards_and_leases() -> None:
         assert store.get("k4", now=8) is None  # expired
         held = store.get("k2", now=3)
         assert held is not None
-        view, release = store.lease(held)
+        release = store.hold([held])
+        view = store.view(held)
         assert store.drop_shard(0) >= 1  # drops k0, k2 (shard 0)
         assert store.get("k2", now=3) is None
         for i in range(3):  # refill: the leased slot must not be reused

@@ -291,11 +291,11 @@ class AsyncClient:
         return frame.message
 
     async def close(self) -> None:
+        await self.kv.aclose()
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
         self._reader.close()
-        self.kv.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self

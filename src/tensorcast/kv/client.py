@@ -15,8 +15,10 @@ import asyncio
 import contextlib
 import mmap
 import os
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -38,9 +40,9 @@ from tensorcast.wire.messages import (
     PageIndexGet,
     PageIndexPut,
     PageIndexReply,
-    SegmentRef,
     ShardLease,
     ShardTable,
+    SlotList,
 )
 
 if TYPE_CHECKING:
@@ -50,7 +52,11 @@ __all__ = ["AsyncKV"]
 
 _RETRIES = 4
 _MAX_ARENA_MAPS = 256
-_INLINE_COPY_BYTES = 1 << 20
+# Same-host pages at least this large are copied by _COPY_THREADS threads (smaller ones inline).
+_PARALLEL_COPY_MIN_PAGE = 512 << 10
+_COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
+# Read leases are handed back with the next get to the same home, or after this many seconds.
+_RELEASE_DELAY = 0.05
 
 
 def _page_view(page: Any) -> memoryview:
@@ -60,6 +66,21 @@ def _page_view(page: Any) -> memoryview:
         page = page.detach().contiguous().reshape(-1).view(__import__("torch").uint8).numpy()
     arr = np.ascontiguousarray(page)
     return memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+
+
+_COPY_POOL: ThreadPoolExecutor | None = None
+
+
+def _copy_pool() -> ThreadPoolExecutor:
+    global _COPY_POOL
+    if _COPY_POOL is None:
+        _COPY_POOL = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="tensorcast-kv-copy")
+    return _COPY_POOL
+
+
+def _copy_pages(pairs: list[tuple[memoryview, memoryview]]) -> None:
+    for dst, src in pairs:
+        np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
 
 
 class AsyncKV:
@@ -73,6 +94,7 @@ class AsyncKV:
         self._same_host: dict[str, bool] = {}  # holder address -> pages reachable through shared memory
         self._arenas: OrderedDict[str, mmap.mmap] = OrderedDict()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._done_leases: dict[str, list[str]] = {}  # home address -> read leases to hand back
         self.table_refreshes = 0
 
     # ----------------------------------------------------------------- lease table
@@ -144,44 +166,81 @@ class AsyncKV:
         # Reads: pages whose shard is between homes are misses, never errors.
 
     # ----------------------------------------------------------------- same host
-    def _slot(self, ref: SegmentRef, address: str) -> memoryview:
-        mm = self._arenas.get(ref.path)
+    def _arena(self, path: str, address: str) -> memoryview:
+        mm = self._arenas.get(path)
         if mm is None:
             try:
-                mm = map_shared(ref.path, os.stat(ref.path).st_size)
+                mm = map_shared(path, os.stat(path).st_size)
             except (OSError, SegmentGone):
                 # Same host id, yet the home's shared memory is not visible here: use the socket path.
                 self._same_host[address] = False
                 raise Unavailable(f"shared memory of {address} is not reachable from this process") from None
-            self._arenas[ref.path] = mm
+            self._arenas[path] = mm
             while len(self._arenas) > _MAX_ARENA_MAPS:
                 self._arenas.popitem(last=False)[1].close()
         else:
-            self._arenas.move_to_end(ref.path)
-        return memoryview(mm)[ref.offset : ref.offset + ref.size]
+            self._arenas.move_to_end(path)
+        return memoryview(mm)
+
+    def _slots(self, slots: SlotList | None, address: str) -> list[memoryview | None]:
+        """The slots a same-host reply names, as views of the home's arenas (None: no slot)."""
+        if slots is None:
+            return []
+        arenas = [self._arena(path, address) for path in slots.arenas]
+        flat = array("q", slots.slots)
+        return [None if flat[i] < 0 else arenas[flat[i]][flat[i + 1] : flat[i + 1] + flat[i + 2]]
+                for i in range(0, len(flat), 3)]
 
     async def _copy(self, pairs: list[tuple[memoryview, memoryview]]) -> None:
-        """dst[:] = src for each pair; big batches off the event loop."""
-        def run() -> None:
+        """dst[:] = src for each pair. Large pages: numpy copies (which release the GIL) on several threads,
+        so that the copy uses the cores the home left idle; small pages: inline, since per-page hand-offs
+        would cost more than the bytes (a memoryview copy holds the GIL anyway)."""
+        total = sum(s.nbytes for _, s in pairs)
+        if not pairs or total // len(pairs) < _PARALLEL_COPY_MIN_PAGE:
             for dst, src in pairs:
                 dst[:] = src
-
-        if sum(s.nbytes for _, s in pairs) > _INLINE_COPY_BYTES:
-            await asyncio.to_thread(run)
-        else:
-            run()
+            return
+        parts = min(_COPY_THREADS, len(pairs))
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(_copy_pool(), _copy_pages, pairs[i::parts])
+                               for i in range(parts)))
 
     def _background(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _release(self, address: str, lease: str) -> None:
-        with contextlib.suppress(TensorCastError):
-            await self.client._call(KVRelease(lease=lease), Ack, address=address)
+    def _lease_done(self, address: str, lease: str) -> None:
+        """Hand a read lease back with the next get to that home, or after ``_RELEASE_DELAY`` at the latest
+        (one KVRelease for all of them): a get loop then pays no extra round trip for releases."""
+        pending = self._done_leases.setdefault(address, [])
+        pending.append(lease)
+        if len(pending) == 1:
+            self._background(self._flush_leases(address))
+
+    def _take_leases(self, address: str) -> tuple[str, ...]:
+        return tuple(self._done_leases.pop(address, ()))
+
+    async def _flush_leases(self, address: str) -> None:
+        await asyncio.sleep(_RELEASE_DELAY)
+        leases = self._take_leases(address)
+        if leases:
+            with contextlib.suppress(TensorCastError):
+                await self.client._call(KVRelease(leases=leases), Ack, address=address)
 
     def _local(self, address: str) -> bool:
         return self._same_host.get(address, False)
+
+    async def aclose(self) -> None:
+        """Hand back the read leases still held, then unmap the homes' arenas."""
+        for task in list(self._tasks):
+            task.cancel()
+        for address in list(self._done_leases):
+            leases = self._take_leases(address)
+            if leases:
+                with contextlib.suppress(TensorCastError, OSError):
+                    await self.client._call(KVRelease(leases=leases), Ack, address=address)
+        self.close()
 
     def close(self) -> None:
         for mm in self._arenas.values():
@@ -210,8 +269,9 @@ class AsyncKV:
                                 ttl=ttl, same_host=local)
                     if local:  # reserve slots, copy straight into them, commit: no socket copy
                         reserved: KVPutReply = await self.client._call(msg, KVPutReply, address=address)
-                        await self._copy([(self._slot(ref, address), views[j]) for j, ref
-                                          in zip(batch, reserved.locations, strict=True) if ref is not None])
+                        slots = self._slots(reserved.slots, address)
+                        await self._copy([(slot, views[j]) for j, slot in zip(batch, slots, strict=True)
+                                          if slot is not None])
                         reply: KVPutReply = await self.client._call(
                             KVCommit(reservation=reserved.reservation, keys=ks, tokens=msg.tokens), KVPutReply,
                             address=address)
@@ -278,19 +338,20 @@ class AsyncKV:
         return hits
 
     async def _get(self, address: str, keys: list[str], sink: Callable[[Any], list[memoryview]]) -> None:
-        """One KVGet to one home; ``sink(reply)`` names the destination of each hit, in order."""
+        """One KVGet to one home; ``sink(reply)`` names the destination of each hit, in order. Same host,
+        the reply names the slots and this process copies from them, then hands the read lease back."""
         ks = tuple(keys)
         if not self._local(address):
             await self.client._call(KVGet(keys=ks, tokens=self._tokens(ks)), KVGetReply, address=address, sink=sink)
             return
-        reply: KVGetReply = await self.client._call(KVGet(keys=ks, tokens=self._tokens(ks), same_host=True),
-                                                    KVGetReply, address=address)
+        msg = KVGet(keys=ks, tokens=self._tokens(ks), same_host=True, release=self._take_leases(address))
+        reply: KVGetReply = await self.client._call(msg, KVGetReply, address=address)
         try:
             dests = sink(reply)
-            srcs = [self._slot(ref, address) for ref in reply.locations if ref is not None]
-            await self._copy(list(zip(dests, srcs, strict=True)))
+            srcs = self._slots(reply.slots, address)
+            await self._copy(list(zip(dests, srcs, strict=True)))  # type: ignore[arg-type]
         finally:
-            self._background(self._release(address, reply.lease))  # don't wait a round trip for it
+            self._lease_done(address, reply.lease)
 
     async def exists(self, keys: Sequence[str]) -> int:
         """How many leading keys are present (prefix semantics: stop at the first miss)."""

@@ -39,7 +39,6 @@ from tensorcast.wire.messages import (
     ListWorkers,
     ReleaseShards,
     RenewShards,
-    SegmentRef,
     ShardGrants,
     ShardTable,
     WorkerList,
@@ -217,14 +216,8 @@ class ShardHome:
             reserved, _ = self._reserve(msg)
             rid = uuid.uuid4().hex
             self._reservations[rid] = reserved
-            locations: list[SegmentRef | None] = []
-            for entry in reserved.pages:
-                if entry is None:
-                    locations.append(None)
-                else:
-                    path, offset = self.store.location(entry[1])
-                    locations.append(SegmentRef(path=path, size=entry[1].nbytes, offset=offset))
-            return KVPutReply(stored=0, locations=tuple(locations), reservation=rid)
+            slots = self.store.slot_list([None if entry is None else entry[1] for entry in reserved.pages])
+            return KVPutReply(stored=0, slots=slots, reservation=rid)
         pending = self._pending.pop(id(msg), None)
         if pending is None:
             self._check(msg.keys, msg.tokens)
@@ -261,41 +254,29 @@ class ShardHome:
         return KVPutReply(stored=self._commit(pending))
 
     async def get(self, msg: KVGet, req: Request) -> Reply:
+        self._release(msg.release)
         self._check(msg.keys, msg.tokens)
         now = time.time()
-        sizes: list[int] = []
-        views: list[memoryview] = []
-        locations: list[SegmentRef | None] = []
-        releases: list[Any] = []
-        for key in msg.keys:
-            page = self.store.get(key, now)
-            if page is None:
-                sizes.append(-1)
-                locations.append(None)
-                continue
-            view, release = self.store.lease(page)
-            sizes.append(page.nbytes)
-            views.append(view)
-            releases.append(release)
-            if msg.same_host:
-                path, offset = self.store.location(page)
-                locations.append(SegmentRef(path=path, size=page.nbytes, offset=offset))
-
-        def done() -> None:
-            for release in releases:
-                release()
-
+        found = [self.store.get(key, now) for key in msg.keys]
+        sizes = tuple(-1 if page is None else page.nbytes for page in found)
+        hits = [page for page in found if page is not None]
+        release = self.store.hold(hits)
         if msg.same_host:  # the caller copies from the slots, then releases the read lease
             lease = uuid.uuid4().hex
-            self._read_leases[lease] = (time.monotonic(), releases)
-            return Reply(KVGetReply(sizes=tuple(sizes), locations=tuple(locations), lease=lease))
-        return Reply(KVGetReply(sizes=tuple(sizes)), payload=views or None, on_sent=done)
+            self._read_leases[lease] = (time.monotonic(), [release])
+            return Reply(KVGetReply(sizes=sizes, slots=self.store.slot_list(hits), lease=lease))
+        views = [self.store.view(page) for page in hits]
+        return Reply(KVGetReply(sizes=sizes), payload=views or None, on_sent=release)
 
     async def release(self, msg: KVRelease, req: Request) -> Ack:
-        _, releases = self._read_leases.pop(msg.lease, (0.0, []))
-        for release in releases:
-            release()
+        self._release(msg.leases)
         return Ack()
+
+    def _release(self, leases: tuple[str, ...]) -> None:
+        for lease in leases:
+            _, releases = self._read_leases.pop(lease, (0.0, []))
+            for release in releases:
+                release()
 
     async def exists(self, msg: KVExists, req: Request) -> KVExistsReply:
         self._check(msg.keys, msg.tokens)

@@ -10,13 +10,15 @@ never mapped, because slots are reused. Does not own: fencing (``kv.leases``) or
 from __future__ import annotations
 
 import uuid
+from array import array
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tensorcast.errors import InvalidArgument, ResourceExhausted
 from tensorcast.pool.segments import SHM_DIR, Segment, remove_stale_segments
 from tensorcast.pool.slab import SlabAllocator
+from tensorcast.wire.messages import SlotList
 
 __all__ = ["Page", "PageStore"]
 
@@ -104,21 +106,33 @@ class PageStore:
         page = self.index.get(key)
         return page is not None and (page.expires is None or page.expires > now)
 
-    def location(self, page: Page) -> tuple[str, int]:
-        """(file path, offset) of a page's slot, for same-host callers."""
-        return self._arenas[page.arena].path, page.offset
+    def slot_list(self, pages: Sequence[Page | None]) -> SlotList:
+        """Where these pages' slots are, for same-host callers (None: no slot)."""
+        index: dict[str, int] = {}
+        flat: list[int] = []
+        for page in pages:
+            if page is None:
+                flat += (-1, 0, 0)
+            else:
+                flat += (index.setdefault(page.arena, len(index)), page.offset, page.nbytes)
+        arenas = tuple(self._arenas[a].path for a in index)
+        return SlotList(arenas=arenas, slots=array("q", flat).tobytes())
 
-    def lease(self, page: Page) -> tuple[memoryview, Callable[[], None]]:
-        """The page's bytes, held (not reused) until the returned callable runs."""
-        self.slab.lease(page.arena, page.offset)
-        view = self._arenas[page.arena].view()[page.offset : page.offset + page.nbytes]
+    def hold(self, pages: Sequence[Page]) -> Callable[[], None]:
+        """Read lease on many pages at once: their slots are not reused until the returned callable runs."""
+        for page in pages:
+            self.slab.lease(page.arena, page.offset)
 
         def release() -> None:
-            empty = self.slab.release_lease(page.arena, page.offset)
-            if empty is not None:
-                self._retire_arena(empty)
+            for page in pages:
+                empty = self.slab.release_lease(page.arena, page.offset)
+                if empty is not None:
+                    self._retire_arena(empty)
 
-        return view, release
+        return release
+
+    def view(self, page: Page) -> memoryview:
+        return self._arenas[page.arena].view()[page.offset : page.offset + page.nbytes]
 
     # ----------------------------------------------------------------- removal
     def drop_shard(self, shard: int) -> int:

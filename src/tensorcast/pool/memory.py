@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import mmap
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,11 +52,13 @@ class MemoryTier:
         self._arenas: dict[str, Segment] = {}
         self._tensors: dict[str, tuple[TensorMeta, ...]] = {}
         self._closing: list[Segment] = []
+        self.last_alloc = 0.0  # monotonic time of the last allocation: the stock refills after a quiet spell
         remove_stale_segments(prefix)
 
     # ----------------------------------------------------------------- uploads
     def allocate(self, nbytes: int) -> BlobLoc:
         """Room for one blob (the caller made room first if needed); raises ``ResourceExhausted``."""
+        self.last_alloc = time.monotonic()
         with self.lock:
             slot = self.slab.slot_size(nbytes)
             if slot is not None:
@@ -92,6 +95,7 @@ class MemoryTier:
         chunk goes when its last blob does: until then freed blobs' pages stay (they may be mapped by
         callers). Blocking (it may create segments): call it off the event loop. All or nothing.
         """
+        self.last_alloc = time.monotonic()
         out: list[BlobLoc | None] = [None] * len(sizes)
         try:
             open_chunk: Segment | None = None

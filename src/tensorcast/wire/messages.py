@@ -454,9 +454,18 @@ class KVPut(_Msg):
     same_host: bool = False
 
 
+class SlotList(_Rec):
+    """Same host: where pages are, compactly (no struct per page). ``arenas`` are shared-memory files;
+    ``slots`` holds little-endian int64 triples (arena index, offset, size), one per page in order; a
+    page without a slot (a miss, or already stored) has arena index -1."""
+
+    arenas: tuple[str, ...] = ()
+    slots: bytes = b""
+
+
 class KVPutReply(_Msg):
     stored: int
-    locations: tuple[SegmentRef | None, ...] = ()  # same_host: where to write each page (None: present)
+    slots: SlotList | None = None  # same_host: where to write each page (arena -1: already present)
     reservation: str = ""
 
 
@@ -471,20 +480,22 @@ class KVCommit(_Msg):
 class KVGet(_Msg):
     keys: tuple[str, ...]
     tokens: dict[int, int]
-    # Same host: no payload; the reply names the slots (held under a read lease until KVRelease).
+    # Same host: no payload; the reply names the slots (held under a read lease until released).
     same_host: bool = False
+    # Read leases of earlier same-host gets that the caller is done with (saves a KVRelease round trip).
+    release: tuple[str, ...] = ()
 
 
 class KVGetReply(_Msg):
     """``sizes[i]`` bytes of page i follow in the payload, or -1 for a miss."""
 
     sizes: tuple[int, ...]
-    locations: tuple[SegmentRef | None, ...] = ()
+    slots: SlotList | None = None  # same_host: where each hit is, held under ``lease`` until KVRelease
     lease: str = ""
 
 
 class KVRelease(_Msg):
-    lease: str
+    leases: tuple[str, ...]
 
 
 class KVExists(_Msg):

@@ -106,6 +106,7 @@ class Worker:
         self.transport = TcpTransport(config.wire, token=config.token, max_streams=config.transport.max_streams * 2)
         self.fetcher = Fetcher(worker_id, self.store, self.transport, config.transport)
         self.devices = DeviceTier(config.worker.device_capacity)
+        self._last_busy = 0.0  # monotonic time a put, fetch or send was last seen running
         self.data_server = DataServer(self.store.open_source, config.wire, token=config.token,
                                       corrupt_chunks=config.worker.fault_corrupt_chunks)
         self.gs = RpcChannel(gs_address, config.wire, token=config.token, peer_id=worker_id, host_id=self.host_id)
@@ -272,14 +273,18 @@ class Worker:
             try:
                 self.puts.reap(time.time())
                 await self.store.housekeeping()
-                if not self._busy():
+                last_work = max(self._last_busy, self.store.memory.last_alloc)
+                if not self._busy() and time.monotonic() - last_work >= self.config.worker.prefault_idle_seconds:
                     await asyncio.to_thread(self.store.memory.stock.refill, self._busy)
             except Exception:
                 log.exception("housekeeping failed")
 
     def _busy(self) -> bool:
         """A put, fetch or send is running: pre-faulting must not compete with it for the CPU."""
-        return bool(self.puts.pending or self.fetcher.in_flight or self.data_server.active)
+        busy = bool(self.puts.pending or self.fetcher.in_flight or self.data_server.active)
+        if busy:
+            self._last_busy = time.monotonic()
+        return busy
 
     async def _replica_gone(self, artifact_id: str, tier: str) -> None:
         if tier == "memory":
