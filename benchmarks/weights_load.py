@@ -14,7 +14,8 @@ on the files:
     - physical limits: N parallel ``readinto`` streams into fresh and into already-touched memory;
     - ``safetensors.torch.load_file`` of every shard, cloned (it maps lazily; a mapped file not yet read
       is not loaded) (TP=2: ``safe_open(...).get_slice`` of the rank's part, cloned);
-    - ``transformers`` ``from_pretrained`` (TP=1): a model with every weight in its parameters;
+    - ``transformers`` ``from_pretrained`` (TP=1): a model with every weight in its parameters (it may map
+      the files lazily: every page of every parameter is touched once, inside the timing);
     - TensorCast cold: ``from_disk`` + ``prefetch(to=worker[, tp])`` (parallel preads into pre-faulted
       pool memory) + the caller's ``tensor_dict`` (mapped, zero-copy): weights resident, in the caller's
       hands; and the same with every page of the mapped tensors touched once (their page tables set up);
@@ -174,10 +175,12 @@ def st_load(path: Path, tp: tc.TP | None) -> float:
 
 
 def wait_prefaulted(client: tc.Client, want: int, timeout: float = 120.0) -> None:
-    """Give the worker's pre-faulted stock time to fill (it fills only while the worker is idle)."""
+    """Give the worker's pre-faulted stock time to fill (it fills only after 2 s idle). The signal comes
+    with heartbeats: only one sent after that idle spell counts."""
+    since = time.time() + 2.5
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        if all(w.memory_prefaulted >= want for w in client.list_workers()):
+        if all(w.memory_prefaulted >= want and w.last_heartbeat > since for w in client.list_workers()):
             return
         time.sleep(0.5)
     print(f"  (the pre-faulted stock did not reach {want / GiB:.2f} GiB in {timeout:.0f}s)")
@@ -226,12 +229,13 @@ def bench_vllm(path: Path, client: tc.Client, address: str, prep: Any, want: int
     return out
 
 
-def touch_pages(tensors: dict[str, torch.Tensor]) -> None:
+def touch_pages(tensors: dict[str, Any]) -> None:
     """Read one byte per page of every (mapped) tensor: the caller's page tables are then set up."""
-    for t in tensors.values():
-        if t.numel():
-            flat = t.reshape(-1).view(torch.uint8)
-            flat[:: 4096].sum()
+    with torch.no_grad():
+        for t in tensors.values():
+            if t.numel():
+                flat = t.detach().reshape(-1).view(torch.uint8)
+                flat[:: 4096].sum()
 
 
 def bench_inprocess(path: Path, client: tc.Client, prep: Any, tp: tc.TP | None, want: int) -> dict[str, float]:
@@ -248,7 +252,9 @@ def bench_inprocess(path: Path, client: tc.Client, prep: Any, tp: tc.TP | None, 
         prep(path)
         t = time.perf_counter()
         m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-        res["transformers from_pretrained"] = time.perf_counter() - t
+        # It may keep parameters lazily mapped from the files: touch every page so that they are loaded.
+        touch_pages(dict(m.named_parameters()))
+        res["transformers from_pretrained (+ pages touched)"] = time.perf_counter() - t
         del m
     # TensorCast cold: register, read the rank into pool memory on the worker, map it.
     clear_pool(client)

@@ -118,3 +118,24 @@ def test_page_store_lru_ttl_shards_and_leases() -> None:
     finally:
         store.close()
     assert not leaked_segments("tctest-pages")
+
+
+def test_ttl_expiry_is_exact_after_overwrites_and_heap_rebuilds() -> None:
+    store = PageStore(64 << 20, "tctest-ttl", arena_bytes=1 << 20, max_page_bytes=8192)
+    try:
+        for i in range(3000):  # overwrite the same 100 keys with growing TTLs: stale heap entries pile up
+            page, view = store.reserve(shard=i % 4, key=f"k{i % 100}", nbytes=4096, now=0)
+            view[:8] = i.to_bytes(8, "little")
+            store.commit(f"k{i % 100}", page, ttl=float(i), now=0)
+        assert len(store._expiry) <= 2 * len(store.index) + 1024 + 1  # rebuilt, not unbounded
+        # Each key now lives until its last write's TTL (2900 + key): earlier entries must not expire it.
+        assert all(store.get(f"k{k}", now=2899) is not None for k in range(100))
+        gone = [k for k in range(100) if store.get(f"k{k}", now=2950.5) is None]
+        assert gone == list(range(51))  # TTLs 2900..2950 have passed, 2951..2999 have not
+        store.default_ttl = None  # pages without a TTL never expire
+        page, _ = store.reserve(0, "no-ttl", 4096, now=0)
+        store.commit("no-ttl", page, ttl=None, now=0)
+        store.expire(now=1e12)
+        assert list(store.index) == ["no-ttl"]
+    finally:
+        store.close()

@@ -22,7 +22,7 @@ MiB = 1 << 20
 def test_cold_prefetch_fills_a_pack_from_the_stock_and_maps_it(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(5)
     tensors = {f"layers.{i}.w": torch.rand(512, 1024 + i, generator=g).to(torch.bfloat16) for i in range(12)}
-    tensors["norm"] = torch.ones(64, dtype=torch.bfloat16)  # small: a slab arena, copied out
+    tensors["norm"] = torch.ones(64, dtype=torch.bfloat16)  # small: carved out of the pack too, so mapped
     save_file(tensors, str(tmp_path / "model.safetensors"))
     config = {"worker.prefault_bytes": 32 * MiB, "worker.prefault_chunk_bytes": 8 * MiB}
     with running_cluster(workers=1, config=config) as cluster, tc.connect(cluster.address) as client:
@@ -36,6 +36,7 @@ def test_cold_prefetch_fills_a_pack_from_the_stock_and_maps_it(tmp_path: Path) -
         got = art.tensor_dict()  # through the same handle: it sees the new memory replica
         d = art.last_diagnostics
         assert d is not None and d.tier == "memory" and d.transport == "shared-memory"
+        assert d.bytes_moved == 0  # every tensor mapped, the small one included: nothing was copied
         for name, t in tensors.items():
             assert torch.equal(got[name], t), name
         client.delete(art.id)

@@ -24,7 +24,7 @@ import numpy as np
 from tensorcast.config import TransportConfig
 from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, Unavailable
 from tensorcast.pool.segments import SegmentGone, map_private
-from tensorcast.tensors import digest_bytes, numpy_dtype, wrap_bytes
+from tensorcast.tensors import digest_bytes, numpy_dtype, raw_dtype, wrap_bytes
 from tensorcast.transport.base import ChunkCorrupted, stream_count
 from tensorcast.transport.cuda_ipc import import_handle
 from tensorcast.transport.h2d import cuda_available, to_device
@@ -208,7 +208,7 @@ class Reader:
 
 def _slice_local(buf: Any, meta: TensorMeta, spec: tuple[SliceSpec, ...], like: str) -> Any:
     """Slice a mapped tensor here (no bytes move): zero-copy if the slice is contiguous, else one copy."""
-    dtype = numpy_dtype(meta.dtype)
+    dtype = raw_dtype(meta.dtype)  # copied as plain integers: numpy's fast paths
     full = np.frombuffer(buf, dtype=dtype, count=meta.nbytes // dtype.itemsize).reshape(meta.shape) \
         if meta.nbytes else np.empty(meta.shape, dtype)
     part = np.ascontiguousarray(apply_slices(full, spec))

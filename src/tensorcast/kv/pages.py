@@ -9,6 +9,8 @@ never mapped, because slots are reused. Does not own: fencing (``kv.leases``) or
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import uuid
 from array import array
 from collections import OrderedDict
@@ -45,6 +47,10 @@ class PageStore:
         self.index: OrderedDict[str, Page] = OrderedDict()  # LRU order: oldest first
         self.by_shard: dict[int, set[str]] = {}
         self.used = 0  # slot bytes held by indexed pages and pending writes
+        # Expiry times as a heap (expires, sequence, key, page); entries of pages overwritten or evicted
+        # since are skipped when they come up, and the heap is rebuilt when they outnumber the live pages.
+        self._expiry: list[tuple[float, int, str, Page]] = []
+        self._seq = itertools.count()
         remove_stale_segments(prefix)
 
     # ----------------------------------------------------------------- writes
@@ -76,6 +82,12 @@ class PageStore:
             self._free(key, old)
         self.index[key] = page
         self.by_shard.setdefault(page.shard, set()).add(key)
+        if page.expires is not None:
+            heapq.heappush(self._expiry, (page.expires, next(self._seq), key, page))
+            if len(self._expiry) > 2 * len(self.index) + 1024:
+                self._expiry = [(p.expires, next(self._seq), k, p) for k, p in self.index.items()
+                                if p.expires is not None]
+                heapq.heapify(self._expiry)
 
     def abandon(self, page: Page) -> None:
         self.used -= page.slot
@@ -144,9 +156,12 @@ class PageStore:
         return len(keys)
 
     def expire(self, now: float) -> None:
-        expired = [k for k, p in self.index.items() if p.expires is not None and p.expires <= now]
-        for k in expired:
-            self._free(k, self.index.pop(k))
+        """Free pages whose TTL has passed: O(expired pages), not O(pages)."""
+        heap = self._expiry
+        while heap and heap[0][0] <= now:
+            _, _, key, page = heapq.heappop(heap)
+            if self.index.get(key) is page:
+                self._free(key, self.index.pop(key))
 
     def _free(self, key: str, page: Page, unindex: bool = True) -> None:
         if unindex:

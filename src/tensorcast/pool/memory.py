@@ -89,11 +89,12 @@ class MemoryTier:
     def allocate_pack(self, sizes: list[int]) -> list[BlobLoc]:
         """Room for a batch of blobs that live and die together (the tensors of one artifact or view).
 
-        Small ones go to slab arenas; the others are carved, page-aligned, out of pre-faulted stock chunks
-        (first fit, in order), so that a checkpoint of hundreds of tensors is filled without first-touch
-        faults. A tensor larger than a chunk, or any once the stock is empty, gets a segment of its own. A
-        chunk goes when its last blob does: until then freed blobs' pages stay (they may be mapped by
-        callers). Blocking (it may create segments): call it off the event loop. All or nothing.
+        They are carved, page-aligned, out of pre-faulted stock chunks (in order), so that a checkpoint of
+        hundreds of tensors is filled without first-touch faults; small ones too, so that callers can map
+        them (arena slots are reused, so they are never mapped). A tensor larger than a chunk, or any once
+        the stock is empty, is allocated alone (an arena slot, or a segment of its own). A chunk goes when
+        its last blob does: until then freed blobs' pages stay (they may be mapped by callers). Blocking
+        (it may create segments): call it off the event loop. All or nothing.
         """
         self.last_alloc = time.monotonic()
         out: list[BlobLoc | None] = [None] * len(sizes)
@@ -101,25 +102,20 @@ class MemoryTier:
             open_chunk: Segment | None = None
             used = 0
             for i, size in enumerate(sizes):
-                if not size or self.slab.slot_size(size) is not None or size > self.stock.chunk_bytes:
+                if not size or size > self.stock.chunk_bytes:
                     out[i] = self.allocate(size)
                     continue
-                with self.lock:
-                    self.state.reserve(size)
                 if open_chunk is not None and used + size > open_chunk.size:
                     self._close_chunk(open_chunk, used)
                     open_chunk = None
                 if open_chunk is None:
                     open_chunk, used = self.stock.take_chunk(), 0
-                    if open_chunk is None:  # the stock is empty: a segment of its own
-                        try:
-                            out[i] = BlobLoc(Segment.create(SHM_DIR, self.prefix, size), 0, size, size)
-                        except BaseException:
-                            with self.lock:
-                                self.state.unreserve(size)
-                            raise
+                    if open_chunk is None:  # the stock is empty: an arena slot, or a segment of its own
+                        out[i] = self.allocate(size)
                         continue
                     open_chunk.blobs = 0
+                with self.lock:
+                    self.state.reserve(size)
                 open_chunk.blobs += 1
                 out[i] = BlobLoc(open_chunk, used, size, size)
                 used += -(-size // _PAGE) * _PAGE

@@ -24,7 +24,7 @@ from tensorcast.config import TransportConfig
 from tensorcast.errors import NotFound, TensorCastError, Unavailable
 from tensorcast.pool.memory import BlobLoc
 from tensorcast.pool.placement import PRESETS
-from tensorcast.tensors import numpy_dtype
+from tensorcast.tensors import numpy_dtype, raw_dtype
 from tensorcast.transport.base import ChunkCorrupted, stream_count
 from tensorcast.transport.tcp import TcpTransport
 from tensorcast.views import apply_slices, byte_range, sliced_shape
@@ -43,7 +43,7 @@ def view_digest(digest: str, specs: tuple[SliceSpec, ...]) -> str:
 
 
 def _copy_slices(src: memoryview, meta: TensorMeta, specs: tuple[SliceSpec, ...], dest: memoryview) -> None:
-    dtype = numpy_dtype(meta.dtype)
+    dtype = raw_dtype(meta.dtype)  # bytes are bytes: copy through a plain integer dtype
     arr = np.frombuffer(src, dtype=np.uint8).view(dtype).reshape(meta.shape) if meta.nbytes else \
         np.empty(meta.shape, dtype)
     part = apply_slices(arr, specs) if specs else arr

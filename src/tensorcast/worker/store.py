@@ -27,7 +27,7 @@ from tensorcast.pool.memory import BlobLoc, MemoryTier
 from tensorcast.pool.placement import Placement
 from tensorcast.pool.segments import Segment
 from tensorcast.pool.state import MemoryReplica
-from tensorcast.tensors import numpy_dtype
+from tensorcast.tensors import raw_dtype
 from tensorcast.transport.base import CHUNK_BYTES, SourceLease, chunk_checksums
 from tensorcast.views import apply_slices
 from tensorcast.weights.safetensors import CheckpointTensor
@@ -241,6 +241,7 @@ class LocalStore:
         loc = self.external_location(artifact_id, meta.name) if tier in ("", "disk") else None
         if loc is not None and not (tier == "" and self.memory.has_blob(meta.digest)):
             seg = self._file(loc.file)
+            seg.populate(loc.offset, loc.nbytes)
 
             def release_file() -> None:
                 with self._lock:
@@ -271,7 +272,7 @@ class LocalStore:
         view, tier, release = self.lease_tensor(req.artifact_id, meta, req.tier)
         if req.slices:
             try:
-                arr = np.frombuffer(view, dtype=np.uint8).view(numpy_dtype(meta.dtype)).reshape(meta.shape)
+                arr = np.frombuffer(view, dtype=np.uint8).view(raw_dtype(meta.dtype)).reshape(meta.shape)
                 piece = np.ascontiguousarray(apply_slices(arr, req.slices))
             finally:
                 release()
