@@ -177,7 +177,8 @@ class AsyncKV:
                 raise Unavailable(f"shared memory of {address} is not reachable from this process") from None
             self._arenas[path] = mm
             while len(self._arenas) > _MAX_ARENA_MAPS:
-                self._arenas.popitem(last=False)[1].close()
+                with contextlib.suppress(BufferError):  # still being copied from: unmapped when dropped
+                    self._arenas.popitem(last=False)[1].close()
         else:
             self._arenas.move_to_end(path)
         return memoryview(mm)
