@@ -6,7 +6,7 @@ from the memory replica with the pipelined host-to-device path (``transport.h2d`
 callers as CUDA IPC handles (``transport.cuda_ipc``): they alias this process's memory, so the engine
 attaches without a copy. The device tier is only a cache of the memory tier: the global store does not
 know it, and losing it loses nothing. Does not own: the memory tier, or anything on hosts without CUDA
-(``InvalidArgument`` from ``check``).
+(``InvalidArgument`` from ``check_device``).
 """
 
 from __future__ import annotations

@@ -98,9 +98,9 @@ class MemoryTier:
         """
         self.last_alloc = time.monotonic()
         out: list[BlobLoc | None] = [None] * len(sizes)
+        open_chunk: Segment | None = None
+        used = 0
         try:
-            open_chunk: Segment | None = None
-            used = 0
             for i, size in enumerate(sizes):
                 if not size or size > self.stock.chunk_bytes:
                     out[i] = self.allocate(size)
@@ -122,6 +122,8 @@ class MemoryTier:
             if open_chunk is not None:
                 self._close_chunk(open_chunk, used)
         except BaseException:
+            if open_chunk is not None and open_chunk.blobs == 0:
+                self._retire(open_chunk)  # taken from the stock, nothing placed in it yet
             for loc in out:
                 if loc is not None:
                     self.discard(loc)
