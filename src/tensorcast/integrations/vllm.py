@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 __all__ = ["register"]
 
-log = logging.getLogger("tensorcast.vllm")
+# A child of vLLM's logger: the plugin's lines appear with vLLM's own, in every engine process.
+log = logging.getLogger("vllm.tensorcast")
 _registered = False
 
 
@@ -41,6 +43,7 @@ def register() -> None:
         def load_weights(self, model: Any, model_config: Any) -> None:
             import tensorcast as tc
 
+            t0 = time.perf_counter()
             extra = dict(self.load_config.model_loader_extra_config or {})
             address = extra.get("address") or os.environ.get("TENSORCAST_ADDRESS")
             if not address:
@@ -58,8 +61,8 @@ def register() -> None:
                 if loaded is not None and expected - set(loaded):
                     missing = sorted(expected - set(loaded))
                     raise ValueError(f"TensorCast artifact {art.id} lacks weights for {missing[:5]}")
-                log.info("loaded %d tensors (%d bytes) from TensorCast artifact %s via %s", len(tensors),
-                         art.nbytes, art.id, diag.transport if diag else "?")
+                log.info("TensorCast: loaded %d tensors (%d bytes) from artifact %s via %s in %.2f seconds",
+                         len(tensors), art.nbytes, art.id, diag.transport if diag else "?", time.perf_counter() - t0)
 
     _registered = True
 

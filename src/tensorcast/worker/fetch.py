@@ -61,8 +61,26 @@ class Fetcher:
         self.transport = transport
         self.config = config
         self.in_flight = 0
+        self._running: dict[str, asyncio.Future[Prefetched]] = {}  # artifact id -> fetch in progress
 
     async def fetch(self, info: ArtifactInfo, deadline: float | None, trace_id: str, streams: int = 0) -> Prefetched:
+        """Make this worker hold a memory replica of ``info``. Concurrent fetches of one artifact (e.g. every
+        rank of an engine asking at once) share one transfer; the others report it as already present."""
+        running = self._running.get(info.id)
+        if running is not None:
+            await asyncio.shield(running)
+            return Prefetched(worker_id=self.worker_id, already_present=True)
+        task = asyncio.ensure_future(self._fetch(info, deadline, trace_id, streams))
+        self._running[info.id] = task
+        def finished(t: asyncio.Future[Prefetched]) -> None:
+            self._running.pop(info.id, None)
+            if not t.cancelled():
+                t.exception()  # retrieved: its callers (if any are left) got it
+
+        task.add_done_callback(finished)
+        return await asyncio.shield(task)  # a caller that gives up leaves the transfer to the others
+
+    async def _fetch(self, info: ArtifactInfo, deadline: float | None, trace_id: str, streams: int) -> Prefetched:
         store = self.store
         if store.memory.has_replica(info.id):
             store.touch(info.id)
