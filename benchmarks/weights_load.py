@@ -204,6 +204,7 @@ def vllm_ready(path: Path, load_format: str, extra: dict[str, Any], tp: int = 1)
     if tp > 1:
         per = max(1, (os.cpu_count() or tp) // tp)
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(f"{r * per}-{r * per + per - 1}" for r in range(tp))
+    shm_before = set(os.listdir("/dev/shm"))
     t0 = time.time()
     proc = subprocess.Popen([sys.executable, str(script), str(path), load_format, json.dumps(extra), str(tp)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -223,6 +224,11 @@ def vllm_ready(path: Path, load_format: str, extra: dict[str, Any], tp: int = 1)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        # The engine, killed, leaves its shared memory behind (rank-to-rank buffers, torch's): remove it.
+        for name in set(os.listdir("/dev/shm")) - shm_before:
+            if name.startswith(("vllm_dist_", "psm_", "sem.mp-")):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join("/dev/shm", name))
     output = "".join(lines)
     ready = next((float(x.split()[1]) for x in lines if x.startswith("READY ")), None)
     weights = next((float(x.split()[1]) for x in lines if x.startswith("WEIGHTS ")), None)
