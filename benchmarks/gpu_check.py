@@ -19,8 +19,6 @@ Usage: python benchmarks/gpu_check.py [--quick] [--json PATH]
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import tempfile
 import time
@@ -35,6 +33,7 @@ import tensorcast as tc
 from tensorcast.transport import h2d
 
 sys.path.insert(0, str(Path(__file__).parent))
+from benchlib import write_json
 from weights_load import make_checkpoint
 
 GiB = 1 << 30
@@ -120,11 +119,8 @@ def main() -> None:
         print(f"{name:<58} {secs:9.4f} {total / secs / 1e9:8.2f} {secs / base:12.3f}")
         rows.append({"path": name, "seconds": secs, "ratio_to_load_file_cuda": secs / base})
     print("\nall tensors on the GPU matched safetensors")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "gpu_check", "quick": args.quick, "machine": platform.platform(),
-                       "device": torch.cuda.get_device_name(0), "checkpoint_bytes": total, "rows": rows}, f,
-                      indent=2)
+    write_json(args.json, "gpu_check", args.quick, device=torch.cuda.get_device_name(0), checkpoint_bytes=total,
+               rows=rows)
 
 
 if __name__ == "__main__":

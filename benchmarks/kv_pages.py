@@ -19,20 +19,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import platform
 import shutil
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 import tensorcast as tc
+from benchlib import best_of, write_json
 from tensorcast.kv.client import AsyncKV
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -42,15 +40,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def timed(fn: Callable[[], object], reps: int) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def make_pages(n: int, size: int, seed: int) -> tuple[list[str], list[np.ndarray]]:
@@ -84,15 +73,15 @@ def bench_tensorcast(workers: int, page: int, n: int, reps: int, locations: str)
             ks = [f"{time.perf_counter_ns():016x}{k[16:]}" for k in keys]
             client._run(kv.put(ks, pages))
 
-        t_put = timed(put, reps)
+        t_put = best_of(put, reps)
         client._run(kv.put(keys, pages))
         bufs = [np.empty(page, np.uint8) for _ in keys]
-        t_get = timed(lambda: client._run(kv.get_into(keys, bufs)), reps)
+        t_get = best_of(lambda: client._run(kv.get_into(keys, bufs)), reps)
         assert all(np.array_equal(b, p) for b, p in zip(bufs[:3], pages[:3], strict=True))
-        t_exists = timed(lambda: client._run(kv.exists(keys)), reps)
+        t_exists = best_of(lambda: client._run(kv.exists(keys)), reps)
         one = keys[:1]
-        t_index_rt = timed(lambda: client._run(kv.exists(one)), reps * 20)
-        t_page_rt = timed(lambda: client._run(kv.get_into(one, bufs[:1])), reps * 20)
+        t_index_rt = best_of(lambda: client._run(kv.exists(one)), reps * 20)
+        t_page_rt = best_of(lambda: client._run(kv.get_into(one, bufs[:1])), reps * 20)
         client._run(kv.aclose())
     total = n * page
     return {"put_pages_s": n / t_put, "put_GBps": total / t_put / 1e9, "get_pages_s": n / t_get,
@@ -135,11 +124,11 @@ def bench_mooncake(page: int, n: int, reps: int) -> dict[str, float] | None:
             res = store.batch_put_from(ks, ptrs, sizes)
             assert all(r == 0 for r in res), res[:3]
 
-        t_put = timed(put, reps)
+        t_put = best_of(put, reps)
         store.batch_put_from(keys, ptrs, sizes)
-        t_get = timed(lambda: store.batch_get_into(keys, dptrs, sizes), reps)
+        t_get = best_of(lambda: store.batch_get_into(keys, dptrs, sizes), reps)
         assert np.array_equal(dst[:page], src[:page])
-        t_exists = timed(lambda: store.batch_is_exist(keys), reps)
+        t_exists = best_of(lambda: store.batch_is_exist(keys), reps)
         store.close()
         total = n * page
         return {"put_pages_s": n / t_put, "put_GBps": total / t_put / 1e9, "get_pages_s": n / t_get,
@@ -189,10 +178,7 @@ def main() -> None:
         print(f"{page // KiB} KiB pages: index-only round trip {best['index_rtt_ms']:.3f} ms, page round trip "
               f"{best['page_rtt_ms']:.3f} ms -> keeping bytes on the writer would add ~{best['index_rtt_ms']:.3f} ms "
               f"per get")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "kv_pages", "quick": args.quick, "machine": platform.platform(), "rows": rows},
-                      f, indent=2)
+    write_json(args.json, "kv_pages", args.quick, rows=rows)
 
 
 if __name__ == "__main__":

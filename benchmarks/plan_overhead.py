@@ -10,13 +10,12 @@ Usage: python benchmarks/plan_overhead.py [--quick] [--json PATH]
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import time
 
 import numpy as np
 
 import tensorcast as tc
+from benchlib import write_json
 
 
 def main() -> None:
@@ -66,10 +65,7 @@ def main() -> None:
             signals[name] = rate
             print(f"{name}: {rate:,.0f} calls/s ({1e3 / rate:.2f} ms each; a 100 ms poll costs "
                   f"{100 / rate * 1e1:.2f}% of one caller thread)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "plan_overhead", "quick": args.quick, "machine": platform.platform(),
-                       "rows": rows, "signals_per_s": signals}, f, indent=2)
+    write_json(args.json, "plan_overhead", args.quick, rows=rows, signals_per_s=signals)
 
 
 if __name__ == "__main__":

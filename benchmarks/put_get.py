@@ -13,27 +13,11 @@ Usage: python benchmarks/put_get.py [--quick] [--json PATH]
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import time
-from collections.abc import Callable
 
 import numpy as np
 
 import tensorcast as tc
-
-
-def best_of(fn: Callable[[], object], reps: int) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def fmt_size(n: int) -> str:
-    return f"{n >> 30} GiB" if n >= 1 << 30 else f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+from benchlib import best_of, fmt_size, write_json
 
 
 def main() -> None:
@@ -92,10 +76,7 @@ def main() -> None:
     print(f"\nsame-host tensor(): {small['get_local_s'] * 1e3:.3f} ms at {fmt_size(small['size'])}, "
           f"{large['get_local_s'] * 1e3:.3f} ms at {fmt_size(large['size'])} "
           f"({large['size'] // small['size']}x the bytes, {flat:.1f}x the time: mapped, not copied)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "put_get", "quick": args.quick, "machine": platform.platform(),
-                       "rows": rows}, f, indent=2)
+    write_json(args.json, "put_get", args.quick, rows=rows)
 
 
 if __name__ == "__main__":

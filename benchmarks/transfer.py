@@ -16,8 +16,6 @@ Usage: python benchmarks/transfer.py [--quick] [--json PATH]
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import socket
 import subprocess
 import sys
@@ -27,6 +25,7 @@ import time
 import numpy as np
 
 import tensorcast as tc
+from benchlib import best_of, fmt_size, write_json
 
 MiB = 1 << 20
 _RAW_SENDER = r"""
@@ -84,20 +83,6 @@ class RawStream:
         self.proc.wait()
 
 
-def best(fn, reps: int) -> float:  # type: ignore[no-untyped-def]
-    """Best wall time of ``reps`` calls of ``fn`` (which may return a time of its own instead)."""
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(out if isinstance(out, float) else time.perf_counter() - t0)
-    return min(times)
-
-
-def fmt(n: int) -> str:
-    return f"{n // (1 << 30)} GiB" if n >= 1 << 30 else f"{n // MiB} MiB"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -121,7 +106,7 @@ def main() -> None:
             for streams in stream_counts:
                 raw = RawStream(size, streams)
                 try:
-                    t_raw = best(raw.run, reps)
+                    t_raw = best_of(raw.run, reps)
                 finally:
                     raw.close()
 
@@ -134,11 +119,11 @@ def main() -> None:
                     return time.perf_counter() - t0
 
                 ours()  # the sender's chunk checksums are computed once per blob and cached
-                t_ours = best(ours, reps)
+                t_ours = best_of(ours, reps)
                 row = {"size": size, "streams": streams, "raw_GBps": size / t_raw / 1e9,
                        "ours_GBps": size / t_ours / 1e9, "ratio": t_raw / t_ours}
                 results["transfer"].append(row)
-                print(f"{fmt(size):>8} {streams:>7} {row['raw_GBps']:>9.2f} {row['ours_GBps']:>10.2f} "
+                print(f"{fmt_size(size):>8} {streams:>7} {row['raw_GBps']:>9.2f} {row['ours_GBps']:>10.2f} "
                       f"{row['ratio']:>9.2f}")
             client.delete(art.id)
 
@@ -146,7 +131,7 @@ def main() -> None:
         w = np.random.default_rng(9).standard_normal((4096, 4096)).astype(np.float32)  # 64 MiB
         art = client.put({"w": w}, on="w0")
         print(f"\n{'read (other host), 64 MiB fp32':<36} {'ms':>8} {'vs whole':>9}")
-        t_whole = best(lambda: remote.artifact(art.id).tensor("w", like="numpy")[:1024], reps)
+        t_whole = best_of(lambda: remote.artifact(art.id).tensor("w", like="numpy")[:1024], reps)
         for dim in (0, 1):
             def view(dim: int = dim) -> object:
                 return remote.artifact(art.id).view(tp=tc.TP(0, 4), rules={"w": dim}).tensor("w", like="numpy")
@@ -154,7 +139,7 @@ def main() -> None:
             got = view()
             want = w[:1024] if dim == 0 else w[:, :1024]
             assert np.array_equal(got, want)
-            t_view = best(view, reps)
+            t_view = best_of(view, reps)
             results["tp_view"].append({"dim": dim, "view_s": t_view, "whole_s": t_whole,
                                        "speedup": t_whole / t_view})
             print(f"{f'TP rank 0/4 split dim {dim}':<36} {t_view * 1e3:>8.1f} {t_whole / t_view:>8.2f}x")
@@ -168,9 +153,9 @@ def main() -> None:
             data = np.zeros(size, np.uint8)
             art = client.put(data)
             del data  # the caller's copy is gone before the reads
-            t = best(lambda: client.artifact(art.id).tensor(like="numpy"), 5)  # noqa: B023
+            t = best_of(lambda: client.artifact(art.id).tensor(like="numpy"), 5)  # noqa: B023
             results["same_host_tensor"].append({"size": size, "seconds": t})
-            print(f"{fmt(size):>8} {t * 1e3:>12.3f}")
+            print(f"{fmt_size(size):>8} {t * 1e3:>12.3f}")
             client.delete(art.id)
 
     big = [r for r in results["transfer"] if r["size"] >= 64 * MiB]
@@ -178,12 +163,9 @@ def main() -> None:
         print(f"\nat >= 64 MiB: ours/raw min {min(r['ratio'] for r in big):.2f}, "
               f"median {float(np.median([r['ratio'] for r in big])):.2f} (goal >= 0.8)")
     m = results["same_host_tensor"]
-    print(f"same-host tensor(): {m[0]['seconds'] * 1e3:.3f} ms at {fmt(int(m[0]['size']))}, "
-          f"{m[-1]['seconds'] * 1e3:.3f} ms at {fmt(int(m[-1]['size']))}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "transfer", "quick": args.quick, "machine": platform.platform(), **results},
-                      f, indent=2)
+    print(f"same-host tensor(): {m[0]['seconds'] * 1e3:.3f} ms at {fmt_size(int(m[0]['size']))}, "
+          f"{m[-1]['seconds'] * 1e3:.3f} ms at {fmt_size(int(m[-1]['size']))}")
+    write_json(args.json, "transfer", args.quick, **results)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ import contextlib
 import importlib.util
 import json
 import os
-import platform
 import re
 import signal
 import subprocess
@@ -56,6 +55,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import tensorcast as tc
+from benchlib import write_json
 from tensorcast.integrations.transformers import from_tensorcast
 from tensorcast.weights import open_checkpoint
 
@@ -391,10 +391,7 @@ def main() -> None:
                     rows.append({"part": "in-process", "cache": cache, "tp": label,
                                  "loader": "tensorcast cold / best read into touched memory",
                                  "ratio": cold / best_read})
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "weights_load", "quick": args.quick, "machine": platform.platform(),
-                       "checkpoint_bytes": total, "rows": rows}, f, indent=2)
+    write_json(args.json, "weights_load", args.quick, checkpoint_bytes=total, rows=rows)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tensorcast.errors import InvalidArgument, NotFound
-from tensorcast.weights.reader import ReadJob, pread_into, read_ranges
+from tensorcast.weights.reader import ReadJob, read_ranges
 
 
 def test_a_batch_over_several_files_lands_byte_exact(tmp_path: Path) -> None:
@@ -37,4 +37,4 @@ def test_a_short_file_names_the_file_and_tensor(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument, match=r"short.*'layer.0.w'.*truncated"):
         read_ranges([ReadJob(str(tmp_path / "short"), 0, memoryview(dest), "layer.0.w")], streams=4, chunk=256)
     with pytest.raises(NotFound, match="gone"):
-        pread_into(str(tmp_path / "missing"), 0, memoryview(dest))
+        read_ranges([ReadJob(str(tmp_path / "missing"), 0, memoryview(dest))])

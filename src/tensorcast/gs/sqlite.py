@@ -7,8 +7,10 @@ transaction. Does not own: lease rules (``gs.backend.merge_lease``) or the RPC s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -126,14 +128,22 @@ class SqliteBackend(MetadataBackend):
         if "memory_prefaulted" not in have:
             self.db.execute("ALTER TABLE workers ADD COLUMN memory_prefaulted INTEGER NOT NULL DEFAULT 0")
 
-    def _tx(self) -> sqlite3.Connection:
-        self.db.execute("BEGIN IMMEDIATE")
-        return self.db
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction: committed when the block ends (``return`` included), rolled back if it
+        raises, so a failed statement never leaves the connection inside a transaction."""
+        db = self.db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
 
     # ----------------------------------------------------------------- workers
     async def register_worker(self, worker: WorkerInfo, now: float) -> int:
-        db = self._tx()
-        try:
+        with self._tx() as db:
             row = db.execute("SELECT incarnation FROM workers WHERE worker_id=?", (worker.worker_id,)).fetchone()
             incarnation = (row[0] if row else 0) + 1
             db.execute(
@@ -144,16 +154,11 @@ class SqliteBackend(MetadataBackend):
             )
             db.execute("DELETE FROM replicas WHERE worker_id=? AND tier='memory'", (worker.worker_id,))
             db.execute("DELETE FROM drops WHERE worker_id=?", (worker.worker_id,))
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
         return incarnation
 
     async def heartbeat(self, worker_id: str, incarnation: int, stats: dict[str, float], now: float,
                         dropped: tuple[str, ...]) -> tuple[bool, tuple[str, ...]]:
-        db = self._tx()
-        try:
+        with self._tx() as db:
             cur = db.execute(
                 "UPDATE workers SET last_heartbeat=?, memory_used=?, memory_capacity=?, artifacts=?, disk_used=?, "
                 "disk_capacity=?, net_in_bps=?, net_out_bps=?, transfers_in_flight=?, memory_prefaulted=? "
@@ -163,7 +168,6 @@ class SqliteBackend(MetadataBackend):
                  stats.get("transfers_in_flight", 0), stats.get("memory_prefaulted", 0), worker_id, incarnation),
             )
             if cur.rowcount == 0:
-                db.execute("COMMIT")
                 return False, ()
             for aid in dropped:
                 # Only an outstanding drop removes the replica: the artifact may have been put again since.
@@ -171,10 +175,6 @@ class SqliteBackend(MetadataBackend):
                 if gone.rowcount:
                     db.execute("DELETE FROM replicas WHERE artifact_id=? AND worker_id=?", (aid, worker_id))
             todo = tuple(r[0] for r in db.execute("SELECT artifact_id FROM drops WHERE worker_id=?", (worker_id,)))
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
         return True, todo
 
     @staticmethod
@@ -197,19 +197,17 @@ class SqliteBackend(MetadataBackend):
 
     # ----------------------------------------------------------------- instances
     async def upsert_instance(self, info: InstanceInfo, now: float) -> None:
-        db = self._tx()
-        db.execute("INSERT OR REPLACE INTO instances VALUES (?,?,?)", (info.instance_id, _ENC.encode(info), now))
-        db.execute("COMMIT")
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO instances VALUES (?,?,?)", (info.instance_id, _ENC.encode(info), now))
 
     async def instance_heartbeat(self, instance_id: str, load: dict[str, int], now: float) -> bool:
         row = self.db.execute("SELECT info FROM instances WHERE instance_id=?", (instance_id,)).fetchone()
         if row is None:
             return False
         info = msgspec.structs.replace(_INSTANCE.decode(row[0]), **load)
-        db = self._tx()
-        db.execute("UPDATE instances SET info=?, last_heartbeat=? WHERE instance_id=?",
-                   (_ENC.encode(info), now, instance_id))
-        db.execute("COMMIT")
+        with self._tx() as db:
+            db.execute("UPDATE instances SET info=?, last_heartbeat=? WHERE instance_id=?",
+                       (_ENC.encode(info), now, instance_id))
         return True
 
     async def list_instances(self) -> list[InstanceInfo]:
@@ -224,19 +222,13 @@ class SqliteBackend(MetadataBackend):
     async def save_leases(self, records: list[LeaseRecord]) -> None:
         if not records:
             return
-        db = self._tx()
-        try:
+        with self._tx() as db:
             db.executemany("INSERT OR REPLACE INTO shard_leases VALUES (?,?,?,?,?)",
                            [(r.shard, r.holder, r.token, r.expiry, r.acquired_at) for r in records])
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
 
     async def page_index_put(self, keys: tuple[str, ...], worker_id: str) -> None:
-        db = self._tx()
-        db.executemany("INSERT OR REPLACE INTO page_index VALUES (?,?)", [(k, worker_id) for k in keys])
-        db.execute("COMMIT")
+        with self._tx() as db:
+            db.executemany("INSERT OR REPLACE INTO page_index VALUES (?,?)", [(k, worker_id) for k in keys])
 
     async def page_index_get(self, keys: tuple[str, ...]) -> list[str]:
         out = []
@@ -248,8 +240,7 @@ class SqliteBackend(MetadataBackend):
     # ----------------------------------------------------------------- artifacts
     async def commit_artifact(self, info: ArtifactInfo, worker_id: str, key: str | None,
                               lease_expiry: float | None, now: float, tiers: tuple[str, ...] = ("memory",)) -> None:
-        db = self._tx()
-        try:
+        with self._tx() as db:
             row = db.execute("SELECT lease_expiry FROM artifacts WHERE artifact_id=?", (info.id,)).fetchone()
             lease = merge_lease(False if row is None else row[0], lease_expiry)
             if row is None:
@@ -263,10 +254,6 @@ class SqliteBackend(MetadataBackend):
             for tier in tiers:
                 db.execute("INSERT OR IGNORE INTO replicas VALUES (?,?,?)", (info.id, worker_id, tier))
             db.execute("DELETE FROM drops WHERE artifact_id=? AND worker_id=?", (info.id, worker_id))
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
 
     async def resolve_key(self, key: str) -> str | None:
         row = self.db.execute("SELECT artifact_id FROM keys WHERE key=?", (key,)).fetchone()
@@ -301,24 +288,18 @@ class SqliteBackend(MetadataBackend):
         return [r[0] for r in rows]
 
     async def set_lease(self, artifact_id: str, lease_expiry: float | None) -> bool:
-        db = self._tx()
-        cur = db.execute("UPDATE artifacts SET lease_expiry=? WHERE artifact_id=?", (lease_expiry, artifact_id))
-        db.execute("COMMIT")
+        with self._tx() as db:
+            cur = db.execute("UPDATE artifacts SET lease_expiry=? WHERE artifact_id=?", (lease_expiry, artifact_id))
         return cur.rowcount > 0
 
     async def delete_artifact(self, artifact_id: str) -> list[str]:
-        db = self._tx()
-        try:
+        with self._tx() as db:
             holders = [r[0] for r in db.execute(
                 "SELECT DISTINCT worker_id FROM replicas WHERE artifact_id=?", (artifact_id,))]
             db.execute("DELETE FROM artifacts WHERE artifact_id=?", (artifact_id,))
             db.execute("DELETE FROM keys WHERE artifact_id=?", (artifact_id,))
             for wid in holders:
                 db.execute("INSERT OR IGNORE INTO drops VALUES (?,?)", (artifact_id, wid))
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
         return holders
 
     async def expired_artifacts(self, now: float) -> list[str]:
@@ -326,22 +307,15 @@ class SqliteBackend(MetadataBackend):
             "SELECT artifact_id FROM artifacts WHERE lease_expiry IS NOT NULL AND lease_expiry <= ?", (now,))]
 
     async def add_replica(self, artifact_id: str, worker_id: str, tiers: tuple[str, ...]) -> bool:
-        db = self._tx()
-        try:
+        with self._tx() as db:
             if db.execute("SELECT 1 FROM artifacts WHERE artifact_id=?", (artifact_id,)).fetchone() is None:
-                db.execute("COMMIT")
                 return False
             for tier in tiers:
                 db.execute("INSERT OR IGNORE INTO replicas VALUES (?,?,?)", (artifact_id, worker_id, tier))
             db.execute("DELETE FROM drops WHERE artifact_id=? AND worker_id=?", (artifact_id, worker_id))
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
         return True
 
     async def remove_replica(self, artifact_id: str, worker_id: str, tier: str) -> None:
-        db = self._tx()
-        db.execute("DELETE FROM replicas WHERE artifact_id=? AND worker_id=? AND tier=?",
-                   (artifact_id, worker_id, tier))
-        db.execute("COMMIT")
+        with self._tx() as db:
+            db.execute("DELETE FROM replicas WHERE artifact_id=? AND worker_id=? AND tier=?",
+                       (artifact_id, worker_id, tier))

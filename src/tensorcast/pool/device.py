@@ -40,14 +40,15 @@ class DeviceTier:
         self.capacity = capacity  # bytes over all devices; 0 = only the devices' own memory limits it
         self.used = 0
         self._lock = threading.Lock()
-        self._copies: dict[tuple[str, str], dict[str, Any]] = {}  # (artifact, device) -> name -> tensor
+        # (artifact, device) -> ({name: tensor}, bytes reserved for them)
+        self._copies: dict[tuple[str, str], tuple[dict[str, Any], int]] = {}
 
     def has(self, artifact_id: str, device: str) -> bool:
         return (artifact_id, device) in self._copies
 
     def get(self, artifact_id: str, device: str) -> dict[str, Any]:
         try:
-            return self._copies[(artifact_id, device)]
+            return self._copies[(artifact_id, device)][0]
         except KeyError:
             raise NotFound(f"artifact {artifact_id} has no copy on {device} here") from None
 
@@ -64,7 +65,7 @@ class DeviceTier:
             if (artifact_id, device) in self._copies:
                 self.used -= nbytes  # someone was faster: keep theirs
                 return
-            self._copies[(artifact_id, device)] = tensors
+            self._copies[(artifact_id, device)] = (tensors, nbytes)
 
     def unreserve(self, nbytes: int) -> None:
         with self._lock:
@@ -75,5 +76,4 @@ class DeviceTier:
         the memory alive through torch's IPC reference counts until they let go."""
         with self._lock:
             for key in [k for k in self._copies if k[0] == artifact_id]:
-                tensors = self._copies.pop(key)
-                self.used -= sum(int(t.numel()) * int(t.element_size()) for t in tensors.values())
+                self.used -= self._copies.pop(key)[1]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from tensorcast.errors import InvalidArgument, NotFound
 
-__all__ = ["ReadJob", "pread_into", "read_ranges"]
+__all__ = ["ReadJob", "read_ranges"]
 
 _CHUNK = 16 * 1024 * 1024
 
@@ -96,8 +96,3 @@ def _run_parallel(pieces: list[tuple[int, memoryview, int, ReadJob]], streams: i
             f.result()
     if failed:
         raise failed[0]
-
-
-def pread_into(path: str, offset: int, dest: memoryview, *, streams: int = 4, chunk: int = _CHUNK) -> None:
-    """Read ``len(dest)`` bytes of ``path`` from ``offset`` into ``dest`` with up to ``streams`` readers."""
-    read_ranges([ReadJob(path, offset, dest)], streams=streams, chunk=chunk)

@@ -95,9 +95,11 @@ class Fetcher:
         with self._staging() as allocated:
             await self._allocate(allocated, list(missing.values()))
             # A checkpoint registered in place here: one batch of parallel preads for all its tensors.
-            in_place = {d: m for d, m in missing.items() if store.external_location(info.id, m.name) is not None}
-            await self._read_in_place(info, [(m, allocated[d], (0, m.nbytes)) for d, m in in_place.items()])
-            rest = {d: m for d, m in missing.items() if d not in in_place}
+            reads = {d: ReadJob(ext.file, ext.offset, allocated[d].view(), m.name) for d, m in missing.items()
+                     if (ext := store.external_location(info.id, m.name)) is not None}
+            await self._read_in_place(list(reads.values()))
+            in_place = {d: m for d, m in missing.items() if d in reads}
+            rest = {d: m for d, m in missing.items() if d not in reads}
             # Several tensors at once (each may itself use several streams): small tensors would otherwise
             # move one at a time.
             fills = await self._bounded([self._fill(info, meta, allocated[d], deadline, trace_id, streams)
@@ -140,18 +142,17 @@ class Fetcher:
             todo = list({t.digest: t for t in out if t.nbytes and not store.memory.has_blob(t.digest)}.values())
             await self._allocate(allocated, todo)
             # Contiguous slices of a checkpoint in place here: one batch of parallel preads of just their bytes.
-            direct = []
+            direct: dict[str, ReadJob] = {}
             for t in todo:
                 meta = metas[t.name]
                 rng = byte_range(meta.shape, numpy_dtype(meta.dtype).itemsize, view[t.name]) \
                     if view[t.name] else (0, meta.nbytes)
-                if rng is not None and store.external_location(info.id, t.name) is not None:
-                    direct.append((meta, allocated[t.digest], rng))
-            await self._read_in_place(info, direct)
-            done = {id(loc) for _m, loc, _r in direct}
+                if rng is not None and (ext := store.external_location(info.id, t.name)) is not None:
+                    direct[t.digest] = ReadJob(ext.file, ext.offset + rng[0], allocated[t.digest].view(), t.name)
+            await self._read_in_place(list(direct.values()))
             sources = [self.worker_id] * bool(direct) + await self._bounded([
                 self._fill_view(info, metas[t.name], view[t.name], allocated[t.digest], deadline, trace_id)
-                for t in todo if id(allocated[t.digest]) not in done])
+                for t in todo if t.digest not in direct])
             source = next((s for s in sources if s), "")
             moved = sum(t.nbytes for t in todo)
             self._commit(allocated)
@@ -202,13 +203,8 @@ class Fetcher:
         finally:
             self.in_flight -= 1
 
-    async def _read_in_place(self, info: ArtifactInfo, jobs: list[tuple[TensorMeta, BlobLoc, tuple[int, int]]]) -> None:
-        """Read byte ranges ``(start, end)`` of tensors of a checkpoint registered in place on this worker."""
-        reads = []
-        for meta, loc, (start, _end) in jobs:
-            ext = self.store.external_location(info.id, meta.name)
-            assert ext is not None
-            reads.append(ReadJob(ext.file, ext.offset + start, loc.view(), meta.name))
+    async def _read_in_place(self, reads: list[ReadJob]) -> None:
+        """One batch of parallel reads from checkpoint files registered in place on this worker."""
         if reads:
             await asyncio.to_thread(read_ranges, reads, streams=self.config.max_streams)
 

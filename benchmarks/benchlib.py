@@ -1,0 +1,31 @@
+"""Helpers shared by the benchmarks: best-of timing, sizes, and the JSON every benchmark writes."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def best_of(fn: Callable[[], object], reps: int) -> float:
+    """Best wall time of ``reps`` calls of ``fn`` (which may return a time of its own, in seconds, instead)."""
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, out if isinstance(out, float) else time.perf_counter() - t0)
+    return best
+
+
+def fmt_size(n: int) -> str:
+    return f"{n >> 30} GiB" if n >= 1 << 30 else f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def write_json(path: str | None, benchmark: str, quick: bool, **results: Any) -> None:
+    """The benchmark's results as JSON at ``path`` (nothing when None), with the machine it ran on."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"benchmark": benchmark, "quick": quick, "machine": platform.platform(), **results}, f,
+                      indent=2)
