@@ -35,12 +35,40 @@ def test_pack_is_carved_out_of_stock_chunks_page_aligned(tier: MemoryTier) -> No
     assert tier.stock.ready_bytes == 16 * MiB
     assert all(loc.offset % os.sysconf("SC_PAGE_SIZE") == 0 for loc in big)
     first = big[0].segment
-    assert os.stat(first.path).st_size < 8 * MiB  # the unused tail of the chunk went back
+    assert os.stat(first.path).st_size == 8 * MiB  # the unused tails go back later, off the caller's path
+    page = os.sysconf("SC_PAGE_SIZE")
+    # Best fit, largest first: 6 MiB in one chunk; 3 MiB + 5 (a page more), 3 MiB, 1 MiB, 100 B in the other.
+    assert tier.trim() == (8 * MiB - 6 * MiB) + (8 * MiB - 7 * MiB - 2 * page)
+    assert os.stat(first.path).st_size < 8 * MiB and tier.trim() == 0
     for i, loc in enumerate(locs):  # non-overlapping: each keeps its own bytes
         np.frombuffer(loc.view(), np.uint8)[:] = i + 1
     for i, loc in enumerate(locs):
         assert set(np.unique(np.frombuffer(loc.view(), np.uint8))) == {i + 1}
     assert tier.state.reserved == sum(sizes)
+
+
+def test_pack_takes_as_few_chunks_as_fit(tier: MemoryTier) -> None:
+    locs = tier.allocate_pack([5 * MiB, 5 * MiB, 3 * MiB, 3 * MiB])  # in order, 3 chunks; best fit, 2
+    assert len({id(loc.segment) for loc in locs}) == 2
+    assert tier.stock.ready_bytes == 16 * MiB
+
+
+def test_without_stock_small_tensors_still_share_a_mappable_pack() -> None:
+    t = MemoryTier(256 * MiB, f"tc-test-{uuid.uuid4().hex[:8]}", stock_budget=0, stock_chunk_bytes=8 * MiB)
+    try:
+        locs = t.allocate_pack([100, 1 * MiB, 3000, 5 * MiB, 3 * MiB])
+        assert all(loc.arena is None for loc in locs)  # not arena slots: callers can map every one
+        assert len({id(loc.segment) for loc in locs}) == 2  # 5 + 3 MiB, then 1 MiB + two pages: no waste
+        assert sum(loc.segment.size for loc in {id(x.segment): x for x in locs}.values()) == 9 * MiB + 8192
+    finally:
+        t.close()
+
+
+def test_trim_skips_a_chunk_retired_meanwhile(tier: MemoryTier) -> None:
+    (a,) = tier.allocate_pack([2 * MiB])
+    tier.discard(a)  # a failed fetch: the chunk goes with its only blob
+    assert not os.path.exists(a.segment.path)
+    assert tier.trim() == 0
 
 
 def test_a_pack_segment_goes_with_its_last_blob(tier: MemoryTier) -> None:

@@ -76,10 +76,11 @@ __all__ = ["AsyncArtifact", "AsyncClient", "AsyncView", "build_view_slices", "co
 class AsyncView:
     """A lazy slice of an artifact's tensors; materialized (sliced by the holder) only when asked."""
 
-    def __init__(self, artifact: AsyncArtifact, slices: dict[str, tuple[SliceSpec, ...]]) -> None:
+    def __init__(self, artifact: AsyncArtifact, slices: dict[str, tuple[SliceSpec, ...]],
+                 view_id: str | None = None) -> None:
         self.artifact = artifact
         self.slices = slices
-        self.view_id = view_artifact_id(artifact.id, slices)
+        self.view_id = view_id or view_artifact_id(artifact.id, slices)
         self.last_diagnostics: Diagnostics | None = None
 
     async def _materialize(self, names: tuple[str, ...], like: str, source: str, device: str = "cpu") -> dict[str, Any]:
@@ -136,6 +137,8 @@ class AsyncArtifact(ArtifactBase):
         super().__init__(info)
         self._client = client
         self.last_diagnostics: Diagnostics | None = None
+        # A rank's view by its model type's rules: (slices, view id), built once (prefetch, then tensor_dict).
+        self._rank_views: dict[TP, tuple[dict[str, tuple[SliceSpec, ...]], str]] = {}
 
     async def _materialize(self, names: tuple[str, ...], like: str, source: str,
                            slices: dict[str, tuple[SliceSpec, ...]] | None = None,
@@ -170,7 +173,12 @@ class AsyncArtifact(ArtifactBase):
         """A lazy view: explicit ``slices={name: [(dim, slice), ...]}``, or one tensor-parallel rank's shard
         with ``tp=TP(rank, world_size)`` and ``rules`` (name pattern -> split dim or "replicated"; for a
         checkpoint, the rule set of its ``model_type`` by default)."""
-        return AsyncView(self, build_view_slices(self.info, slices, tp, rules))
+        if tp is None or slices is not None or rules is not None:
+            return AsyncView(self, build_view_slices(self.info, slices, tp, rules))
+        if tp not in self._rank_views:
+            view = AsyncView(self, build_view_slices(self.info, None, tp, None))
+            self._rank_views[tp] = view.slices, view.view_id
+        return AsyncView(self, *self._rank_views[tp])
 
     async def prefetch(self, to: str, *, pin: bool = False, pin_ttl: float | None = None,
                        timeout: float | None = None, streams: int = 0, tp: TP | None = None,

@@ -10,6 +10,8 @@ while the event loop mutates. Does not own: placement policy (``worker``), the d
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import mmap
 import threading
 import time
@@ -52,6 +54,7 @@ class MemoryTier:
         self._arenas: dict[str, Segment] = {}
         self._tensors: dict[str, tuple[TensorMeta, ...]] = {}
         self._closing: list[Segment] = []
+        self._untrimmed: list[tuple[Segment, int]] = []  # pack chunks and the bytes they use
         self.last_alloc = 0.0  # monotonic time of the last allocation: the stock refills after a quiet spell
         remove_stale_segments(prefix)
 
@@ -89,52 +92,75 @@ class MemoryTier:
     def allocate_pack(self, sizes: list[int]) -> list[BlobLoc]:
         """Room for a batch of blobs that live and die together (the tensors of one artifact or view).
 
-        They are carved, page-aligned, out of pre-faulted stock chunks (in order), so that a checkpoint of
-        hundreds of tensors is filled without first-touch faults; small ones too, so that callers can map
-        them (arena slots are reused, so they are never mapped). A tensor larger than a chunk, or any once
-        the stock is empty, is allocated alone (an arena slot, or a segment of its own). A chunk goes when
-        its last blob does: until then freed blobs' pages stay (they may be mapped by callers). Blocking
-        (it may create segments): call it off the event loop. All or nothing.
+        They are carved, page-aligned, out of pre-faulted stock chunks, so that a checkpoint of hundreds of
+        tensors is filled without first-touch faults; small ones too, so that callers can map them (arena
+        slots are reused, so they are never mapped). Largest first, each into the chunk of this batch with
+        the least room that still fits it (best fit decreasing): the batch takes as few chunks as it can.
+        Once the stock is empty, fresh segments (not pre-faulted) take its place. A tensor larger than a
+        chunk gets a segment of its own. A chunk goes when its last blob does: until then freed blobs' pages
+        stay (they may be mapped by callers). The chunks' unused tails are given back later, by ``trim()``:
+        freeing pages costs about as much as filling them, and the caller is waiting. Blocking (it may
+        create segments): call it off the event loop. All or nothing.
         """
         self.last_alloc = time.monotonic()
         out: list[BlobLoc | None] = [None] * len(sizes)
-        open_chunk: Segment | None = None
-        used = 0
+        chunk_bytes = self.stock.chunk_bytes
+        order = sorted((k for k in range(len(sizes)) if 0 < sizes[k] <= chunk_bytes), key=lambda k: -sizes[k])
+        left = sum(-(-sizes[k] // _PAGE) * _PAGE for k in order)  # bytes still to place in chunks
+        room: list[tuple[int, int]] = []  # (bytes left, index into chunks), sorted: best fit by bisection
+        chunks: list[tuple[Segment, list[int]]] = []  # (chunk, [bytes used])
         try:
-            for i, size in enumerate(sizes):
-                if not size or size > self.stock.chunk_bytes:
-                    out[i] = self.allocate(size)
-                    continue
-                if open_chunk is not None and used + size > open_chunk.size:
-                    self._close_chunk(open_chunk, used)
-                    open_chunk = None
-                if open_chunk is None:
-                    open_chunk, used = self.stock.take_chunk(), 0
-                    if open_chunk is None:  # the stock is empty: an arena slot, or a segment of its own
-                        out[i] = self.allocate(size)
-                        continue
-                    open_chunk.blobs = 0
+            for k in range(len(sizes)):
+                if not 0 < sizes[k] <= chunk_bytes:
+                    out[k] = self.allocate(sizes[k])  # a tensor larger than a chunk: a segment of its own
+            for i in order:
+                size = sizes[i]
+                at = bisect.bisect_left(room, (size, -1))
+                if at < len(room):
+                    k = room.pop(at)[1]
+                else:
+                    # A stock chunk; once the stock is empty, a fresh segment for the rest (faulted in as it
+                    # is filled): small tensors stay in a pack, where callers can map them, not in arena slots.
+                    seg = self.stock.take_chunk() or Segment.create(SHM_DIR, self.prefix, min(chunk_bytes, left))
+                    seg.blobs = 0
+                    k = len(chunks)
+                    chunks.append((seg, [0]))
+                seg, used = chunks[k]
                 with self.lock:
                     self.state.reserve(size)
-                open_chunk.blobs += 1
-                out[i] = BlobLoc(open_chunk, used, size, size)
-                used += -(-size // _PAGE) * _PAGE
-            if open_chunk is not None:
-                self._close_chunk(open_chunk, used)
+                seg.blobs += 1
+                out[i] = BlobLoc(seg, used[0], size, size)
+                used[0] += -(-size // _PAGE) * _PAGE
+                left -= -(-size // _PAGE) * _PAGE
+                if used[0] < seg.size:
+                    bisect.insort(room, (seg.size - used[0], k))
         except BaseException:
-            if open_chunk is not None and open_chunk.blobs == 0:
-                self._retire(open_chunk)  # taken from the stock, nothing placed in it yet
+            for seg, _ in chunks:
+                if seg.blobs == 0:
+                    self._retire(seg)  # taken from the stock, nothing placed in it yet
             for loc in out:
                 if loc is not None:
                     self.discard(loc)
             raise
+        with self.lock:
+            self._untrimmed += [(seg, used[0]) for seg, used in chunks if used[0] < seg.size]
         return [loc for loc in out if loc is not None]
 
-    def _close_chunk(self, chunk: Segment, used: int) -> None:
-        if chunk.blobs == 0:
-            self._retire(chunk)
-        else:
-            chunk.shrink(min(chunk.size, used))  # give back the tail pages
+    def trim(self) -> int:
+        """Give back the unused tail pages of the chunks that packs were carved from; returns the bytes
+        given back. Blocking (call it off the event loop, when the hot path is done)."""
+        with self.lock:
+            todo, self._untrimmed = self._untrimmed, []
+        freed = 0
+        for seg, used in todo:
+            with self.lock:
+                if seg.blobs <= 0:  # retired meanwhile: its pages are gone with it
+                    continue
+            with contextlib.suppress(FileNotFoundError):
+                before = seg.size
+                seg.shrink(used)
+                freed += before - used
+        return freed
 
     def discard(self, loc: BlobLoc) -> None:
         """Give back an allocation that was never committed."""

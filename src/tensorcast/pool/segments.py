@@ -86,9 +86,9 @@ class Segment:
         """Cut a (stock) segment down to ``size`` bytes; the tail pages are given back. The mapping keeps its
         length (unmapping and re-mapping a populated segment costs more than the shrink saves), but
         ``view()`` covers ``size`` bytes only, so nothing here touches the tail."""
-        if size == self.size:
+        if size == self.size or self._mm is None:  # closed meanwhile (retired): nothing to give back
             return
-        assert self._mm is not None and 0 < size < self.size
+        assert 0 < size < self.size
         os.truncate(self.path, size)
         self.size = size
 

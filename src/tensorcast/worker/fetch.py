@@ -28,7 +28,7 @@ from tensorcast.tensors import numpy_dtype, raw_dtype
 from tensorcast.transport.base import ChunkCorrupted, stream_count
 from tensorcast.transport.tcp import TcpTransport
 from tensorcast.views import apply_slices, byte_range, sliced_shape
-from tensorcast.weights.reader import ReadJob, read_ranges
+from tensorcast.weights.reader import ReadJob, SliceJob, read_ranges
 from tensorcast.wire.messages import ArtifactInfo, DataRequest, Prefetched, ReplicaInfo, SliceSpec, TensorMeta
 from tensorcast.worker.store import LocalStore
 
@@ -95,8 +95,9 @@ class Fetcher:
         with self._staging() as allocated:
             await self._allocate(allocated, list(missing.values()))
             # A checkpoint registered in place here: one batch of parallel preads for all its tensors.
+            where = store.external_locations(info.id, (m.name for m in missing.values()))
             reads = {d: ReadJob(ext.file, ext.offset, allocated[d].view(), m.name) for d, m in missing.items()
-                     if (ext := store.external_location(info.id, m.name)) is not None}
+                     if (ext := where.get(m.name)) is not None}
             await self._read_in_place(list(reads.values()))
             in_place = {d: m for d, m in missing.items() if d in reads}
             rest = {d: m for d, m in missing.items() if d not in reads}
@@ -141,14 +142,17 @@ class Fetcher:
         with self._staging() as allocated:
             todo = list({t.digest: t for t in out if t.nbytes and not store.memory.has_blob(t.digest)}.values())
             await self._allocate(allocated, todo)
-            # Contiguous slices of a checkpoint in place here: one batch of parallel preads of just their bytes.
-            direct: dict[str, ReadJob] = {}
+            # Slices of a checkpoint in place here: one batch of parallel preads of just their bytes (a
+            # contiguous slice), and copies out of the mapped file (the others) sharing the same threads.
+            direct: dict[str, ReadJob | SliceJob] = {}
+            where = store.external_locations(info.id, (t.name for t in todo))
             for t in todo:
-                meta = metas[t.name]
-                rng = byte_range(meta.shape, numpy_dtype(meta.dtype).itemsize, view[t.name]) \
-                    if view[t.name] else (0, meta.nbytes)
-                if rng is not None and (ext := store.external_location(info.id, t.name)) is not None:
-                    direct[t.digest] = ReadJob(ext.file, ext.offset + rng[0], allocated[t.digest].view(), t.name)
+                meta, specs, dest = metas[t.name], view[t.name], allocated[t.digest].view()
+                if (ext := where.get(t.name)) is None:
+                    continue
+                rng = byte_range(meta.shape, numpy_dtype(meta.dtype).itemsize, specs) if specs else (0, meta.nbytes)
+                direct[t.digest] = ReadJob(ext.file, ext.offset + rng[0], dest, t.name) if rng is not None else \
+                    SliceJob(ext.file, ext.offset, meta.dtype, meta.shape, specs, dest, t.name)
             await self._read_in_place(list(direct.values()))
             sources = [self.worker_id] * bool(direct) + await self._bounded([
                 self._fill_view(info, metas[t.name], view[t.name], allocated[t.digest], deadline, trace_id)
@@ -203,7 +207,7 @@ class Fetcher:
         finally:
             self.in_flight -= 1
 
-    async def _read_in_place(self, reads: list[ReadJob]) -> None:
+    async def _read_in_place(self, reads: list[ReadJob | SliceJob]) -> None:
         """One batch of parallel reads from checkpoint files registered in place on this worker."""
         if reads:
             await asyncio.to_thread(read_ranges, reads, streams=self.config.max_streams)

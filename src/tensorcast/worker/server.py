@@ -273,6 +273,8 @@ class Worker:
             try:
                 self.puts.reap(time.time())
                 await self.store.housekeeping()
+                if not self._busy():
+                    await asyncio.to_thread(self.store.memory.trim)
                 last_work = max(self._last_busy, self.store.memory.last_alloc)
                 if not self._busy() and time.monotonic() - last_work >= self.config.worker.prefault_idle_seconds:
                     await asyncio.to_thread(self.store.memory.stock.refill, self._busy)

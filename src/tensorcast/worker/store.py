@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -203,16 +203,27 @@ class LocalStore:
         return out
 
     def external_location(self, artifact_id: str, name: str) -> CheckpointTensor | None:
-        loc = self.external.get(artifact_id, {}).get(name)
-        if loc is not None and self._external_verify.get(artifact_id, True):
-            try:
-                st = os.stat(loc.file)
-            except OSError as exc:
-                raise NotFound(f"checkpoint file {loc.file} (tensor {name!r}) is gone: {exc}") from None
-            if st.st_size != loc.file_size or st.st_mtime_ns != loc.file_mtime_ns:
-                raise InvalidArgument(f"checkpoint file {loc.file} changed since it was registered (tensor "
-                                      f"{name!r}): register it again")
-        return loc
+        return self.external_locations(artifact_id, [name]).get(name)
+
+    def external_locations(self, artifact_id: str, names: Iterable[str]) -> dict[str, CheckpointTensor]:
+        """Where these tensors of a checkpoint registered in place lie (those that are not: absent). Each
+        file is checked once (still there, same size and mtime as when it was registered)."""
+        registered = self.external.get(artifact_id, {})
+        found = {n: loc for n in names if (loc := registered.get(n)) is not None}
+        if self._external_verify.get(artifact_id, True):
+            checked: set[str] = set()
+            for name, loc in found.items():
+                if loc.file in checked:
+                    continue
+                checked.add(loc.file)
+                try:
+                    st = os.stat(loc.file)
+                except OSError as exc:
+                    raise NotFound(f"checkpoint file {loc.file} (tensor {name!r}) is gone: {exc}") from None
+                if st.st_size != loc.file_size or st.st_mtime_ns != loc.file_mtime_ns:
+                    raise InvalidArgument(f"checkpoint file {loc.file} changed since it was registered (tensor "
+                                          f"{name!r}): register it again")
+        return found
 
     def _file(self, path: str) -> Segment:
         with self._lock:
