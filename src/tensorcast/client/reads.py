@@ -148,12 +148,20 @@ class Reader:
         diag.transport = "shared-memory"
         out: dict[str, Any] = {}
         unmapped: list[str] = []
+        by_file: dict[str, list[tuple[str, tuple[int, int]]]] = {}
         for name, ref in zip(names, mapped.segments, strict=True):
-            meta = metas[name]
-            if ref is None and meta.nbytes:
+            if ref is None and metas[name].nbytes:
                 unmapped.append(name)  # a slab-arena object: copied out over the data plane
+            elif ref is not None:
+                by_file.setdefault(ref.path, []).append((name, (ref.offset, ref.size)))
+        by_name_unmapped = set(unmapped)
+        bufs: dict[str, memoryview | None] = {n: None for n in names}
+        for path, refs in by_file.items():  # one mapping per file (a pack chunk, a checkpoint file)
+            bufs.update(zip((n for n, _ in refs), map_private(path, [span for _, span in refs]), strict=True))
+        for name in names:
+            if name in by_name_unmapped:
                 continue
-            buf = None if ref is None else map_private(ref.path, ref.size, ref.offset)
+            meta, buf = metas[name], bufs[name]
             spec = slices.get(name, ())
             out[name] = wrap_bytes(buf, meta, like) if not spec else _slice_local(buf, meta, spec, like)
         if unmapped:

@@ -20,7 +20,7 @@ import mmap
 import os
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from tensorcast.errors import NotFound, ResourceExhausted
 
@@ -269,15 +269,18 @@ def _map(path: str, size: int, flags: int, prot: int, offset: int = 0) -> mmap.m
         os.close(fd)
 
 
-def map_private(path: str, size: int, offset: int = 0) -> mmap.mmap | memoryview:
-    """Copy-on-write mapping: the caller may write into it; the pool's bytes never change. With an
-    ``offset`` (a tensor inside a checkpoint file), the mapping starts at the page below it and the
-    returned memoryview covers exactly ``[offset, offset + size)`` (it keeps the mapping alive)."""
-    if offset == 0:
-        return _map(path, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
-    base = offset - offset % mmap.ALLOCATIONGRANULARITY
-    mm = _map(path, size + offset - base, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE, offset=base)
-    return memoryview(mm)[offset - base : offset - base + size]
+def map_private(path: str, spans: Sequence[tuple[int, int]]) -> list[memoryview]:
+    """Copy-on-write views of ``(offset, size)`` byte ranges of one file: the caller may write into them;
+    the pool's bytes never change. One mapping serves them all (from the page below the first range to
+    the end of the last): the tensors of a pack, or of a checkpoint file, cost one ``mmap`` rather than
+    one each. The views keep the mapping alive."""
+    base = min((o for o, _ in spans), default=0)
+    base -= base % mmap.ALLOCATIONGRANULARITY
+    end = max((o + n for o, n in spans), default=base)
+    if end == base:
+        return [memoryview(b"") for _ in spans]
+    whole = memoryview(_map(path, end - base, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE, offset=base))
+    return [whole[o - base : o - base + n] for o, n in spans]
 
 
 def map_shared(path: str, size: int) -> mmap.mmap:
