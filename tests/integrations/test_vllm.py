@@ -31,12 +31,15 @@ def test_generation_matches_the_default_loader(tmp_path: Path) -> None:
     torch.manual_seed(3)
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "model")
     with running_cluster(workers=1) as cluster, tc.connect(cluster.address) as client:
-        art = client.from_disk(tmp_path / "model", key="vllm/tiny")
-        art.prefetch(to="w0").result(timeout=60)  # warm: vLLM maps the pool's copy
+        art = client.from_disk(tmp_path / "model", key="vllm/tiny")  # registered, nothing read
         script = Path(__file__).with_name("vllm_generate.py")
+        # Cold first (the load fills this host's worker while vLLM maps the files), then warm (the pool's copy).
         r = subprocess.run([sys.executable, str(script), str(tmp_path / "model"), cluster.address, "vllm/tiny"],
                            capture_output=True, text=True, timeout=600)
         line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
         assert line is not None, r.stdout[-3000:] + r.stderr[-3000:]
         out = json.loads(line[len("RESULT "):])
-        assert len(out["safetensors"]) == 12 and out["tensorcast"] == out["safetensors"]
+        assert len(out["safetensors"]) == 12
+        assert out["tensorcast cold"] == out["safetensors"] and out["tensorcast warm"] == out["safetensors"]
+        assert "(disk replica)" in r.stdout + r.stderr and "(memory replica)" in r.stdout + r.stderr
+        assert any(x.worker_id == "w0" and x.tier == "memory" for x in art.refresh().info.replicas)

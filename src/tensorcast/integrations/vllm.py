@@ -7,10 +7,14 @@ every engine process — multiprocessing included — has it. Configuration come
 ``key``: an artifact key or id, default: the model directory registered in place with ``from_disk``).
 
 Cold: a worker on this host reads the checkpoint into its pre-faulted pool memory with parallel preads
-(``prefetch``; ``model_loader_extra_config["prefetch"] = False`` maps the files where they lie instead,
-and without a worker on this host a remote one sends the bytes). Warm: the artifact was already
-prefetched to this host's worker: nothing is read, the pool's copy is mapped. Either way vLLM's own
-``model.load_weights`` shards the (full) tensors into its tensor-parallel parameters.
+(``prefetch``), and vLLM does not wait for it: it maps the checkpoint files where they lie (copy-on-write)
+and loads tensor by tensor in file order, right behind the worker's reads, which bring the pages into the
+page cache with large parallel requests. Reading and vLLM's own per-tensor work (copying into its
+parameters, repacking) overlap, and the pool's copy is ready for the next instance. Warm: the artifact
+was already prefetched to this host's worker: nothing is read, the pool's copy is mapped.
+``model_loader_extra_config["prefetch"] = False`` only maps the files (without a worker on this host a
+remote one sends the bytes). Either way vLLM's own ``model.load_weights`` shards the (full) tensors into
+its tensor-parallel parameters.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ def register() -> None:
 
         def load_weights(self, model: Any, model_config: Any) -> None:
             import tensorcast as tc
+            from tensorcast.errors import TensorCastError
 
             t0 = time.perf_counter()
             extra = dict(self.load_config.model_loader_extra_config or {})
@@ -52,27 +57,46 @@ def register() -> None:
             with tc.connect(address, token=extra.get("token")) as client:
                 key = extra.get("key")
                 art = client.artifact(key) if key else client.from_disk(model_config.model)
-                if extra.get("prefetch", True):
-                    _prefetch_here(client, art)
+                filling = _prefetch_here(client, art) if extra.get("prefetch", True) else None
                 tensors = art.tensor_dict(like="torch")
                 diag = art.last_diagnostics
-                loaded = model.load_weights(iter(tensors.items()))
+                loaded = model.load_weights((n, tensors[n]) for n in _file_order(art.info.meta, tensors))
                 expected = {n for n, _ in model.named_parameters()}
                 if loaded is not None and expected - set(loaded):
                     missing = sorted(expected - set(loaded))
                     raise ValueError(f"TensorCast artifact {art.id} lacks weights for {missing[:5]}")
-                log.info("TensorCast: loaded %d tensors (%d bytes) from artifact %s via %s in %.2f seconds",
-                         len(tensors), art.nbytes, art.id, diag.transport if diag else "?", time.perf_counter() - t0)
+                if filling is not None:
+                    try:
+                        filling.result()
+                    except TensorCastError as exc:  # this load is done; only the next one stays cold
+                        log.warning("TensorCast: the pool copy of %s for later instances failed: %s", art.id, exc)
+                log.info("TensorCast: loaded %d tensors (%d bytes) from artifact %s via %s%s in %.2f seconds",
+                         len(tensors), art.nbytes, art.id, diag.transport if diag else "?",
+                         f" ({diag.tier} replica)" if diag else "", time.perf_counter() - t0)
 
     _registered = True
 
 
-def _prefetch_here(client: Any, art: Any) -> None:
-    """Make a worker on this host hold the artifact in memory (a no-op when one does): the cold read is then
-    parallel preads into pre-faulted pool memory, and every rank of this host maps the same copy."""
+def _prefetch_here(client: Any, art: Any) -> Any:
+    """Start making a worker on this host hold the artifact in memory (the cold read: parallel preads into
+    pre-faulted pool memory, one copy that every rank of this host then shares). Returns the running
+    operation, or None when a worker here already holds it (warm) or none runs here."""
     host = client.aio.host_id
     if any(r.tier == "memory" and r.host_id == host and r.alive for r in art.info.replicas):
-        return
+        return None
     local = next((w for w in client.list_workers() if w.host_id == host and w.alive), None)
-    if local is not None:
-        art.prefetch(to=local.worker_id).result()
+    return None if local is None else art.prefetch(to=local.worker_id)
+
+
+def _file_order(meta: dict[str, str], tensors: dict[str, Any]) -> list[str]:
+    """The tensor names in the order their bytes lie in the checkpoint files (a cold load then reads
+    behind the worker's sequential reads instead of jumping between files); name order otherwise."""
+    from tensorcast.errors import TensorCastError
+    from tensorcast.weights import open_checkpoint
+
+    source = meta.get("source", "")
+    try:
+        where = open_checkpoint(source).tensors if source and os.path.isdir(source) else {}
+    except (OSError, ValueError, TensorCastError):
+        where = {}
+    return sorted(tensors, key=lambda n: (where[n].file, where[n].offset) if n in where else ("~", 0, n))

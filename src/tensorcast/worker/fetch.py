@@ -147,9 +147,9 @@ class Fetcher:
             direct: dict[str, ReadJob | SliceJob] = {}
             where = store.external_locations(info.id, (t.name for t in todo))
             for t in todo:
-                meta, specs, dest = metas[t.name], view[t.name], allocated[t.digest].view()
                 if (ext := where.get(t.name)) is None:
                     continue
+                meta, specs, dest = metas[t.name], view[t.name], allocated[t.digest].view()
                 rng = byte_range(meta.shape, numpy_dtype(meta.dtype).itemsize, specs) if specs else (0, meta.nbytes)
                 direct[t.digest] = ReadJob(ext.file, ext.offset + rng[0], dest, t.name) if rng is not None else \
                     SliceJob(ext.file, ext.offset, meta.dtype, meta.shape, specs, dest, t.name)
@@ -168,8 +168,8 @@ class Fetcher:
                          deadline: float | None, trace_id: str) -> str:
         itemsize = numpy_dtype(meta.dtype).itemsize
         rng = byte_range(meta.shape, itemsize, specs) if specs else (0, meta.nbytes)
-        ext = self.store.external_location(info.id, meta.name)
-        if ext is not None or self.store.memory.has_blob(meta.digest) or (
+        # (A checkpoint in place here never comes this way: ``materialize_view`` reads it in one batch.)
+        if self.store.memory.has_blob(meta.digest) or (
                 self.store.disk is not None and self.store.disk.has_blob(meta.digest)):
             src, _tier, release = self.store.lease_tensor(info.id, meta, "")
             try:
