@@ -185,27 +185,18 @@ def _copy_pieces(mm: mmap.mmap, job: SliceJob, chunk: int) -> list[_Piece]:
             lo = start + i * step
             src = (job.offset + lo * src_row, (n - 1) * step * src_row + src_row)  # bytes spanned in the file
             dst = (out_at + i * out_row, n * out_row)
-            # The first block asks for the whole tensor ahead (a cold page cache then reads it in large
-            # requests while the blocks are copied, rather than a fault-sized read at a time).
-            ahead = (job.offset, job.nbytes) if not pieces else None
             pieces.append((job.path, src[0], _copier(mm, job, dtype, inner, slice(lo, lo + (n - 1) * step + 1, step),
-                                                     src, dst, (n, *out_shape[1:]), ahead)))
+                                                     src, dst, (n, *out_shape[1:]))))
         out_at += rows * out_row
     return pieces
 
 
 def _copier(mm: mmap.mmap, job: SliceJob, dtype: np.dtype[Any], inner: tuple[SliceSpec, ...], rows: slice,
-            src: tuple[int, int], dst: tuple[int, int], out_shape: tuple[int, ...],
-            ahead: tuple[int, int] | None) -> Callable[[], None]:
-    def advise(advice: int, start: int, length: int) -> None:
-        page = start - start % mmap.PAGESIZE
-        with contextlib.suppress(OSError, ValueError):  # best effort: faults would map the pages anyway
-            mm.madvise(advice, page, start + length - page)
-
+            src: tuple[int, int], dst: tuple[int, int], out_shape: tuple[int, ...]) -> Callable[[], None]:
     def copy() -> None:
-        if ahead is not None:
-            advise(mmap.MADV_WILLNEED, *ahead)
-        advise(_POPULATE_READ, *src)
+        page = src[0] - src[0] % mmap.PAGESIZE
+        with contextlib.suppress(OSError, ValueError):  # best effort: faults would map the pages anyway
+            mm.madvise(_POPULATE_READ, page, src[0] + src[1] - page)
         arr = np.frombuffer(mm, np.uint8, count=job.nbytes, offset=job.offset).view(dtype).reshape(job.shape)
         part = apply_slices(arr[rows], inner)
         out = np.frombuffer(job.dest[dst[0] : dst[0] + dst[1]], np.uint8).view(dtype).reshape(out_shape)
