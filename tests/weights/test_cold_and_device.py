@@ -5,6 +5,7 @@ the CUDA IPC hand-off; ``benchmarks/gpu_check.sh`` times it.)"""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 
@@ -32,6 +33,9 @@ def test_cold_prefetch_fills_a_pack_from_the_stock_and_maps_it(tmp_path: Path) -
         while client.list_workers()[0].memory_prefaulted < 32 * MiB and time.monotonic() < end:
             time.sleep(0.2)
         assert client.list_workers()[0].memory_prefaulted == 32 * MiB  # the signal callers size bursts by
+        # It was filled by a thread that runs on idle CPU only: it never competes with an engine starting up.
+        pid = client.list_workers()[0].pid
+        assert os.SCHED_IDLE in {os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
         art = client.from_disk(tmp_path)
         done = art.prefetch(to="w0").result(timeout=60)
         assert not done.already_present and done.bytes_moved == art.nbytes

@@ -15,7 +15,9 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +128,10 @@ class Worker:
         self.server = RpcServer(self.registry, config.wire, token=config.token, server_id=worker_id,
                                 host_id=self.host_id, roles=self.roles)
         self._tasks: list[asyncio.Task[None]] = []
+        # Pre-faulting the stock and giving back pack tails: one thread that runs only on idle CPU, so that
+        # it never slows the engine that just loaded its weights (a 2-core host has no CPU to spare).
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="tensorcast-prefault",
+                                              initializer=_idle_priority)
 
     def _register_handlers(self) -> None:
         r = self.registry
@@ -180,7 +186,8 @@ class Worker:
             await ch.close()
         for put in list(self.puts.pending.values()):
             self.puts.abandon(put)
-        self.store.close()
+        self.store.close()  # a refill in progress stops after its current segment
+        self._background.shutdown(wait=True)
 
     def info(self) -> WorkerInfo:
         s = self.store.stats()
@@ -273,11 +280,12 @@ class Worker:
             try:
                 self.puts.reap(time.time())
                 await self.store.housekeeping()
+                loop = asyncio.get_running_loop()
                 if not self._busy():
-                    await asyncio.to_thread(self.store.memory.trim)
+                    await loop.run_in_executor(self._background, self.store.memory.trim)
                 last_work = max(self._last_busy, self.store.memory.last_alloc)
                 if not self._busy() and time.monotonic() - last_work >= self.config.worker.prefault_idle_seconds:
-                    await asyncio.to_thread(self.store.memory.stock.refill, self._busy)
+                    await loop.run_in_executor(self._background, self.store.memory.stock.refill, self._busy)
             except Exception:
                 log.exception("housekeeping failed")
 
@@ -542,6 +550,16 @@ class Worker:
         self.devices.remove(aid)
         self.store.drop(aid)
         self._dropped.add(aid)
+
+
+def _idle_priority() -> None:
+    """Run the calling thread only on CPU time nobody else wants (SCHED_IDLE; nice 19 where refused)."""
+    tid = threading.get_native_id()
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
 
 
 def _checkpoint_metas(ckpt: Checkpoint) -> tuple[TensorMeta, ...]:
