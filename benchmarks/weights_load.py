@@ -7,8 +7,9 @@ on the files:
 (a) instance-ready time (needs vLLM's CPU build; skipped with a note without it): from spawning a process
     to a vLLM ``LLM`` that has produced its first token, with load formats ``safetensors`` (vLLM's
     default), ``fastsafetensors``, ``runai_streamer`` (each where it runs here; otherwise its error is
-    reported) and ``tensorcast`` cold (the artifact is registered, nothing is in memory: this host's
-    worker reads it into its pre-faulted pool during the load) and warm (prefetched before the start).
+    reported) and ``tensorcast`` cold (the artifact is registered, nothing is in memory: vLLM maps the
+    files; and, TP=1, with ``"prefetch": True``: this host's worker also reads them into its pre-faulted
+    pool during the load) and warm (prefetched before the start).
     The same process also times the loader's ``load_weights``. Ratios are to vLLM's default loader. The
     full run also starts TP=2 instances (a process per rank, each bound to half of the cores) with the
     default loader and TensorCast, page cache warm.
@@ -282,7 +283,13 @@ def bench_vllm(path: Path, client: tc.Client, address: str, prep: Any, want: int
     clear_pool(client)
     wait_prefaulted(client, want)
     prep(path)
-    out.append(("tensorcast cold", vllm_ready(path, "tensorcast", {"address": address}, tp)))
+    out.append(("tensorcast cold (maps the files)", vllm_ready(path, "tensorcast", {"address": address}, tp)))
+    if tp == 1:  # the same, while this host's worker fills its pool for the next instance
+        clear_pool(client)
+        wait_prefaulted(client, want)
+        prep(path)
+        out.append(("tensorcast cold + pool fill", vllm_ready(path, "tensorcast",
+                                                              {"address": address, "prefetch": True}, tp)))
     clear_pool(client)
     art = client.from_disk(path, key="bench/vllm")
     art.prefetch(to="w0").result(timeout=600)

@@ -33,7 +33,7 @@ def test_generation_matches_the_default_loader(tmp_path: Path) -> None:
     with running_cluster(workers=1) as cluster, tc.connect(cluster.address) as client:
         art = client.from_disk(tmp_path / "model", key="vllm/tiny")  # registered, nothing read
         script = Path(__file__).with_name("vllm_generate.py")
-        # Cold first (the load fills this host's worker while vLLM maps the files), then warm (the pool's copy).
+        # Cold first (vLLM maps the files; "prefetch" fills this host's pool meanwhile), then warm (the pool's copy).
         r = subprocess.run([sys.executable, str(script), str(tmp_path / "model"), cluster.address, "vllm/tiny"],
                            capture_output=True, text=True, timeout=600)
         line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)

@@ -19,7 +19,9 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=12)
     out = {}
     tc_extra = {"address": address, "key": key}
-    for name, fmt, extra in (("safetensors", "safetensors", {}), ("tensorcast cold", "tensorcast", tc_extra),
+    # Cold: map the files, and (prefetch) fill this host's pool meanwhile; warm: map the pool's copy.
+    for name, fmt, extra in (("safetensors", "safetensors", {}),
+                             ("tensorcast cold", "tensorcast", {**tc_extra, "prefetch": True}),
                              ("tensorcast warm", "tensorcast", tc_extra)):
         llm = LLM(model=model_dir, skip_tokenizer_init=True, load_format=fmt, dtype="bfloat16", max_model_len=256,
                   enforce_eager=True, model_loader_extra_config=extra)

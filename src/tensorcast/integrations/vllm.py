@@ -6,15 +6,16 @@ every engine process — multiprocessing included — has it. Configuration come
 ``model_loader_extra_config`` (``address``: the cluster's gateway, default ``TENSORCAST_ADDRESS``;
 ``key``: an artifact key or id, default: the model directory registered in place with ``from_disk``).
 
-Cold: a worker on this host reads the checkpoint into its pre-faulted pool memory with parallel preads
-(``prefetch``), and vLLM does not wait for it: it maps the checkpoint files where they lie (copy-on-write)
-and loads tensor by tensor in file order, right behind the worker's reads, which bring the pages into the
-page cache with large parallel requests. Reading and vLLM's own per-tensor work (copying into its
-parameters, repacking) overlap, and the pool's copy is ready for the next instance. Warm: the artifact
-was already prefetched to this host's worker: nothing is read, the pool's copy is mapped.
-``model_loader_extra_config["prefetch"] = False`` only maps the files (without a worker on this host a
-remote one sends the bytes). Either way vLLM's own ``model.load_weights`` shards the (full) tensors into
-its tensor-parallel parameters.
+Cold (nothing in memory): vLLM maps the checkpoint files where they lie (copy-on-write, through this
+host's worker) and copies tensor by tensor, in file order, into its parameters: one copy, straight from
+the page cache. Warm: the artifact was prefetched to this host's worker ahead of time (by the caller: an
+autoscaler preparing hosts, ``tensorcast load``): nothing is read, the pool's copy is mapped.
+``model_loader_extra_config["prefetch"] = True`` also has this host's worker read the checkpoint into its
+pool during a cold load (parallel preads; vLLM loads behind them from the page cache), so that the next
+instance here starts warm. It costs this load time and memory: on a small CPU-only host, measured, the
+instance was ready later (``benchmarks/weights_load.py``). Without a worker on this host a remote one
+sends the bytes. Either way vLLM's own ``model.load_weights`` shards the (full) tensors into its
+tensor-parallel parameters.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def register() -> None:
             with tc.connect(address, token=extra.get("token")) as client:
                 key = extra.get("key")
                 art = client.artifact(key) if key else client.from_disk(model_config.model)
-                filling = _prefetch_here(client, art) if extra.get("prefetch", True) else None
+                filling = _prefetch_here(client, art) if extra.get("prefetch", False) else None
                 tensors = art.tensor_dict(like="torch")
                 diag = art.last_diagnostics
                 loaded = model.load_weights((n, tensors[n]) for n in _file_order(art.info.meta, tensors))
