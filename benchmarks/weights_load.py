@@ -278,16 +278,17 @@ def vllm_ready(path: Path, load_format: str, extra: dict[str, Any], tp: int = 1)
 
 
 def bench_vllm(path: Path, client: tc.Client, address: str, prep: Any, want: int,
-               tp: int = 1) -> list[tuple[str, dict[str, Any]]]:
+               tp: int = 1, quick: bool = False) -> list[tuple[str, dict[str, Any]]]:
     out: list[tuple[str, dict[str, Any]]] = []
-    for fmt in ("safetensors", "fastsafetensors", "runai_streamer") if tp == 1 else ("safetensors",):
+    everything = tp == 1 and not quick  # --quick: vLLM's default loader and TensorCast only
+    for fmt in ("safetensors", "fastsafetensors", "runai_streamer") if everything else ("safetensors",):
         prep(path)
         out.append((f"vllm {fmt}" + (" (default)" if fmt == "safetensors" else ""), vllm_ready(path, fmt, {}, tp)))
     clear_pool(client)
     wait_prefaulted(client, want)
     prep(path)
     out.append(("tensorcast cold (maps the files)", vllm_ready(path, "tensorcast", {"address": address}, tp)))
-    if tp == 1:  # the same, while this host's worker fills its pool for the next instance
+    if everything:  # the same, while this host's worker fills its pool for the next instance
         clear_pool(client)
         wait_prefaulted(client, want)
         prep(path)
@@ -386,7 +387,8 @@ def bench_inprocess(path: Path, client: tc.Client, prep: Any, tp: tc.TP | None, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="0.5 GiB; vLLM with the page cache warm only")
+    ap.add_argument("--quick", action="store_true",
+                    help="0.5 GiB; vLLM (default loader, TensorCast) with the page cache warm only")
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-vllm", action="store_true", help="skip (a), the vLLM instances")
     args = ap.parse_args()
@@ -413,7 +415,8 @@ def main() -> None:
                     prep = warm_cache if cache == "warm" else drop_cache
                     # TP=2 (a process per rank) in the full run, with the page cache warm.
                     for vtp in (1, 2) if cache == "warm" and not args.quick else (1,):
-                        rows += report_vllm(bench_vllm(path, client, cluster.address, prep, small, vtp), cache, vtp)
+                        runs = bench_vllm(path, client, cluster.address, prep, small, vtp, args.quick)
+                        rows += report_vllm(runs, cache, vtp)
         config = {"worker.prefault_bytes": stock, "worker.prefault_chunk_bytes": chunk}
         with tc.LocalCluster(workers=1, memory_capacity=f"{total + GiB}", config=config) as cluster, \
                 tc.connect(cluster.address) as client:

@@ -90,8 +90,8 @@ def _prefetch_here(client: Any, art: Any) -> Any:
 
 
 def _file_order(meta: dict[str, str], tensors: dict[str, Any]) -> list[str]:
-    """The tensor names in the order their bytes lie in the checkpoint files (a cold load then reads
-    behind the worker's sequential reads instead of jumping between files); name order otherwise."""
+    """The tensor names in the order their bytes lie in the checkpoint files (a cold load then reads each
+    file front to back, as readahead expects, instead of jumping between files); name order otherwise."""
     from tensorcast.errors import TensorCastError
     from tensorcast.weights import open_checkpoint
 
