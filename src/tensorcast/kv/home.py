@@ -14,8 +14,8 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from tensorcast.config import KVConfig
 from tensorcast.context import CallContext
@@ -72,7 +72,7 @@ class ShardHome:
         self.num_shards = 0
         self._pending: dict[int, _PendingPut] = {}
         self._reservations: dict[str, _PendingPut] = {}  # same-host puts awaiting KVCommit
-        self._read_leases: dict[str, tuple[float, list[Any]]] = {}  # same-host gets awaiting KVRelease
+        self._read_leases: dict[str, tuple[float, Callable[[], None]]] = {}  # same-host gets awaiting KVRelease
         self._scratch = memoryview(bytearray(config.max_page_bytes))
         self._task: asyncio.Task[None] | None = None
         self.serving = True
@@ -263,7 +263,7 @@ class ShardHome:
         release = self.store.hold(hits)
         if msg.same_host:  # the caller copies from the slots, then releases the read lease
             lease = uuid.uuid4().hex
-            self._read_leases[lease] = (time.monotonic(), [release])
+            self._read_leases[lease] = (time.monotonic(), release)
             return Reply(KVGetReply(sizes=sizes, slots=self.store.slot_list(hits), lease=lease))
         views = [self.store.view(page) for page in hits]
         return Reply(KVGetReply(sizes=sizes), payload=views or None, on_sent=release)
@@ -274,9 +274,9 @@ class ShardHome:
 
     def _release(self, leases: tuple[str, ...]) -> None:
         for lease in leases:
-            _, releases = self._read_leases.pop(lease, (0.0, []))
-            for release in releases:
-                release()
+            held = self._read_leases.pop(lease, None)
+            if held is not None:
+                held[1]()
 
     async def exists(self, msg: KVExists, req: Request) -> KVExistsReply:
         self._check(msg.keys, msg.tokens)
@@ -291,5 +291,4 @@ class ShardHome:
         for res in [r for r, p in self._reservations.items() if p.started < cutoff]:
             self._abandon(self._reservations.pop(res))
         for lease in [r for r, (t, _) in self._read_leases.items() if t < cutoff]:
-            for release in self._read_leases.pop(lease)[1]:
-                release()
+            self._read_leases.pop(lease)[1]()

@@ -30,6 +30,11 @@ __all__ = ["BlobLoc", "MemoryTier"]
 _PAGE = mmap.PAGESIZE  # blobs in a pack start on a page: callers map each one on its own
 
 
+def _pages(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole pages: the room a blob takes in a pack."""
+    return -(-nbytes // _PAGE) * _PAGE
+
+
 @dataclass(frozen=True, slots=True)
 class BlobLoc:
     segment: Segment
@@ -106,7 +111,7 @@ class MemoryTier:
         out: list[BlobLoc | None] = [None] * len(sizes)
         chunk_bytes = self.stock.chunk_bytes
         order = sorted((k for k in range(len(sizes)) if 0 < sizes[k] <= chunk_bytes), key=lambda k: -sizes[k])
-        left = sum(-(-sizes[k] // _PAGE) * _PAGE for k in order)  # bytes still to place in chunks
+        left = sum(_pages(sizes[k]) for k in order)  # bytes still to place in chunks
         room: list[tuple[int, int]] = []  # (bytes left, index into chunks), sorted: best fit by bisection
         chunks: list[tuple[Segment, list[int]]] = []  # (chunk, [bytes used])
         try:
@@ -130,8 +135,8 @@ class MemoryTier:
                     self.state.reserve(size)
                 seg.blobs += 1
                 out[i] = BlobLoc(seg, used[0], size, size)
-                used[0] += -(-size // _PAGE) * _PAGE
-                left -= -(-size // _PAGE) * _PAGE
+                used[0] += _pages(size)
+                left -= _pages(size)
                 if used[0] < seg.size:
                     bisect.insort(room, (seg.size - used[0], k))
         except BaseException:

@@ -176,7 +176,7 @@ def to_device(tensors: Mapping[str, Any], device: str, *, engine: CopyEngine | N
             raise InvalidArgument(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
         engine = CudaCopyEngine(device)
     names = list(tensors)
-    metas = [(_shape(tensors[n]), _dtype_name(tensors[n])) for n in names]
+    metas = [(_shape(tensors[n]), dtype_name(tensors[n].dtype)) for n in names]
     sources = [_host_bytes(tensors[n]) for n in names]
     out = [engine.empty(shape, dtype) for shape, dtype in metas]
     plan = plan_chunks([len(s) for s in sources], chunk, buffers)
@@ -212,6 +212,3 @@ def to_device(tensors: Mapping[str, Any], device: str, *, engine: CopyEngine | N
 def _shape(t: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in t.shape)
 
-
-def _dtype_name(t: Any) -> str:
-    return dtype_name(t.dtype)

@@ -17,8 +17,6 @@ sizes are checked before (the worker also checks size and mtime against the regi
 
 from __future__ import annotations
 
-import contextlib
-import mmap
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -29,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from tensorcast.errors import InvalidArgument, NotFound
+from tensorcast.pool.segments import Segment
 from tensorcast.tensors import raw_dtype
 from tensorcast.views import apply_slices, sliced_shape
 from tensorcast.wire.messages import SliceSpec
@@ -36,7 +35,6 @@ from tensorcast.wire.messages import SliceSpec
 __all__ = ["ReadJob", "SliceJob", "read_ranges"]
 
 _CHUNK = 16 * 1024 * 1024
-_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +77,7 @@ def read_ranges(jobs: Sequence[Job], *, streams: int = 4, chunk: int = _CHUNK) -
     """Run a batch of reads and slice copies with up to ``streams`` threads; returns the bytes written.
     The first error wins (the other pieces stop early); the destinations are then partly written."""
     fds: dict[str, int] = {}
-    maps: dict[str, mmap.mmap] = {}
+    maps: dict[str, Segment] = {}  # files copied from, mapped read-only
     try:
         pieces: list[_Piece] = []
         for job in jobs:
@@ -101,7 +99,7 @@ def read_ranges(jobs: Sequence[Job], *, streams: int = 4, chunk: int = _CHUNK) -
                     pos += length
             else:
                 if job.path not in maps:
-                    maps[job.path] = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                    maps[job.path] = Segment.open_existing(job.path)
                 pieces += _copy_pieces(maps[job.path], job, chunk)
         pieces.sort(key=lambda p: (p[0], p[1]))
         if len(pieces) <= 1 or streams <= 1:
@@ -111,9 +109,8 @@ def read_ranges(jobs: Sequence[Job], *, streams: int = 4, chunk: int = _CHUNK) -
             _run_parallel([run for _, _, run in pieces], streams)
         return sum(len(j.dest) for j in jobs)
     finally:
-        for m in maps.values():
-            with contextlib.suppress(BufferError):  # a piece that failed may still hold a view: GC unmaps it
-                m.close()
+        for seg in maps.values():
+            seg.try_close()  # a piece that failed may still hold a view: then GC unmaps it
         for fd in fds.values():
             os.close(fd)
 
@@ -167,7 +164,7 @@ def _contiguous_runs(job: SliceJob) -> list[tuple[int, int]] | None:
     return [(a * row, (b - a) * row) for a, b, _ in runs]
 
 
-def _copy_pieces(mm: mmap.mmap, job: SliceJob, chunk: int) -> list[_Piece]:
+def _copy_pieces(mapped: Segment, job: SliceJob, chunk: int) -> list[_Piece]:
     """Blocks of whole output rows (first dimension), each copied on its own from the mapping."""
     dtype = raw_dtype(job.dtype)  # bytes are bytes: numpy's memcpy paths, whatever the element type
     first = next((s for s in job.specs if s.dim == 0), None)
@@ -185,19 +182,18 @@ def _copy_pieces(mm: mmap.mmap, job: SliceJob, chunk: int) -> list[_Piece]:
             lo = start + i * step
             src = (job.offset + lo * src_row, (n - 1) * step * src_row + src_row)  # bytes spanned in the file
             dst = (out_at + i * out_row, n * out_row)
-            pieces.append((job.path, src[0], _copier(mm, job, dtype, inner, slice(lo, lo + (n - 1) * step + 1, step),
-                                                     src, dst, (n, *out_shape[1:]))))
+            rows_read = slice(lo, lo + (n - 1) * step + 1, step)
+            pieces.append((job.path, src[0], _copier(mapped, job, dtype, inner, rows_read, src, dst,
+                                                     (n, *out_shape[1:]))))
         out_at += rows * out_row
     return pieces
 
 
-def _copier(mm: mmap.mmap, job: SliceJob, dtype: np.dtype[Any], inner: tuple[SliceSpec, ...], rows: slice,
+def _copier(mapped: Segment, job: SliceJob, dtype: np.dtype[Any], inner: tuple[SliceSpec, ...], rows: slice,
             src: tuple[int, int], dst: tuple[int, int], out_shape: tuple[int, ...]) -> Callable[[], None]:
     def copy() -> None:
-        page = src[0] - src[0] % mmap.PAGESIZE
-        with contextlib.suppress(OSError, ValueError):  # best effort: faults would map the pages anyway
-            mm.madvise(_POPULATE_READ, page, src[0] + src[1] - page)
-        arr = np.frombuffer(mm, np.uint8, count=job.nbytes, offset=job.offset).view(dtype).reshape(job.shape)
+        mapped.populate(*src)
+        arr = np.frombuffer(mapped.view(), np.uint8, count=job.nbytes, offset=job.offset).view(dtype).reshape(job.shape)
         part = apply_slices(arr[rows], inner)
         out = np.frombuffer(job.dest[dst[0] : dst[0] + dst[1]], np.uint8).view(dtype).reshape(out_shape)
         np.copyto(out, part)

@@ -304,22 +304,25 @@ class LocalStore:
     def segment_refs(self, artifact_id: str, names: tuple[str, ...], tier: str) -> list[SegmentRef | None]:
         """Same host: the files a caller may map for these tensors (None: read it instead)."""
         self.touch(artifact_id)
-        out: list[SegmentRef | None] = []
+        refs: dict[str, SegmentRef | None] = {}
+        in_place: list[str] = []  # in a checkpoint registered in place: located in one batch (a stat per file)
         for name in names:
             meta = self.meta(artifact_id, name)
-            ref: SegmentRef | None = None
+            refs[name] = None
             if meta.nbytes and tier in ("", "memory") and self.memory.has_blob(meta.digest):
                 loc: BlobLoc = self.memory.blob(meta.digest)
                 if loc.arena is None:  # arena slots are reused: never mapped by callers
-                    ref = SegmentRef(path=loc.segment.path, size=loc.size, offset=loc.offset, tier="memory")
+                    refs[name] = SegmentRef(path=loc.segment.path, size=loc.size, offset=loc.offset, tier="memory")
             elif meta.nbytes and tier in ("", "disk") and self.disk is not None and self.disk.has_blob(meta.digest):
-                ref = SegmentRef(path=self.disk.blob_path(meta.digest), size=meta.nbytes, tier="disk")
-            elif meta.nbytes and tier in ("", "disk") and (ext := self.external_location(artifact_id, name)):
-                ref = SegmentRef(path=ext.file, size=ext.nbytes, offset=ext.offset, tier="disk")
+                refs[name] = SegmentRef(path=self.disk.blob_path(meta.digest), size=meta.nbytes, tier="disk")
             elif meta.nbytes:
+                in_place.append(name)
+        where = self.external_locations(artifact_id, in_place) if in_place and tier in ("", "disk") else {}
+        for name in in_place:
+            if (ext := where.get(name)) is None:
                 raise NotFound(f"tensor {name!r} has no {tier or 'local'} replica here")
-            out.append(ref)
-        return out
+            refs[name] = SegmentRef(path=ext.file, size=ext.nbytes, offset=ext.offset, tier="disk")
+        return [refs[n] for n in names]
 
     def close(self) -> None:
         self.memory.close()
