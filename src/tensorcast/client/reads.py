@@ -154,14 +154,13 @@ class Reader:
                 unmapped.append(name)  # a slab-arena object: copied out over the data plane
             elif ref is not None:
                 by_file.setdefault(ref.path, []).append((name, (ref.offset, ref.size)))
-        by_name_unmapped = set(unmapped)
-        bufs: dict[str, memoryview | None] = {n: None for n in names}
+        bufs: dict[str, memoryview] = {}
         for path, refs in by_file.items():  # one mapping per file (a pack chunk, a checkpoint file)
             bufs.update(zip((n for n, _ in refs), map_private(path, [span for _, span in refs]), strict=True))
         for name in names:
-            if name in by_name_unmapped:
-                continue
-            meta, buf = metas[name], bufs[name]
+            meta, buf = metas[name], bufs.get(name)
+            if buf is None and meta.nbytes:
+                continue  # unmapped: fetched below
             spec = slices.get(name, ())
             out[name] = wrap_bytes(buf, meta, like) if not spec else _slice_local(buf, meta, spec, like)
         if unmapped:
