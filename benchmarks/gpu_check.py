@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import load_file
 
 import tensorcast as tc
+from tensorcast.cuda import cuda_available
 from tensorcast.transport import h2d
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -60,7 +61,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    if not h2d.cuda_available():
+    if not cuda_available():
         print(f"no CUDA device here (torch {torch.__version__}, torch.cuda.is_available() is False): "
               "the GPU path cannot be checked on this host")
         sys.exit(2)

@@ -64,7 +64,7 @@ def bench_tensorcast(workers: int, page: int, n: int, reps: int, locations: str)
                 break
             time.sleep(0.1)
         time.sleep(1.5)  # let HRW assignment converge
-        kv = AsyncKV(client.aio, locations=locations)
+        kv = AsyncKV(client.aio.caller, client.aio.locality, client.aio.config.kv, locations=locations)
         for warm in range(3 * workers + 1):  # fill every home's store once (untimed)
             client._run(kv.put([f"{warm:08x}{k[8:]}" for k in keys], pages))
 

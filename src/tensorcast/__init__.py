@@ -7,6 +7,7 @@
         w2 = client.artifact("demo/model@v1").tensor("w")
 """
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tensorcast import errors
@@ -17,9 +18,10 @@ from tensorcast.cluster import LocalCluster
 from tensorcast.config import Config
 from tensorcast.context import CallContext, context
 from tensorcast.plans.builder import Plan, PlanOutcome, PlanStep
-from tensorcast.pool.placement import PRESETS, Placement
+from tensorcast.pool.placement import PRESETS
+from tensorcast.records import ArtifactInfo, InstanceInfo, Placement, ReplicaInfo, TensorMeta, WorkerInfo
 from tensorcast.views import TP, TPRules
-from tensorcast.wire.messages import ArtifactInfo, InstanceInfo, ReplicaInfo, TensorMeta, WorkerInfo
+from tensorcast.wire.messages import Prefetched
 
 __version__ = "0.1.0"
 
@@ -67,8 +69,14 @@ def put(tensors: Any, key: str | None = None, *, ttl: float | None = None, polic
     return get_client().put(tensors, key, ttl=ttl, policy=policy, on=on, timeout=timeout)
 
 
-def prefetch(key_or_id: str, to: str, *, pin: bool = False) -> Operation[Any]:
-    return get_client().prefetch(key_or_id, to, pin=pin)
+def prefetch(key_or_id: str, to: str, *, pin: bool = False, pin_ttl: float | None = None,
+             timeout: float | None = None, streams: int = 0, tp: TP | None = None,
+             rules: TPRules | Mapping[str, Any] | None = None,
+             slices: Mapping[str, Sequence[tuple[int, slice]]] | None = None,
+             device: str = "") -> Operation[Prefetched]:
+    """``prefetch`` on the process-default client (see ``Client.prefetch``)."""
+    return get_client().prefetch(key_or_id, to, pin=pin, pin_ttl=pin_ttl, timeout=timeout, streams=streams, tp=tp,
+                                 rules=rules, slices=slices, device=device)
 
 
 def artifact(key_or_id: str) -> Artifact:

@@ -43,7 +43,7 @@ def _overrides(sets: tuple[str, ...], extra: dict[str, Any]) -> dict[str, Any]:
 
 def _serve(name: str, coro_factory: Any) -> None:
     """Run a server coroutine until SIGTERM/SIGINT, then let it clean up."""
-    from tensorcast.client.sync import new_event_loop
+    from tensorcast.client.loop import new_event_loop
     from tensorcast.log import setup_logging
 
     setup_logging(name)

@@ -136,6 +136,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class TransportConfig(msgspec.Struct, frozen=True, kw_only=True):
+    # The data plane between workers and to remote callers: "tcp" (parallel streams), or "inproc" (one
+    # process only: unit tests).
+    kind: str = "tcp"
     # Parallel TCP streams per transfer; 0 = automatic by size (1 below auto_streams_min_bytes).
     streams: int = 0
     max_streams: int = 4

@@ -23,7 +23,7 @@ import msgspec
 import numpy as np
 
 from tensorcast.errors import InvalidArgument
-from tensorcast.wire.messages import TensorMeta
+from tensorcast.records import TensorMeta
 
 __all__ = [
     "ARTIFACT_ID_RE",

@@ -24,7 +24,7 @@ import msgspec
 import numpy as np
 
 from tensorcast.errors import InvalidArgument
-from tensorcast.wire.messages import SliceSpec
+from tensorcast.records import SliceSpec
 
 __all__ = ["TP", "Fused", "RuleSpec", "TPRules", "apply_slices", "byte_range", "chunk_range", "normalize_slices",
            "sliced_shape", "view_artifact_id"]

@@ -84,7 +84,7 @@ def test_global_store_is_touched_per_shard_not_per_page(cluster: LocalCluster) -
         def gs_requests() -> int:
             gs = tc.connect(cluster.gs_address)
             try:
-                reply = gs._run(gs.aio._call(GSStats(), GSStatsReply))
+                reply = gs._run(gs.aio.caller.call(GSStats(), GSStatsReply))
                 return sum(reply.requests.values())
             finally:
                 gs.close()
@@ -180,7 +180,7 @@ def test_paused_home_is_fenced_off_when_it_wakes() -> None:
             assert all(after[s][1] > old_tokens[s] for s in old_tokens)
 
             async def with_old_tokens(msg: object, expect: type, **kw: object) -> object:
-                return await c.aio._call(msg, expect, address=address, **kw)
+                return await c.aio.caller.call(msg, expect, address=address, **kw)  # type: ignore[arg-type]
 
             # Every write and read routed with the old token to the woken home is refused.
             new_page = np.zeros(LAYOUT.page_bytes, np.uint8)

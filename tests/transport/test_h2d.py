@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from tensorcast.cuda import cuda_available
 from tensorcast.errors import InvalidArgument
-from tensorcast.transport.h2d import Chunk, HostCopyEngine, cuda_available, plan_chunks, to_device
+from tensorcast.transport.h2d import Chunk, HostCopyEngine, plan_chunks, to_device
 
 
 def test_plan_cuts_every_tensor_and_rotates_buffers() -> None:

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from tensorcast.errors import InvalidArgument, NotFound
+from tensorcast.records import SliceSpec
 from tensorcast.views import apply_slices
 from tensorcast.weights.reader import ReadJob, SliceJob, read_ranges
-from tensorcast.wire.messages import SliceSpec
 
 
 def test_a_batch_over_several_files_lands_byte_exact(tmp_path: Path) -> None:

@@ -6,9 +6,10 @@ import numpy as np
 
 import tensorcast as tc
 from tensorcast.cluster import LocalCluster
+from tensorcast.records import TensorMeta
 from tensorcast.tensors import digest_bytes
 from tensorcast.testing import RawPeer
-from tensorcast.wire.messages import ERROR, PutBegin, PutCommit, PutData, PutPlan, TensorMeta
+from tensorcast.wire.messages import ERROR, PutBegin, PutCommit, PutData, PutPlan
 
 
 def test_corrupted_stream_is_detected_and_nothing_is_stored(shared_cluster: LocalCluster) -> None:

@@ -1,20 +1,25 @@
-"""What the sync and async artifact handles share: the record and its read-only accessors.
+"""What the sync and async artifact handles share: the record, its read-only accessors, and views.
 
-Owns: ``ArtifactBase`` (id, key, tensor names, per-tensor metadata, size, replicas) and the shape/dtype
-check for filling caller tensors. Does not own: any I/O.
+Owns: ``ArtifactBase`` (id, key, tensor names, per-tensor metadata, size, replicas), the shape/dtype
+check for filling caller tensors, copying into them, and which slices a view takes of an artifact
+(explicit slices, or a tensor-parallel rank by rules or by the checkpoint's ``model_type``). Pure: no I/O.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from tensorcast.errors import InvalidArgument, NotFound
+from tensorcast.records import ArtifactInfo, ReplicaInfo, SliceSpec, TensorMeta
 from tensorcast.tensors import numpy_dtype
-from tensorcast.wire.messages import ArtifactInfo, ReplicaInfo, TensorMeta
+from tensorcast.views import TP, TPRules, normalize_slices
+from tensorcast.weights.rules import rules_for
 
-__all__ = ["ArtifactBase", "check_target"]
+__all__ = ["ArtifactBase", "build_view_slices", "check_target", "copy_into", "like_of"]
 
 
 class ArtifactBase:
@@ -88,3 +93,44 @@ def check_target(meta: TensorMeta, target: Any) -> None:
         dtype = str(getattr(target, "dtype", "")).removeprefix("torch.")
         if dtype != meta.dtype:
             raise InvalidArgument(f"tensor {meta.name!r}: target dtype {dtype} != stored {meta.dtype}")
+
+
+def like_of(targets: Mapping[str, Any]) -> str:
+    """"torch" if any target is a torch tensor, else "numpy"."""
+    return "torch" if any(type(t).__module__.startswith("torch") for t in targets.values()) else "numpy"
+
+
+def copy_into(targets: Mapping[str, Any], sources: Mapping[str, Any]) -> None:
+    for n, dst in targets.items():
+        src = sources[n]
+        if isinstance(dst, np.ndarray):
+            np.copyto(dst, np.asarray(src))
+        else:
+            dst.copy_(src)
+
+
+def build_view_slices(info: ArtifactInfo, slices: Mapping[str, Sequence[tuple[int, slice]]] | None,
+                      tp: TP | None, rules: TPRules | Mapping[str, Any] | None) -> dict[str, tuple[SliceSpec, ...]]:
+    """The slices a view takes of each tensor: ``slices`` as given, or rank ``tp``'s by ``rules`` (by default
+    the rule set of the artifact's ``model_type``)."""
+    metas = {t.name: t for t in info.tensors}
+    if (slices is None) == (tp is None):
+        raise InvalidArgument("a view takes either slices=... or tp=TP(rank, world_size)")
+    if slices is not None:
+        out = {}
+        for name, spec in slices.items():
+            if name not in metas:
+                raise NotFound(f"artifact {info.id} has no tensor {name!r}")
+            out[name] = normalize_slices(metas[name].shape, spec)
+        return out
+    assert tp is not None
+    if rules is None:
+        model_type = info.meta.get("model_type", "")
+        if not model_type:
+            raise InvalidArgument("a tensor-parallel view needs rules (tensor name pattern -> split dim or "
+                                  "'replicated'); this artifact has no model_type to choose them by")
+        config = json.loads(info.meta.get("config", "{}"))
+        rule_set = rules_for(model_type, config)
+    else:
+        rule_set = rules if isinstance(rules, TPRules) else TPRules(rules)
+    return {t.name: rule_set.slices(t.name, t.shape, tp) for t in info.tensors}

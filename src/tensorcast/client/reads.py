@@ -7,7 +7,8 @@ streams for large ranges; slices cut by the holder, so only their bytes travel),
 chunk is fetched again; a failed holder makes way for the next replica), and ``Diagnostics``. With
 ``device="cuda[:N]"``: a same-host worker's copy on that device is opened with CUDA IPC (no copy);
 otherwise the host tensors above are copied to the device through pinned staging buffers, pipelined
-(``transport.h2d``). Does not own: the client's RPC plumbing (``client.aio``).
+(``transport.h2d``). Holds the caller, the transport and the locality it is given; does not own the
+client (``client.aio``) or any connection.
 """
 
 from __future__ import annotations
@@ -16,24 +17,26 @@ import asyncio
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import numpy as np
 
-from tensorcast.config import TransportConfig
+from tensorcast.checksums import ChunkCorrupted
+from tensorcast.client.locality import Locality
+from tensorcast.config import Config
+from tensorcast.context import CallContext
+from tensorcast.cuda import cuda_available
 from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, Unavailable
 from tensorcast.pool.segments import SegmentGone, map_private
+from tensorcast.records import ArtifactInfo, ReplicaInfo, SliceSpec, TensorMeta
 from tensorcast.tensors import digest_bytes, numpy_dtype, raw_dtype, wrap_bytes
-from tensorcast.transport.base import ChunkCorrupted, stream_count
+from tensorcast.transport.base import Transport, stream_count
 from tensorcast.transport.cuda_ipc import import_handle
-from tensorcast.transport.h2d import cuda_available, to_device
-from tensorcast.transport.tcp import TcpTransport
+from tensorcast.transport.h2d import to_device
 from tensorcast.views import apply_slices, byte_range, sliced_shape
-from tensorcast.wire.messages import ArtifactInfo, DataRequest, Mapped, MapTensors, ReplicaInfo, SliceSpec, TensorMeta
-
-if TYPE_CHECKING:
-    from tensorcast.client.aio import AsyncClient
+from tensorcast.wire.caller import Caller
+from tensorcast.wire.messages import DataRequest, Mapped, MapTensors
 
 __all__ = ["SOURCES", "Diagnostics", "Reader"]
 
@@ -55,26 +58,17 @@ class Diagnostics:
 
 
 class Reader:
-    def __init__(self, client: AsyncClient, transport_config: TransportConfig) -> None:
-        self.client = client
-        self.config = transport_config
-        self._transport: TcpTransport | None = None
-
-    @property
-    def transport(self) -> TcpTransport:
-        if self._transport is None:
-            c = self.client
-            self._transport = TcpTransport(c.config.wire, token=c.token, max_streams=self.config.max_streams * 2)
-        return self._transport
-
-    def close(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
+    def __init__(self, caller: Caller, transport: Transport, locality: Locality, config: Config) -> None:
+        self.caller = caller
+        self.transport = transport
+        self.locality = locality
+        self.config = config.transport
+        self.verify_remote_reads = config.client.verify_remote_reads
 
     def order(self, info: ArtifactInfo, source: str) -> list[ReplicaInfo]:
         if source not in SOURCES:
             raise InvalidArgument(f"source must be one of {SOURCES}, got {source!r}")
-        local_host = self.client.host_id
+        local_host = self.locality.host_id
         live = [r for r in info.replicas if r.alive and r.address]
         if source == "local_only":
             live = [r for r in live if r.host_id == local_host]
@@ -96,7 +90,9 @@ class Reader:
 
     async def materialize(self, info: ArtifactInfo, names: tuple[str, ...], like: str,
                           slices: Mapping[str, tuple[SliceSpec, ...]] | None = None,
-                          source: str = "auto", device: str = "cpu") -> tuple[dict[str, Any], Diagnostics]:
+                          source: str = "auto", device: str = "cpu",
+                          ctx: CallContext | None = None) -> tuple[dict[str, Any], Diagnostics]:
+        ctx = self.caller.context(ctx=ctx)
         if like not in ("torch", "numpy"):
             raise InvalidArgument(f"like must be 'torch' or 'numpy', got {like!r}")
         if device != "cpu":
@@ -116,14 +112,14 @@ class Reader:
         for replica in self.order(info, source):
             diag.replica, diag.tier = replica.worker_id, replica.tier
             try:
-                if self.client._shm_ok and replica.host_id == self.client.host_id:
+                if self.locality.same_host(replica.host_id):
                     try:
-                        out = await self._map_local(info, replica, names, metas, like, slices, diag, device)
+                        out = await self._map_local(info, replica, names, metas, like, slices, diag, device, ctx)
                     except SegmentGone:
-                        out = await self._fetch(info, replica, names, metas, like, slices, diag)
-                        self.client._shm_ok = False  # the worker holds it, yet we cannot see its files
+                        out = await self._fetch(info, replica, names, metas, like, slices, diag, ctx)
+                        self.locality.shared_memory_unreachable()  # the worker holds it; its files are not here
                 else:
-                    out = await self._fetch(info, replica, names, metas, like, slices, diag)
+                    out = await self._fetch(info, replica, names, metas, like, slices, diag, ctx)
                 if device != "cpu" and diag.transport != "cuda-ipc":
                     out = await asyncio.to_thread(to_device, out, device)
                     diag.transport += "+h2d"
@@ -138,10 +134,10 @@ class Reader:
 
     async def _map_local(self, info: ArtifactInfo, replica: ReplicaInfo, names: tuple[str, ...],
                          metas: dict[str, TensorMeta], like: str, slices: Mapping[str, tuple[SliceSpec, ...]],
-                         diag: Diagnostics, device: str = "cpu") -> dict[str, Any]:
+                         diag: Diagnostics, device: str, ctx: CallContext) -> dict[str, Any]:
         want_ipc = device != "cpu" and not any(slices.get(n) for n in names)
         msg = MapTensors(artifact_id=info.id, names=names, tier=replica.tier, device=device if want_ipc else "")
-        mapped: Mapped = await self.client._call(msg, Mapped, address=replica.address)
+        mapped = await self.caller.call(msg, Mapped, ctx, address=replica.address)
         if want_ipc and len(mapped.cuda_ipc) == len(names):
             diag.transport = "cuda-ipc"
             return {n: import_handle(h) for n, h in zip(names, mapped.cuda_ipc, strict=True)}
@@ -164,14 +160,14 @@ class Reader:
             spec = slices.get(name, ())
             out[name] = wrap_bytes(buf, meta, like) if not spec else _slice_local(buf, meta, spec, like)
         if unmapped:
-            out.update(await self._fetch(info, replica, tuple(unmapped), metas, like, slices, diag))
+            out.update(await self._fetch(info, replica, tuple(unmapped), metas, like, slices, diag, ctx))
             diag.transport = "shared-memory"
         return out
 
     async def _fetch(self, info: ArtifactInfo, replica: ReplicaInfo, names: tuple[str, ...],
                      metas: dict[str, TensorMeta], like: str, slices: Mapping[str, tuple[SliceSpec, ...]],
-                     diag: Diagnostics) -> dict[str, Any]:
-        diag.transport = "tcp"
+                     diag: Diagnostics, ctx: CallContext) -> dict[str, Any]:
+        diag.transport = self.transport.kind
         if not replica.data_address:
             raise Unavailable(f"worker {replica.worker_id} has no data-plane address")
         out: dict[str, Any] = {}
@@ -189,15 +185,15 @@ class Reader:
                 req = msgspec.structs.replace(req, slices=spec)
             buf = np.empty(nbytes, dtype=np.uint8)
             if nbytes:
-                await self._fetch_into(replica, req, buf.data, diag)
-                if not spec and self.client.config.client.verify_remote_reads and \
+                await self._fetch_into(replica, req, buf.data, diag, ctx)
+                if not spec and self.verify_remote_reads and \
                         await asyncio.to_thread(digest_bytes, buf.data) != meta.digest:
                     raise Unavailable(f"tensor {name!r} of {info.id} from {replica.worker_id} failed its digest")
             out[name] = wrap_bytes(buf, msgspec.structs.replace(meta, shape=shape, nbytes=nbytes), like)
         return out
 
-    async def _fetch_into(self, replica: ReplicaInfo, req: DataRequest, dest: memoryview, diag: Diagnostics) -> None:
-        ctx = self.client._ctx()
+    async def _fetch_into(self, replica: ReplicaInfo, req: DataRequest, dest: memoryview, diag: Diagnostics,
+                          ctx: CallContext) -> None:
         streams = stream_count(self.config, len(dest))
         for attempt in range(self.config.retries + 1):
             try:

@@ -7,8 +7,6 @@ which lives once in ``client.aio``.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import os
 import threading
 from collections.abc import Coroutine, Mapping, Sequence
@@ -16,6 +14,7 @@ from typing import Any, TypeVar
 
 from tensorcast.client.aio import AsyncArtifact, AsyncClient, AsyncView
 from tensorcast.client.artifact import ArtifactBase
+from tensorcast.client.loop import LoopThread
 from tensorcast.client.operation import Operation
 from tensorcast.client.reads import Diagnostics
 from tensorcast.config import Config
@@ -23,44 +22,13 @@ from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument
 from tensorcast.kv.client import AsyncKV
 from tensorcast.plans.builder import Plan, PlanOutcome
-from tensorcast.pool.placement import Placement
+from tensorcast.records import InstanceInfo, Placement, WorkerInfo
 from tensorcast.views import TP, TPRules
-from tensorcast.wire.messages import InstanceInfo, InstanceReply, Prefetched, RunPlan, ShardTable, WorkerInfo
+from tensorcast.wire.messages import InstanceReply, Prefetched, RunPlan, ShardTable
 
 __all__ = ["Artifact", "Client", "View", "connect", "get_client", "init"]
 
 T = TypeVar("T")
-
-
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-
-        return uvloop.new_event_loop()
-    except ImportError:
-        return asyncio.new_event_loop()
-
-
-class _LoopThread:
-    def __init__(self) -> None:
-        self.loop = new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="tensorcast-client", daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return self.submit(coro).result()
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        if threading.current_thread() is self.thread:
-            coro.close()
-            raise RuntimeError("synchronous TensorCast call made from its own event loop thread")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=5)
-        if not self.thread.is_alive():
-            self.loop.close()
 
 
 class View:
@@ -178,7 +146,7 @@ class Client:
     """Synchronous client of a TensorCast cluster (connect to a gateway worker's address)."""
 
     def __init__(self, address: str, token: str | None = None, *, config: Config | None = None) -> None:
-        self._loop = _LoopThread()
+        self._loop = LoopThread()
         self.aio = AsyncClient(address, token, config=config)
         self.address = address
         self._closed = False
@@ -200,9 +168,15 @@ class Client:
                                                  ctx=ctx)))
 
     def prefetch(self, key_or_id: str, to: str, *, pin: bool = False, pin_ttl: float | None = None,
-                 timeout: float | None = None) -> Operation[Prefetched]:
-        return Operation(self._loop.submit(self.aio.prefetch(key_or_id, to, pin=pin, pin_ttl=pin_ttl,
-                                                             timeout=timeout)), "prefetch")
+                 timeout: float | None = None, streams: int = 0, tp: TP | None = None,
+                 rules: TPRules | Mapping[str, Any] | None = None,
+                 slices: Mapping[str, Sequence[tuple[int, slice]]] | None = None,
+                 device: str = "") -> Operation[Prefetched]:
+        """Make worker ``to`` hold the artifact (or a rank's view of it) in memory, worker-to-worker; returns
+        at once (see ``Artifact.prefetch`` for every option)."""
+        return Operation(self._loop.submit(self.aio.prefetch(
+            key_or_id, to, pin=pin, pin_ttl=pin_ttl, timeout=timeout, streams=streams, tp=tp, rules=rules,
+            slices=slices, device=device)), "prefetch")
 
     def from_disk(self, path: str | os.PathLike[str], key: str | None = None, *, verify_checksums: bool = True,
                   on: str | None = None, timeout: float | None = None) -> Artifact:
@@ -232,10 +206,11 @@ class Client:
 
     def plan(self, ctx: CallContext | None = None) -> Plan:
         """A plan builder with one shared CallContext; ``plan.run(concurrency=k)`` returns an Operation."""
-        def submit(spec: RunPlan, c: CallContext) -> Operation[PlanOutcome]:
-            return Operation(self._loop.submit(self.aio.run_plan(spec, c)), "plan")
+        return Plan(ctx or CallContext(), self.run_plan)
 
-        return Plan(ctx or CallContext(), submit)
+    def run_plan(self, spec: RunPlan, ctx: CallContext | None = None) -> Operation[PlanOutcome]:
+        """Run a built plan (``plan.spec()``) on the gateway; returns at once."""
+        return Operation(self._loop.submit(self.aio.run_plan(spec, ctx)), "plan")
 
     def list_shards(self) -> ShardTable:
         return self._run(self.aio.list_shards())
@@ -251,7 +226,7 @@ class Client:
         return Operations(self)
 
     def ping(self) -> None:
-        self._run(self.aio._channel(self.address).connect())
+        self._run(self.aio.ping())
 
     def close(self) -> None:
         if not self._closed:
@@ -327,8 +302,13 @@ class Operations:
 
         return self._op("view", go())
 
-    def prefetch(self, key_or_id: str, to: str, **kw: Any) -> Operation[Prefetched]:
-        return self._op("prefetch", self._c.aio.prefetch(key_or_id, to, **kw))
+    def prefetch(self, key_or_id: str, to: str, *, pin: bool = False, pin_ttl: float | None = None,
+                 timeout: float | None = None, streams: int = 0, tp: TP | None = None,
+                 rules: TPRules | Mapping[str, Any] | None = None,
+                 slices: Mapping[str, Sequence[tuple[int, slice]]] | None = None,
+                 device: str = "") -> Operation[Prefetched]:
+        return self._c.prefetch(key_or_id, to, pin=pin, pin_ttl=pin_ttl, timeout=timeout, streams=streams, tp=tp,
+                                rules=rules, slices=slices, device=device)
 
     def pin(self, key_or_id: str, on: str, ttl: float | None = None) -> Operation[Prefetched]:
         return self._op("pin", self._c.aio.prefetch(key_or_id, on, pin=True, pin_ttl=ttl))

@@ -12,7 +12,7 @@ import abc
 from dataclasses import dataclass
 
 from tensorcast.kv.leases import LeaseRecord
-from tensorcast.wire.messages import ArtifactInfo, InstanceInfo, WorkerInfo
+from tensorcast.records import ArtifactInfo, InstanceInfo, WorkerInfo
 
 __all__ = ["ArtifactRow", "MetadataBackend", "merge_lease"]
 

@@ -23,13 +23,14 @@ from tensorcast.errors import InvalidArgument, NotFound
 from tensorcast.gs.backend import MetadataBackend
 from tensorcast.gs.sqlite import SqliteBackend
 from tensorcast.kv.leases import LeaseRecord, grant, release, renew
+from tensorcast.records import ArtifactInfo, ReplicaInfo, ShardLease, WorkerInfo
 from tensorcast.tensors import ARTIFACT_ID_RE
 from tensorcast.wire.messages import (
     Ack,
     AcquireShards,
     AddReplica,
-    ArtifactInfo,
     ArtifactList,
+    ArtifactReply,
     CommitArtifact,
     DeleteArtifact,
     Deleted,
@@ -55,11 +56,8 @@ from tensorcast.wire.messages import (
     RemoveReplica,
     RenewLease,
     RenewShards,
-    ReplicaInfo,
     ShardGrants,
-    ShardLease,
     ShardTable,
-    WorkerInfo,
     WorkerList,
 )
 from tensorcast.wire.rpc import Handler, HandlerRegistry, Request, RpcServer
@@ -167,16 +165,16 @@ class GlobalStore:
     async def list_workers(self, msg: ListWorkers, req: Request) -> WorkerList:
         return WorkerList(workers=tuple((await self._workers()).values()))
 
-    async def commit_artifact(self, msg: CommitArtifact, req: Request) -> ArtifactInfo:
+    async def commit_artifact(self, msg: CommitArtifact, req: Request) -> ArtifactReply:
         if msg.key is not None:
             validate_key(msg.key)
         now = time.time()
         lease = None if msg.ttl is None else now + msg.ttl
         await self.backend.commit_artifact(msg.artifact, msg.worker_id, msg.key, lease, now, msg.tiers)
-        return await self.info(msg.artifact.id)
+        return ArtifactReply(artifact=await self.info(msg.artifact.id))
 
-    async def get_artifact(self, msg: GetArtifact, req: Request) -> ArtifactInfo:
-        return await self.info(await self.resolve(msg.key_or_id))
+    async def get_artifact(self, msg: GetArtifact, req: Request) -> ArtifactReply:
+        return ArtifactReply(artifact=await self.info(await self.resolve(msg.key_or_id)))
 
     async def list_artifacts(self, msg: ListArtifacts, req: Request) -> ArtifactList:
         workers = await self._workers()
@@ -198,14 +196,14 @@ class GlobalStore:
         return Deleted(artifact_id=aid, replicas=tuple(
             ReplicaInfo(worker_id=w, address=workers[w].address if w in workers else "") for w in holders))
 
-    async def renew_lease(self, msg: RenewLease, req: Request) -> ArtifactInfo:
+    async def renew_lease(self, msg: RenewLease, req: Request) -> ArtifactReply:
         if msg.ttl <= 0:
             raise InvalidArgument(f"ttl must be > 0, got {msg.ttl}")
         info = await self.info(msg.artifact_id)
         if info.owner == "system":
             raise InvalidArgument(f"artifact {msg.artifact_id} is system-owned: it has no lease to renew")
         await self.backend.set_lease(msg.artifact_id, time.time() + msg.ttl)
-        return await self.info(msg.artifact_id)
+        return ArtifactReply(artifact=await self.info(msg.artifact_id))
 
     async def release_lease(self, msg: ReleaseLease, req: Request) -> Deleted:
         info = await self.info(msg.artifact_id)

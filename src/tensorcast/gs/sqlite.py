@@ -19,7 +19,7 @@ import msgspec
 from tensorcast.errors import InvalidArgument
 from tensorcast.gs.backend import ArtifactRow, MetadataBackend, merge_lease
 from tensorcast.kv.leases import LeaseRecord
-from tensorcast.wire.messages import ArtifactInfo, InstanceInfo, TensorMeta, WorkerInfo
+from tensorcast.records import ArtifactInfo, InstanceInfo, TensorMeta, WorkerInfo
 
 __all__ = ["SqliteBackend"]
 

@@ -19,12 +19,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from tensorcast.client.aio import AsyncClient
-from tensorcast.client.sync import _LoopThread
+from tensorcast.client.loop import LoopThread
 from tensorcast.config import Config
 from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument, NotFound, TensorCastError
 from tensorcast.instance.adaptor import InstanceAdaptor
-from tensorcast.wire.messages import InstanceCall, InstanceHeartbeat, InstanceInfo, InstanceReply, RegisterInstance
+from tensorcast.records import InstanceInfo
+from tensorcast.wire.messages import Ack, InstanceCall, InstanceHeartbeat, InstanceReply, RegisterInstance
 from tensorcast.wire.rpc import HandlerRegistry, Request, RpcServer
 
 __all__ = ["InstanceRuntime", "serve"]
@@ -47,7 +48,7 @@ class InstanceRuntime:
         self.address = ""
         self.home_worker = ""
         self._engine_lock = threading.Lock()  # engines are single-threaded: one adaptor call at a time
-        self._loop = _LoopThread()
+        self._loop = LoopThread("tensorcast-instance")
         self._client: AsyncClient | None = None
         self._server: RpcServer | None = None
         self._heartbeat: asyncio.Task[None] | None = None
@@ -59,7 +60,7 @@ class InstanceRuntime:
 
     async def _start(self) -> None:
         self._client = AsyncClient(self.worker_address, self.token, config=self.config)
-        welcome = await self._client._channel(self.worker_address).connect()
+        welcome = await self._client.caller.connect()
         self.home_worker = welcome.server_id
         registry = HandlerRegistry()
         registry.register(InstanceCall, self._handle)
@@ -77,7 +78,7 @@ class InstanceRuntime:
         info = InstanceInfo(instance_id=self.instance_id, address=self.address, home_worker=self.home_worker,
                             running=load.running, waiting=load.waiting, kv_tokens_used=load.kv_tokens_used,
                             kv_tokens_capacity=load.kv_tokens_capacity, engine=self.adaptor.engine)
-        await self._client._call(RegisterInstance(instance=info), object, CallContext().with_timeout(10))
+        await self._client.caller.call(RegisterInstance(instance=info), Ack, CallContext().with_timeout(10))
 
     async def _heartbeat_loop(self) -> None:
         assert self._client is not None
@@ -85,9 +86,9 @@ class InstanceRuntime:
             await asyncio.sleep(self.heartbeat_interval)
             load = self.adaptor.load()
             try:
-                await self._client._call(InstanceHeartbeat(
+                await self._client.caller.call(InstanceHeartbeat(
                     instance_id=self.instance_id, running=load.running, waiting=load.waiting,
-                    kv_tokens_used=load.kv_tokens_used, kv_tokens_capacity=load.kv_tokens_capacity), object,
+                    kv_tokens_used=load.kv_tokens_used, kv_tokens_capacity=load.kv_tokens_capacity), Ack,
                     CallContext().with_timeout(max(2.0, 3 * self.heartbeat_interval)))
             except NotFound:
                 with contextlib.suppress(TensorCastError):

@@ -19,13 +19,17 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from tensorcast.client.locality import Locality
+from tensorcast.config import KVConfig
 from tensorcast.errors import InvalidArgument, StaleFencingToken, TensorCastError, Unavailable
 from tensorcast.kv.keys import shard_of
 from tensorcast.pool.segments import SegmentGone, map_shared
+from tensorcast.records import ShardLease, SlotList
+from tensorcast.wire.caller import Caller
 from tensorcast.wire.messages import (
     Ack,
     KVCommit,
@@ -40,13 +44,8 @@ from tensorcast.wire.messages import (
     PageIndexGet,
     PageIndexPut,
     PageIndexReply,
-    ShardLease,
     ShardTable,
-    SlotList,
 )
-
-if TYPE_CHECKING:
-    from tensorcast.client.aio import AsyncClient
 
 __all__ = ["AsyncKV"]
 
@@ -84,10 +83,13 @@ def _copy_pages(pairs: list[tuple[memoryview, memoryview]]) -> None:
 
 
 class AsyncKV:
-    def __init__(self, client: AsyncClient, *, locations: str = "shard-homes") -> None:
+    def __init__(self, caller: Caller, locality: Locality, config: KVConfig, *,
+                 locations: str = "shard-homes") -> None:
         if locations not in ("shard-homes", "global-store"):
             raise InvalidArgument("locations must be 'shard-homes' or 'global-store'")
-        self.client = client
+        self.caller = caller
+        self.locality = locality
+        self.config = config
         self.locations = locations
         self._table: ShardTable | None = None
         self._by_shard: dict[int, ShardLease] = {}
@@ -99,12 +101,12 @@ class AsyncKV:
 
     # ----------------------------------------------------------------- lease table
     async def refresh(self) -> ShardTable:
-        table: ShardTable = await self.client._call(ListShards(), ShardTable)
+        table = await self.caller.call(ListShards(), ShardTable)
         self._table = table
         self._by_shard = {lease.shard: lease for lease in table.leases}
         for lease in table.leases:
             if lease.address not in self._same_host:
-                self._same_host[lease.address] = (self.client._shm_ok and lease.host_id == self.client.host_id)
+                self._same_host[lease.address] = self.locality.same_host(lease.host_id)
         self.table_refreshes += 1
         return table
 
@@ -227,7 +229,7 @@ class AsyncKV:
         leases = self._take_leases(address)
         if leases:
             with contextlib.suppress(TensorCastError):
-                await self.client._call(KVRelease(leases=leases), Ack, address=address)
+                await self.caller.call(KVRelease(leases=leases), Ack, address=address)
 
     def _local(self, address: str) -> bool:
         return self._same_host.get(address, False)
@@ -240,7 +242,7 @@ class AsyncKV:
             leases = self._take_leases(address)
             if leases:
                 with contextlib.suppress(TensorCastError, OSError):
-                    await self.client._call(KVRelease(leases=leases), Ack, address=address)
+                    await self.caller.call(KVRelease(leases=leases), Ack, address=address)
         self.close()
 
     def close(self) -> None:
@@ -256,7 +258,7 @@ class AsyncKV:
             raise InvalidArgument("keys and pages differ in length")
         views = [_page_view(p) for p in pages]
         stored = 0
-        limit = self.client.config.kv.max_batch_bytes
+        limit = self.config.max_batch_bytes
 
         async def send(address: str, idx: list[int]) -> None:
             nonlocal stored
@@ -269,15 +271,15 @@ class AsyncKV:
                     msg = KVPut(keys=ks, sizes=tuple(views[j].nbytes for j in batch), tokens=self._tokens(ks),
                                 ttl=ttl, same_host=local)
                     if local:  # reserve slots, copy straight into them, commit: no socket copy
-                        reserved: KVPutReply = await self.client._call(msg, KVPutReply, address=address)
+                        reserved: KVPutReply = await self.caller.call(msg, KVPutReply, address=address)
                         slots = self._slots(reserved.slots, address)
                         await self._copy([(slot, views[j]) for j, slot in zip(batch, slots, strict=True)
                                           if slot is not None])
-                        reply: KVPutReply = await self.client._call(
+                        reply: KVPutReply = await self.caller.call(
                             KVCommit(reservation=reserved.reservation, keys=ks, tokens=msg.tokens), KVPutReply,
                             address=address)
                     else:
-                        reply = await self.client._call(msg, KVPutReply, address=address,
+                        reply = await self.caller.call(msg, KVPutReply, address=address,
                                                         payload=[views[j] for j in batch])
                     stored += reply.stored
                     batch, size = [], 0
@@ -343,10 +345,10 @@ class AsyncKV:
         the reply names the slots and this process copies from them, then hands the read lease back."""
         ks = tuple(keys)
         if not self._local(address):
-            await self.client._call(KVGet(keys=ks, tokens=self._tokens(ks)), KVGetReply, address=address, sink=sink)
+            await self.caller.call(KVGet(keys=ks, tokens=self._tokens(ks)), KVGetReply, address=address, sink=sink)
             return
         msg = KVGet(keys=ks, tokens=self._tokens(ks), same_host=True, release=self._take_leases(address))
-        reply: KVGetReply = await self.client._call(msg, KVGetReply, address=address)
+        reply: KVGetReply = await self.caller.call(msg, KVGetReply, address=address)
         try:
             dests = sink(reply)
             srcs = self._slots(reply.slots, address)
@@ -360,7 +362,7 @@ class AsyncKV:
 
         async def probe(address: str, idx: list[int]) -> None:
             ks = tuple(keys[j] for j in idx)
-            reply: KVExistsReply = await self.client._call(KVExists(keys=ks, tokens=self._tokens(ks)),
+            reply: KVExistsReply = await self.caller.call(KVExists(keys=ks, tokens=self._tokens(ks)),
                                                            KVExistsReply, address=address)
             for j, flag in zip(idx, reply.present, strict=True):
                 present[j] = bool(flag)
@@ -373,7 +375,7 @@ class AsyncKV:
 
     # ----------------------------------------------------------------- benchmark switch
     async def _index_put(self, keys: Sequence[str]) -> None:
-        await self.client._call(PageIndexPut(keys=tuple(keys), worker_id="kv"), Ack)
+        await self.caller.call(PageIndexPut(keys=tuple(keys), worker_id="kv"), Ack)
 
     async def _index_get(self, keys: Sequence[str]) -> None:
-        await self.client._call(PageIndexGet(keys=tuple(keys)), PageIndexReply)
+        await self.caller.call(PageIndexGet(keys=tuple(keys)), PageIndexReply)

@@ -23,6 +23,7 @@ from tensorcast.errors import InvalidArgument, NotFound, StaleFencingToken, Tens
 from tensorcast.kv.keys import shard_of
 from tensorcast.kv.leases import HomeLeases, LeaseRecord
 from tensorcast.kv.pages import Page, PageStore
+from tensorcast.wire.caller import Caller
 from tensorcast.wire.connection import Connection
 from tensorcast.wire.messages import (
     Ack,
@@ -43,7 +44,7 @@ from tensorcast.wire.messages import (
     ShardTable,
     WorkerList,
 )
-from tensorcast.wire.rpc import HandlerRegistry, Reply, Request, RpcChannel
+from tensorcast.wire.rpc import HandlerRegistry, Reply, Request
 
 __all__ = ["ShardHome"]
 
@@ -62,7 +63,7 @@ _SAME_HOST_TIMEOUT = 60.0
 
 
 class ShardHome:
-    def __init__(self, worker_id: str, config: KVConfig, gs: RpcChannel, shm_prefix: str) -> None:
+    def __init__(self, worker_id: str, config: KVConfig, gs: Caller, shm_prefix: str) -> None:
         self.worker_id = worker_id
         self.config = config
         self.gs = gs
@@ -84,10 +85,10 @@ class ShardHome:
         registry.register(KVRelease, self.release)
         registry.register(KVExists, self.exists)
 
-    def start(self) -> None:
+    async def start(self) -> None:
         self._task = asyncio.ensure_future(self._loop())
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
         self.store.close()
@@ -107,9 +108,8 @@ class ShardHome:
 
     async def tick(self) -> None:
         ctx = CallContext(deadline=time.time() + max(2.0, self.config.renew_interval))
-        table = (await self.gs.call(ListShards(), ctx)).message
-        workers = (await self.gs.call(ListWorkers(), ctx)).message
-        assert isinstance(table, ShardTable) and isinstance(workers, WorkerList)
+        table = await self.gs.call(ListShards(), ShardTable, ctx)
+        workers = await self.gs.call(ListWorkers(), WorkerList, ctx)
         self.num_shards = table.num_shards
         leases = {s.shard: LeaseRecord(s.shard, s.holder, s.token, s.expiry, s.acquired_at) for s in table.leases}
         # Shard homes heartbeating within a lease TTL: a dead one drops out by the time its leases expire.
@@ -131,14 +131,14 @@ class ShardHome:
             tokens = tuple(self.leases.held[s].token for s in give_back)
             for s in give_back:
                 self._step_down(s, "a better-ranked shard home is alive")
-            await self.gs.call(ReleaseShards(worker_id=self.worker_id, shards=tuple(give_back), tokens=tokens), ctx)
+            await self.gs.call(ReleaseShards(worker_id=self.worker_id, shards=tuple(give_back), tokens=tokens),
+                               ShardGrants, ctx)
         mine = sorted(self.leases.held)
         if mine:
             sent = time.monotonic()
-            reply = (await self.gs.call(RenewShards(worker_id=self.worker_id, shards=tuple(mine),
-                                                    tokens=tuple(self.leases.held[s].token for s in mine),
-                                                    ttl=ttl), ctx)).message
-            assert isinstance(reply, ShardGrants)
+            reply = await self.gs.call(RenewShards(worker_id=self.worker_id, shards=tuple(mine),
+                                                   tokens=tuple(self.leases.held[s].token for s in mine), ttl=ttl),
+                                       ShardGrants, ctx)
             renewed = {g.shard: g.token for g in reply.leases}
             for s in mine:
                 if s in renewed and s in self.leases.held:
@@ -147,9 +147,8 @@ class ShardHome:
                     self._step_down(s, "renewal refused")
         if acquire:
             sent = time.monotonic()
-            reply = (await self.gs.call(AcquireShards(worker_id=self.worker_id, shards=tuple(acquire), ttl=ttl),
-                                        ctx)).message
-            assert isinstance(reply, ShardGrants)
+            reply = await self.gs.call(AcquireShards(worker_id=self.worker_id, shards=tuple(acquire), ttl=ttl),
+                                       ShardGrants, ctx)
             for g in reply.leases:
                 self.leases.granted(g.shard, g.token, sent, ttl)
             if reply.leases:

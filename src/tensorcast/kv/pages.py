@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from tensorcast.errors import InvalidArgument, ResourceExhausted
 from tensorcast.pool.segments import SHM_DIR, Segment, remove_stale_segments
 from tensorcast.pool.slab import SlabAllocator
-from tensorcast.wire.messages import SlotList
+from tensorcast.records import SlotList
 
 __all__ = ["Page", "PageStore"]
 

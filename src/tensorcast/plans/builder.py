@@ -14,7 +14,8 @@ from typing import Any
 
 from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument
-from tensorcast.wire.messages import PlanResult, RunPlan, StepResult, StepSpec
+from tensorcast.records import StepResult, StepSpec
+from tensorcast.wire.messages import PlanResult, RunPlan
 
 __all__ = ["Plan", "PlanOutcome", "PlanStep", "StepOutput"]
 

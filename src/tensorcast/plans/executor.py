@@ -23,7 +23,8 @@ from tensorcast.context import CallContext
 from tensorcast.errors import InternalError, InvalidArgument, TensorCastError
 from tensorcast.plans.ops import OPS, GatewayPort
 from tensorcast.plans.state import FAILED, SKIPPED, SUCCEEDED, PlanState
-from tensorcast.wire.messages import PlanResult, RunPlan, StepResult, StepSpec
+from tensorcast.records import StepResult, StepSpec
+from tensorcast.wire.messages import PlanResult, RunPlan
 
 __all__ = ["PlanExecutor"]
 

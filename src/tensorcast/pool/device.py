@@ -6,7 +6,7 @@ from the memory replica with the pipelined host-to-device path (``transport.h2d`
 callers as CUDA IPC handles (``transport.cuda_ipc``): they alias this process's memory, so the engine
 attaches without a copy. The device tier is only a cache of the memory tier: the global store does not
 know it, and losing it loses nothing. Does not own: the memory tier, or anything on hosts without CUDA
-(``InvalidArgument`` from ``check_device``).
+(``InvalidArgument`` from ``cuda.check_device``).
 """
 
 from __future__ import annotations
@@ -14,25 +14,9 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from tensorcast.errors import InvalidArgument, NotFound, ResourceExhausted
-from tensorcast.transport.h2d import cuda_available
+from tensorcast.errors import NotFound, ResourceExhausted
 
-__all__ = ["DeviceTier", "check_device"]
-
-
-def check_device(device: str) -> str:
-    """``device`` normalised to ``cuda:N``; ``InvalidArgument`` if it is not one this process has."""
-    if not device.startswith("cuda"):
-        raise InvalidArgument(f"device must be 'cuda' or 'cuda:N', got {device!r}")
-    if not cuda_available():
-        raise InvalidArgument(f"device {device!r}: this worker has no CUDA device (torch with CUDA and a GPU "
-                              "are needed for the device tier)")
-    import torch
-
-    index = torch.device(device).index or 0
-    if index >= torch.cuda.device_count():
-        raise InvalidArgument(f"device {device!r}: this worker has {torch.cuda.device_count()} CUDA devices")
-    return f"cuda:{index}"
+__all__ = ["DeviceTier"]
 
 
 class DeviceTier:

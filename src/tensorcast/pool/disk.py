@@ -17,7 +17,7 @@ import msgspec
 
 from tensorcast.errors import ResourceExhausted
 from tensorcast.pool.segments import Segment
-from tensorcast.wire.messages import TensorMeta
+from tensorcast.records import TensorMeta
 
 __all__ = ["DiskTier", "Manifest"]
 

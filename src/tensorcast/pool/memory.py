@@ -23,7 +23,7 @@ from tensorcast.errors import NotFound
 from tensorcast.pool.segments import SHM_DIR, Segment, SegmentStock, remove_stale_segments
 from tensorcast.pool.slab import SlabAllocator
 from tensorcast.pool.state import MemoryReplica, PoolState
-from tensorcast.wire.messages import TensorMeta
+from tensorcast.records import TensorMeta
 
 __all__ = ["BlobLoc", "MemoryTier"]
 

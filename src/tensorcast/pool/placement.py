@@ -1,7 +1,9 @@
 """Placement policies: where an artifact lives and what happens when memory is full.
 
-Owns: the general form (``Placement``), the named presets users know from other tensor stores, and
-validation with clear errors. Pure: no I/O. The worker applies a placement in ``worker.puts``.
+Owns: the named presets users know from other tensor stores (the general form, ``Placement``, is a
+record), and the decisions a placement implies: where a put lands (``decide_put``: memory after evicting
+whom, the disk tier, or a refusal) and which workers receive its extra replicas (``replica_targets``).
+Pure: no I/O, no clock (``now`` is passed in). The worker applies the decisions in ``worker.puts``.
 
 | preset    | memory    | disk     | replicas | on memory overflow          | evictable |
 |-----------|-----------|----------|----------|-----------------------------|-----------|
@@ -19,53 +21,16 @@ artifact is never lost while its disk copy exists: eviction only ever drops memo
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import msgspec
 
-from tensorcast.errors import InvalidArgument
+from tensorcast.errors import InvalidArgument, ResourceExhausted
+from tensorcast.pool.state import PoolState
+from tensorcast.records import Placement, WorkerInfo
 
-__all__ = ["PRESETS", "Placement", "resolve_placement"]
-
-Need = Literal["required", "preferred", "none"]
-Overflow = Literal["evict", "spill", "reject"]
-
-
-class Placement(msgspec.Struct, frozen=True, kw_only=True):
-    """General placement. ``overflow``: what a put does when memory is full — ``evict`` least-recently
-    used evictable replicas, ``spill`` to the disk tier only, ``reject`` with ``ResourceExhausted``."""
-
-    name: str = "custom"
-    memory: Need = "preferred"
-    disk: Literal["required", "none"] = "none"
-    replicas: int = 1
-    overflow: Overflow = "evict"
-    evictable: bool = True
-    # Drop the memory copy this many seconds after the put (the disk copy stays). None: keep.
-    memory_ttl: float | None = None
-
-    def validate(self) -> Placement:
-        if self.memory not in ("required", "preferred", "none"):
-            raise InvalidArgument(f"placement.memory must be required/preferred/none, got {self.memory!r}")
-        if self.disk not in ("required", "none"):
-            raise InvalidArgument(f"placement.disk must be required/none, got {self.disk!r}")
-        if self.overflow not in ("evict", "spill", "reject"):
-            raise InvalidArgument(f"placement.overflow must be evict/spill/reject, got {self.overflow!r}")
-        if self.memory == "none" and self.disk == "none":
-            raise InvalidArgument("placement keeps no copy: memory and disk are both 'none'")
-        if not 1 <= self.replicas <= 16:
-            raise InvalidArgument(f"placement.replicas must be 1..16, got {self.replicas}")
-        if self.replicas > 1 and self.memory == "none":
-            raise InvalidArgument("extra replicas are memory replicas: memory may not be 'none'")
-        if self.overflow == "spill" and self.memory == "required":
-            raise InvalidArgument("overflow 'spill' contradicts memory 'required'")
-        if self.memory_ttl is not None and (self.memory_ttl <= 0 or self.disk != "required"):
-            raise InvalidArgument("memory_ttl needs a positive value and disk 'required'")
-        return self
-
-    @property
-    def wants_memory(self) -> bool:
-        return self.memory != "none"
+__all__ = ["PRESETS", "Placement", "PutDecision", "decide_put", "replica_targets", "resolve_placement"]
 
 
 PRESETS: dict[str, Placement] = {
@@ -94,3 +59,52 @@ def resolve_placement(policy: str | Placement | None, cold_memory_ttl: float | N
             p = msgspec.structs.replace(p, memory_ttl=cold_memory_ttl)
         return p
     raise InvalidArgument(f"policy must be a preset name or a Placement, got {type(policy).__name__}")
+
+
+@dataclass(frozen=True, slots=True)
+class PutDecision:
+    """Where a put's bytes go: memory (after evicting ``evict``, least recently used first), the disk tier,
+    both, or neither (every copy the placement wants is already here)."""
+
+    to_memory: bool
+    to_disk: bool
+    evict: tuple[str, ...] = ()
+
+
+def decide_put(placement: Placement, state: PoolState, need: int, now: float, present: Iterable[str], *,
+               has_disk: bool, exclude: frozenset[str] = frozenset()) -> PutDecision:
+    """Apply ``placement`` to a put needing ``need`` bytes of new memory on a worker whose memory tier is
+    ``state`` and which already holds the artifact in the tiers ``present``.
+
+    Raises ``ResourceExhausted`` when memory is full and the placement may neither evict enough nor spill,
+    and ``InvalidArgument`` when it needs a disk tier this worker lacks. Nothing changes either way."""
+    present = set(present)
+    want_disk = placement.disk == "required"
+    if want_disk and not has_disk:
+        raise InvalidArgument("this worker has no disk tier (worker.disk_dir is not set)")
+    to_disk = want_disk and "disk" not in present
+    if not placement.wants_memory or "memory" in present:
+        return PutDecision(False, to_disk)
+    if need <= state.free:
+        return PutDecision(True, to_disk)
+    may_spill = placement.memory != "required" and (want_disk or placement.overflow == "spill")
+    if placement.overflow == "evict":
+        try:
+            return PutDecision(True, to_disk, tuple(state.victims(need, now, exclude)))
+        except ResourceExhausted:
+            if not may_spill:
+                raise
+    elif not may_spill:
+        raise ResourceExhausted(f"memory tier full ({max(state.free, 0)} of {state.capacity} bytes free) and "
+                                f"placement {placement.name!r} may not evict or spill")
+    if not has_disk:
+        raise InvalidArgument("memory is full and spilling needs a disk tier (worker.disk_dir is not set)")
+    return PutDecision(False, "disk" not in present)
+
+
+def replica_targets(workers: Iterable[WorkerInfo], self_id: str, self_host: str, extra: int) -> list[str]:
+    """The ``extra`` live workers that take further memory replicas of a fresh artifact: other hosts first
+    (a host failure then loses fewer copies), then the least full."""
+    others = sorted((w for w in workers if w.alive and w.worker_id != self_id),
+                    key=lambda w: (w.host_id == self_host, w.memory_used / max(w.memory_capacity, 1), w.worker_id))
+    return [w.worker_id for w in others[:max(extra, 0)]]

@@ -1,9 +1,13 @@
 """The transport interface: how bulk tensor bytes move, independent of the medium.
 
-Owns: the small types every transport shares (``SourceLease`` on the sending side, ``FetchStats`` on the
-receiving side, ``ChunkCorrupted``) and the ``Transport`` protocol. The TCP implementation is
-``transport.tcp``; same-host hand-off is shared memory (``pool.segments``, no transport at all); CUDA IPC,
-RDMA or UCX/NIXL transports implement the same ``fetch`` later.
+Owns: the ``Transport`` protocol callers hold (``fetch`` a byte range of a remote tensor into a buffer;
+``serve`` a worker's bytes), the ``DataServer`` a worker runs, and the small types every transport
+shares (``SourceLease`` on the sending side, ``FetchStats`` on the receiving side, the stream split).
+Every implementation checks each chunk against the sender's xxh3 checksum (``tensorcast.checksums``) and
+raises ``ChunkCorrupted`` rather than keep a bad byte. Implementations: ``transport.tcp`` (parallel TCP
+streams, the default) and ``transport.inproc`` (one process, for unit tests); ``transport.registry``
+picks one by ``transport.kind``. A same-host hand-off needs no transport (shared memory, ``pool``).
+RDMA or UCX/NIXL transports implement the same two calls.
 """
 
 from __future__ import annotations
@@ -12,17 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-import xxhash
-
+from tensorcast.checksums import CHUNK_BYTES, ChunkCorrupted, chunk_checksums
 from tensorcast.config import TransportConfig
-from tensorcast.errors import Unavailable
 from tensorcast.wire.messages import DataRequest
 
-__all__ = ["CHUNK_BYTES", "ChunkCorrupted", "FetchStats", "SourceLease", "Transport", "chunk_checksums",
-           "stream_count"]
-
-# The chunk grid of the data plane: checksums are per chunk of this size, from offset 0 of a tensor.
-CHUNK_BYTES = 4 * 1024 * 1024
+__all__ = ["CHUNK_BYTES", "ChunkCorrupted", "DataServer", "FetchStats", "SourceLease", "SourceOpener", "Transport",
+           "chunk_checksums", "split_ranges", "stream_count"]
 
 
 def stream_count(config: TransportConfig, nbytes: int) -> int:
@@ -32,12 +31,13 @@ def stream_count(config: TransportConfig, nbytes: int) -> int:
     return 1 if nbytes < config.auto_streams_min_bytes else config.max_streams
 
 
-def chunk_checksums(view: memoryview) -> list[int]:
-    return [xxhash.xxh3_64_intdigest(view[i : i + CHUNK_BYTES]) for i in range(0, len(view), CHUNK_BYTES)]
-
-
-class ChunkCorrupted(Unavailable):
-    """A received chunk failed its checksum; nothing from that range was kept. Retryable."""
+def split_ranges(total: int, streams: int, sliced: bool) -> list[tuple[int, int]]:
+    """``[lo, hi)`` ranges of a ``total``-byte transfer, one per stream, aligned to the chunk grid (so that
+    a sender's cached checksums apply). A strided slice is cut by the sender in one piece: one stream."""
+    streams = max(1, min(streams, total // CHUNK_BYTES or 1)) if not sliced else 1
+    per = -(-total // streams)
+    per = -(-per // CHUNK_BYTES) * CHUNK_BYTES
+    return [(s, min(s + per, total)) for s in range(0, total, per)] or [(0, 0)]
 
 
 @dataclass
@@ -51,6 +51,10 @@ class SourceLease:
     checksums: list[int] | None = None
 
 
+# Resolves a request to the bytes it names (the worker's store), on the transport's threads.
+SourceOpener = Callable[[DataRequest], SourceLease]
+
+
 @dataclass
 class FetchStats:
     bytes: int = 0
@@ -60,16 +64,27 @@ class FetchStats:
     retries: int = 0
 
 
+class DataServer(Protocol):
+    """A worker's side of a transport: serves ``DataRequest``s from its ``SourceOpener``."""
+
+    address: str
+    bytes_sent: int  # payload bytes sent so far (the network-pressure signal)
+    active: int  # ranges being sent right now
+
+    def start(self, host: str, port: int) -> str: ...
+
+    def close(self) -> None: ...
+
+
 class Transport(Protocol):
-    def fetch(
-        self,
-        address: str,
-        request: DataRequest,
-        dest: memoryview,
-        *,
-        streams: int = 1,
-        deadline: float | None = None,
-        trace_id: str = "",
-    ) -> FetchStats: ...
+    kind: str
+
+    def fetch(self, address: str, request: DataRequest, dest: memoryview, *, streams: int = 1,
+              deadline: float | None = None, trace_id: str = "", checksums: list[int] | None = None) -> FetchStats:
+        """Fill ``dest`` with ``len(dest)`` bytes of the requested tensor from ``request.offset`` (after its
+        ``slices``). Blocking. If ``checksums`` is a list it receives the verified chunk checksums."""
+
+    def serve(self, open_source: SourceOpener, *, corrupt_chunks: int = 0) -> DataServer:
+        """A data server for this transport (``corrupt_chunks``: fault injection for tests)."""
 
     def close(self) -> None: ...

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from tensorcast.errors import InvalidArgument
-from tensorcast.wire.messages import CudaIpcHandle
+from tensorcast.records import CudaIpcHandle
 
 __all__ = ["export_handle", "import_handle"]
 

@@ -22,12 +22,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tensorcast.cuda import cuda_available
 from tensorcast.errors import InvalidArgument
+from tensorcast.records import TensorMeta
 from tensorcast.tensors import dtype_name, numpy_dtype, wrap_bytes
-from tensorcast.wire.messages import TensorMeta
 
-__all__ = ["Chunk", "CopyEngine", "CudaCopyEngine", "HostCopyEngine", "cuda_available", "plan_chunks",
-           "to_device"]
+__all__ = ["Chunk", "CopyEngine", "CudaCopyEngine", "HostCopyEngine", "plan_chunks", "to_device"]
 
 DEFAULT_CHUNK = 32 * 1024 * 1024
 DEFAULT_BUFFERS = 3
@@ -146,14 +146,6 @@ class CudaCopyEngine:
         current = self.torch.cuda.current_stream(self.device)
         for s in self._streams:
             current.wait_stream(s)
-
-
-def cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
 
 
 def _host_bytes(t: Any) -> np.ndarray[Any, Any]:

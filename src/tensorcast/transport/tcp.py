@@ -18,7 +18,6 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 import msgspec
 import xxhash
 
+from tensorcast.checksums import CHUNK_BYTES, ChunkCorrupted
 from tensorcast.config import WireConfig
 from tensorcast.errors import (
     DeadlineExceeded,
@@ -35,7 +35,7 @@ from tensorcast.errors import (
     Unavailable,
     error_from_code,
 )
-from tensorcast.transport.base import CHUNK_BYTES, ChunkCorrupted, FetchStats, SourceLease
+from tensorcast.transport.base import FetchStats, SourceOpener, split_ranges
 from tensorcast.wire.connection import encode_envelope
 from tensorcast.wire.frames import HEADER, pack_header, parse_header
 from tensorcast.wire.messages import (
@@ -52,14 +52,12 @@ from tensorcast.wire.messages import (
 )
 from tensorcast.wire.rpc import parse_address
 
-__all__ = ["DataServer", "TcpTransport"]
+__all__ = ["TcpDataServer", "TcpTransport"]
 
 log = logging.getLogger("tensorcast.transport")
 _CHECK = struct.Struct(">Q")
 _ENV = msgspec.msgpack.Decoder(Envelope)
 _MSG = msgspec.msgpack.Decoder(Message)
-# Ranges handed to streams are aligned to the chunk grid, so cached checksums apply.
-ALIGN = CHUNK_BYTES
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -93,12 +91,12 @@ def _send_error(sock: socket.socket, exc: TensorCastError) -> None:
         _send_frame(sock, ERROR, ErrorReply(code=exc.code, message=exc.message, retryable=exc.retryable))
 
 
-class DataServer:
+class TcpDataServer:
     """Serves ``DataRequest``s. ``open_source(request)`` returns a ``SourceLease`` over the bytes."""
 
     def __init__(
         self,
-        open_source: Callable[[DataRequest], SourceLease],
+        open_source: SourceOpener,
         config: WireConfig,
         *,
         token: str | None,
@@ -225,11 +223,16 @@ class _Pool:
 class TcpTransport:
     """Client side: fetch a byte range of a remote tensor into ``dest`` over ``streams`` connections."""
 
+    kind = "tcp"
+
     def __init__(self, config: WireConfig, *, token: str | None, max_streams: int = 8) -> None:
         self.config = config
         self.token = token
         self._pool = _Pool()
         self._executor = ThreadPoolExecutor(max_workers=max_streams, thread_name_prefix="tensorcast-fetch")
+
+    def serve(self, open_source: SourceOpener, *, corrupt_chunks: int = 0) -> TcpDataServer:
+        return TcpDataServer(open_source, self.config, token=self.token, corrupt_chunks=corrupt_chunks)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -285,10 +288,7 @@ class TcpTransport:
         ``request.offset``), so the receiver can serve the bytes later without hashing them again."""
         t0 = time.perf_counter()
         total = len(dest)
-        streams = max(1, min(streams, total // ALIGN or 1)) if not request.slices else 1
-        per = -(-total // streams)
-        per = -(-per // ALIGN) * ALIGN
-        ranges = [(s, min(s + per, total)) for s in range(0, total, per)] or [(0, 0)]
+        ranges = split_ranges(total, streams, bool(request.slices))
         stats = FetchStats(streams=len(ranges))
 
         sums: list[int] = [0] * (-(-total // CHUNK_BYTES))

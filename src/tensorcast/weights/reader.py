@@ -28,9 +28,9 @@ import numpy as np
 
 from tensorcast.errors import InvalidArgument, NotFound
 from tensorcast.pool.segments import Segment
+from tensorcast.records import SliceSpec
 from tensorcast.tensors import raw_dtype
 from tensorcast.views import apply_slices, sliced_shape
-from tensorcast.wire.messages import SliceSpec
 
 __all__ = ["ReadJob", "SliceJob", "read_ranges"]
 

@@ -9,135 +9,32 @@ Adding a message: define a Struct with ``tag=True`` here, add it to ``Message``,
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
-from tensorcast.pool.placement import Placement
+from tensorcast.records import (
+    ArtifactInfo,
+    CudaIpcHandle,
+    InstanceInfo,
+    Placement,
+    ReplicaInfo,
+    SegmentRef,
+    ShardLease,
+    SliceSpec,
+    SlotList,
+    StepResult,
+    StepSpec,
+    TensorMeta,
+    WorkerInfo,
+)
 
-PROTOCOL_VERSION = 1
+# 2: records moved out of messages; ArtifactInfo travels inside ArtifactReply; payload checksums.
+PROTOCOL_VERSION = 2
 
 
 class _Msg(msgspec.Struct, frozen=True, tag=True, kw_only=True, omit_defaults=True):
     pass
-
-
-class _Rec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    pass
-
-
-# --------------------------------------------------------------------------- records
-
-
-class TensorMeta(_Rec):
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    digest: str
-
-
-class ReplicaInfo(_Rec):
-    worker_id: str
-    address: str = ""
-    host_id: str = ""
-    tier: str = "memory"
-    alive: bool = True
-    data_address: str = ""
-
-
-class ArtifactInfo(_Msg):
-    """An artifact's record; also the reply to GetArtifact, CommitArtifact and RenewLease."""
-
-    id: str
-    tensors: tuple[TensorMeta, ...]
-    nbytes: int
-    keys: tuple[str, ...] = ()
-    owner: Literal["system", "lease"] = "system"
-    lease_expiry: float | None = None
-    created_at: float = 0.0
-    replicas: tuple[ReplicaInfo, ...] = ()
-    policy: str = "cache"
-    # Descriptive metadata: for checkpoints registered with from_disk, "source", "format", "model_type",
-    # "config" (config.json as JSON); for materialized views, "view_of" and "view".
-    meta: dict[str, str] = {}
-
-
-class WorkerInfo(_Rec):
-    worker_id: str
-    address: str
-    host_id: str
-    roles: tuple[str, ...]
-    pid: int = 0
-    incarnation: int = 0
-    memory_used: int = 0
-    memory_capacity: int = 0
-    artifacts: int = 0
-    alive: bool = True
-    last_heartbeat: float = 0.0
-    registered_at: float = 0.0
-    data_address: str = ""
-    disk_used: int = 0
-    disk_capacity: int = 0
-    # Network pressure, averaged over the last heartbeat interval.
-    net_in_bps: float = 0.0
-    net_out_bps: float = 0.0
-    transfers_in_flight: int = 0
-    # Pre-faulted shared memory ready for fills (beyond memory_capacity; config worker.prefault_bytes).
-    memory_prefaulted: int = 0
-
-
-class InstanceInfo(_Rec):
-    """An engine instance attached to a home worker, with its load (the rebalancing signal)."""
-
-    instance_id: str
-    address: str
-    home_worker: str
-    running: int = 0
-    waiting: int = 0
-    kv_tokens_used: int = 0
-    kv_tokens_capacity: int = 0
-    alive: bool = True
-    last_heartbeat: float = 0.0
-    engine: str = ""
-
-
-class SliceSpec(_Rec):
-    """``tensor[..., start:stop:step, ...]`` on dimension ``dim``; or, when ``ranges`` is set, the
-    concatenation of ``tensor[..., a:b, ...]`` for each ``(a, b)`` (one rank's part of a fused tensor)."""
-
-    dim: int
-    start: int
-    stop: int
-    step: int = 1
-    ranges: tuple[tuple[int, int], ...] = ()
-
-
-class SegmentRef(_Rec):
-    """A mapped file (shared-memory segment or disk-tier blob) holding one tensor's bytes at ``offset``."""
-
-    path: str
-    size: int
-    offset: int = 0
-    tier: str = "memory"
-
-
-class CudaIpcHandle(_Rec):
-    """A CUDA tensor a worker holds, exported for a process on the same host (``cudaIpcGetMemHandle`` with
-    torch's reference counting): what ``torch.multiprocessing`` would pickle, as plain fields."""
-
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    tensor_offset: int
-    dtype: str
-    device: int
-    storage_handle: bytes
-    storage_size: int
-    storage_offset: int
-    ref_counter_handle: bytes
-    ref_counter_offset: int
-    event_handle: bytes | None = None
-    event_sync_required: bool = False
 
 
 # --------------------------------------------------------------------------- connection set-up
@@ -213,6 +110,12 @@ class PutAbort(_Msg):
 
 
 class PutDone(_Msg):
+    artifact: ArtifactInfo
+
+
+class ArtifactReply(_Msg):
+    """The reply to GetArtifact, CommitArtifact, RenewLease and RegisterCheckpoint."""
+
     artifact: ArtifactInfo
 
 
@@ -398,16 +301,6 @@ class InstanceReply(_Msg):
 # --------------------------------------------------------------------------- KV pages and shard leases
 
 
-class ShardLease(_Rec):
-    shard: int
-    holder: str  # "" when vacant
-    token: int  # fencing token: increments on every change of holder
-    expiry: float  # global-store clock
-    acquired_at: float = 0.0
-    address: str = ""  # the holder's RPC address
-    host_id: str = ""  # the holder's host, for same-host (shared-memory) page access
-
-
 class ListShards(_Msg):
     pass
 
@@ -452,15 +345,6 @@ class KVPut(_Msg):
     ttl: float | None = None
     # Same host: no payload; the reply names reserved slots, the caller copies into them, then KVCommit.
     same_host: bool = False
-
-
-class SlotList(_Rec):
-    """Same host: where pages are, compactly (no struct per page). ``arenas`` are shared-memory files;
-    ``slots`` holds little-endian int64 triples (arena index, offset, size), one per page in order; a
-    page without a slot (a miss, or already stored) has arena index -1."""
-
-    arenas: tuple[str, ...] = ()
-    slots: bytes = b""
 
 
 class KVPutReply(_Msg):
@@ -533,33 +417,10 @@ class PageIndexReply(_Msg):
 # --------------------------------------------------------------------------- plans
 
 
-class StepSpec(_Rec):
-    """One plan step. Arguments may hold ``{"$ref": step_id}``: that step's output (artifact ids)."""
-
-    id: str
-    op: str
-    args: dict[str, Any] = {}
-    after: tuple[str, ...] = ()
-
-
 class RunPlan(_Msg):
     steps: tuple[StepSpec, ...]
     concurrency: int = 4
     idempotency_key: str | None = None
-
-
-class StepResult(_Rec):
-    id: str
-    op: str
-    status: str  # succeeded | failed | skipped
-    output: tuple[str, ...] = ()
-    result: dict[str, Any] = {}
-    error_code: str = ""
-    error: str = ""
-    retryable: bool = False
-    attempts: int = 0
-    started: float = 0.0
-    finished: float = 0.0
 
 
 class PlanResult(_Msg):
@@ -639,7 +500,7 @@ Message = (
     | PutCommit
     | PutAbort
     | PutDone
-    | ArtifactInfo
+    | ArtifactReply
     | DataHello
     | DataRequest
     | DataReply
@@ -707,3 +568,49 @@ class Envelope(msgspec.Struct, frozen=True, array_like=True):
     trace_id: str
     deadline: float | None
     body: msgspec.Raw
+
+
+# The reply type of every request: a call checks the reply against it in one place (``wire.caller``).
+REPLY_TO: dict[type, type] = {
+    Hello: Welcome,
+    PutBegin: PutPlan,
+    PutData: Ack,
+    PutCommit: PutDone,
+    PutAbort: Ack,
+    MapTensors: Mapped,
+    Prefetch: Prefetched,
+    RegisterCheckpoint: ArtifactReply,
+    Unpin: Ack,
+    Evict: Ack,
+    DropArtifact: Ack,
+    DataHello: DataReply,
+    DataRequest: DataReply,
+    GetArtifact: ArtifactReply,
+    ListArtifacts: ArtifactList,
+    DeleteArtifact: Deleted,
+    RenewLease: ArtifactReply,
+    ReleaseLease: Deleted,
+    ListWorkers: WorkerList,
+    RegisterInstance: Ack,
+    InstanceHeartbeat: Ack,
+    ListInstances: InstanceList,
+    InstanceCall: InstanceReply,
+    ListShards: ShardTable,
+    AcquireShards: ShardGrants,
+    RenewShards: ShardGrants,
+    ReleaseShards: ShardGrants,
+    KVPut: KVPutReply,
+    KVCommit: KVPutReply,
+    KVGet: KVGetReply,
+    KVRelease: Ack,
+    KVExists: KVExistsReply,
+    GSStats: GSStatsReply,
+    PageIndexPut: Ack,
+    PageIndexGet: PageIndexReply,
+    RunPlan: PlanResult,
+    RegisterWorker: Registered,
+    Heartbeat: HeartbeatReply,
+    CommitArtifact: ArtifactReply,
+    AddReplica: Ack,
+    RemoveReplica: Ack,
+}

@@ -92,9 +92,13 @@ class HandlerRegistry:
     def get(self, msg_type: type) -> tuple[Handler, SinkFn | None] | None:
         return self._handlers.get(msg_type)
 
-    def merge(self, other: HandlerRegistry) -> None:
-        for t, (h, s) in other._handlers.items():
-            self.register(t, h, s)
+    async def dispatch(self, msg: Any, ctx: CallContext) -> Any:
+        """Run ``msg``'s handler in process (a request this process sends itself) and return its reply."""
+        entry = self._handlers.get(type(msg))
+        if entry is None:
+            raise InvalidArgument(f"{type(msg).__name__} is not served here")
+        reply = await entry[0](msg, Request(conn=None, ctx=ctx, payload=None, peer=None))
+        return reply.message if isinstance(reply, Reply) else reply
 
 
 class RpcServer:

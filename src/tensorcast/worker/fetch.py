@@ -20,16 +20,17 @@ import blake3
 import msgspec
 import numpy as np
 
+from tensorcast.checksums import ChunkCorrupted
 from tensorcast.config import TransportConfig
 from tensorcast.errors import NotFound, TensorCastError, Unavailable
 from tensorcast.pool.memory import BlobLoc
 from tensorcast.pool.placement import PRESETS
+from tensorcast.records import ArtifactInfo, ReplicaInfo, SliceSpec, TensorMeta
 from tensorcast.tensors import numpy_dtype, raw_dtype
-from tensorcast.transport.base import ChunkCorrupted, stream_count
-from tensorcast.transport.tcp import TcpTransport
+from tensorcast.transport.base import Transport, stream_count
 from tensorcast.views import apply_slices, byte_range, sliced_shape
 from tensorcast.weights.reader import ReadJob, SliceJob, read_ranges
-from tensorcast.wire.messages import ArtifactInfo, DataRequest, Prefetched, ReplicaInfo, SliceSpec, TensorMeta
+from tensorcast.wire.messages import DataRequest, Prefetched
 from tensorcast.worker.store import LocalStore
 
 __all__ = ["Fetcher", "view_digest"]
@@ -55,7 +56,7 @@ _ENC = msgspec.msgpack.Encoder()
 
 
 class Fetcher:
-    def __init__(self, worker_id: str, store: LocalStore, transport: TcpTransport, config: TransportConfig) -> None:
+    def __init__(self, worker_id: str, store: LocalStore, transport: Transport, config: TransportConfig) -> None:
         self.worker_id = worker_id
         self.store = store
         self.transport = transport
@@ -89,7 +90,7 @@ class Fetcher:
         if not placement.wants_memory:
             placement = PRESETS["cache"]
         missing = {t.digest: t for t in info.tensors if t.nbytes and not store.memory.has_blob(t.digest)}
-        await store.make_room(sum(t.nbytes for t in missing.values()), "evict", exclude=frozenset({info.id}))
+        await store.make_room(sum(t.nbytes for t in missing.values()), exclude=frozenset({info.id}))
         t0 = time.perf_counter()
         result = Prefetched(worker_id=self.worker_id, already_present=False)
         with self._staging() as allocated:
@@ -137,7 +138,7 @@ class Fetcher:
             nbytes = int(np.prod(shape, dtype=np.int64)) * numpy_dtype(meta.dtype).itemsize
             out.append(TensorMeta(name=name, dtype=meta.dtype, shape=shape, nbytes=nbytes,
                                   digest=view_digest(meta.digest, specs)))
-        await store.make_room(sum(t.nbytes for t in out), "evict", exclude=frozenset({view_id}))
+        await store.make_room(sum(t.nbytes for t in out), exclude=frozenset({view_id}))
         t0 = time.perf_counter()
         with self._staging() as allocated:
             todo = list({t.digest: t for t in out if t.nbytes and not store.memory.has_blob(t.digest)}.values())
@@ -241,7 +242,7 @@ class Fetcher:
         """Fill ``loc`` with ``meta``'s bytes; returns (source worker, tier, retries)."""
         disk = self.store.disk
         if disk is not None and disk.has_blob(meta.digest):
-            src, tier, release = self.store._lease_bytes(meta, "disk")
+            src, tier, release = self.store.lease_blob(meta, "disk")
             try:
                 await asyncio.to_thread(loc.view().__setitem__, slice(None), src)
             finally:

@@ -1,7 +1,8 @@
 """The put protocol on a worker, with the artifact's placement applied.
 
-Owns: ``PutBegin`` (dedup against local replicas, choosing the upload target per placement: memory after
-making room, or the disk tier when memory is full and the placement allows it, or a refusal), receiving
+Owns: ``PutBegin`` (dedup against local replicas, then the placement's decision — ``pool.placement.
+decide_put``: memory after evicting, the disk tier when memory is full and the placement allows it, or a
+refusal — applied: evictions made and upload targets allocated), receiving
 bytes (same-host callers write the targets directly; remote callers stream ``PutData`` payloads straight
 into them), and ``PutCommit`` (digest checks for bytes that crossed a network, storing blobs, the disk
 copy a durable placement requires before the put returns). Abandoned puts are reclaimed. Does not own:
@@ -18,12 +19,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tensorcast.config import WorkerConfig
-from tensorcast.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from tensorcast.errors import InvalidArgument, NotFound, Unavailable
 from tensorcast.pool.memory import BlobLoc
-from tensorcast.pool.placement import Placement
+from tensorcast.pool.placement import decide_put
 from tensorcast.pool.segments import Segment
+from tensorcast.records import Placement, SegmentRef, TensorMeta
 from tensorcast.tensors import artifact_id, digest_bytes, numpy_dtype
-from tensorcast.wire.messages import PutBegin, PutData, PutPlan, SegmentRef, TensorMeta
+from tensorcast.wire.messages import PutBegin, PutData, PutPlan
 from tensorcast.worker.store import LocalStore
 
 __all__ = ["PendingPut", "PutManager", "validate_tensors"]
@@ -66,32 +68,15 @@ class PutManager:
         if msg.ttl is not None and msg.ttl <= 0:
             raise InvalidArgument(f"ttl must be > 0 seconds, got {msg.ttl}")
         aid = artifact_id(tensors)
-        present = self.store.tiers(aid)
         memory = self.store.memory
-        want_disk = placement.disk == "required"
-        if want_disk:
-            self.store.require_disk()
+        need = _distinct_bytes(t for t in tensors if not memory.has_blob(t.digest))
+        decision = decide_put(placement, memory.state, need, time.time(), self.store.tiers(aid),
+                              has_disk=self.store.disk is not None, exclude=frozenset({aid}))
+        await self.store.evict_all(decision.evict)
         put = PendingPut(put_id=uuid.uuid4().hex, artifact_id=aid, tensors=tensors, key=msg.key, ttl=msg.ttl,
                          placement=placement, stream=not msg.same_host,
                          expires=time.time() + self.config.put_timeout,
-                         to_memory=placement.wants_memory and "memory" not in present,
-                         to_disk=want_disk and "disk" not in present)
-        if put.to_memory:
-            need = _distinct_bytes(t for t in tensors if not memory.has_blob(t.digest))
-            try:
-                fits = await self.store.make_room(need, placement.overflow, exclude=frozenset({aid}))
-            except ResourceExhausted:
-                if placement.memory == "required" or not (want_disk or placement.overflow == "spill"):
-                    raise
-                fits = False
-            if not fits:
-                if placement.memory == "required" or not (want_disk or placement.overflow == "spill"):
-                    raise ResourceExhausted(
-                        f"memory tier full ({memory.state.free} of {memory.state.capacity} bytes free) and "
-                        f"placement {placement.name!r} may not evict or spill")
-                put.to_memory = False
-                put.to_disk = "disk" not in present
-                self.store.require_disk()
+                         to_memory=decision.to_memory, to_disk=decision.to_disk)
         refs: list[SegmentRef | None] = []
         seen: set[str] = set()
         try:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tensorcast.checksums import CHUNK_BYTES, chunk_checksums
 from tensorcast.config import WorkerConfig
 from tensorcast.errors import InvalidArgument, NotFound
 from tensorcast.pool.disk import DiskTier, Manifest
@@ -27,11 +28,12 @@ from tensorcast.pool.memory import BlobLoc, MemoryTier
 from tensorcast.pool.placement import Placement
 from tensorcast.pool.segments import Segment
 from tensorcast.pool.state import MemoryReplica
+from tensorcast.records import SegmentRef, TensorMeta
 from tensorcast.tensors import raw_dtype
-from tensorcast.transport.base import CHUNK_BYTES, SourceLease, chunk_checksums
+from tensorcast.transport.base import SourceLease
 from tensorcast.views import apply_slices
 from tensorcast.weights.safetensors import CheckpointTensor
-from tensorcast.wire.messages import DataRequest, SegmentRef, TensorMeta
+from tensorcast.wire.messages import DataRequest
 
 __all__ = ["LocalStore"]
 
@@ -99,18 +101,14 @@ class LocalStore:
         }
 
     # ----------------------------------------------------------------- room and memory replicas
-    async def make_room(self, nbytes: int, overflow: str, exclude: frozenset[str] = frozenset()) -> bool:
-        """Ensure ``nbytes`` fit in memory. With ``overflow='evict'`` evict LRU replicas as needed; returns
-        False (nothing changed) when it does not fit and may not evict; raises ``ResourceExhausted`` when
-        evicting everything evictable would still not be enough."""
-        state = self.memory.state
-        if nbytes <= state.free:
-            return True
-        if overflow != "evict":
-            return False
-        for aid in state.victims(nbytes, time.time(), exclude):
+    async def make_room(self, nbytes: int, exclude: frozenset[str] = frozenset()) -> None:
+        """Ensure ``nbytes`` fit in memory, evicting least recently used replicas as needed; raises
+        ``ResourceExhausted`` (nothing evicted) when evicting everything evictable would not be enough."""
+        await self.evict_all(self.memory.state.victims(nbytes, time.time(), exclude))
+
+    async def evict_all(self, artifact_ids: Iterable[str]) -> None:
+        for aid in artifact_ids:
             await self.evict(aid)
-        return True
 
     async def evict(self, artifact_id: str) -> None:
         if self.memory.remove_replica(artifact_id):
@@ -259,9 +257,9 @@ class LocalStore:
                     seg.readers -= 1
 
             return seg.view()[loc.offset : loc.offset + loc.nbytes], "disk", release_file
-        return self._lease_bytes(meta, tier)
+        return self.lease_blob(meta, tier)
 
-    def _lease_bytes(self, meta: TensorMeta, tier: str) -> tuple[memoryview, str, Callable[[], None]]:
+    def lease_blob(self, meta: TensorMeta, tier: str) -> tuple[memoryview, str, Callable[[], None]]:
         if tier in ("", "memory") and self.memory.has_blob(meta.digest):
             loc, release = self.memory.lease(meta.digest)
             return loc.view(), "memory", release

@@ -1,0 +1,29 @@
+"""Choosing a transport by name (``transport.kind``): what workers and clients hold is a ``Transport``.
+
+Owns: the table of implementations. Adding a transport (RDMA, UCX) is one entry here plus its module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tensorcast.config import WireConfig
+from tensorcast.errors import InvalidArgument
+from tensorcast.transport.base import Transport
+from tensorcast.transport.inproc import InProcTransport
+from tensorcast.transport.tcp import TcpTransport
+
+__all__ = ["TRANSPORTS", "make_transport"]
+
+TRANSPORTS: dict[str, Callable[[WireConfig, str | None, int], Transport]] = {
+    "tcp": lambda wire, token, streams: TcpTransport(wire, token=token, max_streams=streams),
+    "inproc": lambda wire, token, streams: InProcTransport(),
+}
+
+
+def make_transport(kind: str, wire: WireConfig, *, token: str | None, max_streams: int) -> Transport:
+    try:
+        factory = TRANSPORTS[kind]
+    except KeyError:
+        raise InvalidArgument(f"transport.kind must be one of {sorted(TRANSPORTS)}, got {kind!r}") from None
+    return factory(wire, token, max_streams)

@@ -1,0 +1,89 @@
+"""The gateway role: the callers' entry point — metadata relayed to the global store, deletes, plans.
+
+Owns: relaying metadata requests (``GetArtifact``, ``ListArtifacts``, ``ListWorkers``, ``RenewLease``,
+``ListShards``, ``GSStats``, the page-index benchmark calls) with the caller's trace id and deadline;
+``DeleteArtifact``/``ReleaseLease`` (recorded at the store, this worker's copy freed at once, the other
+holders drop theirs at their next heartbeat); and running plans (``RunPlan``) as the ``GatewayPort`` the
+plan operations use. Does not own: plan scheduling (``plans``), the instances' calls (``worker.instances``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tensorcast.context import CallContext
+from tensorcast.plans.executor import PlanExecutor
+from tensorcast.wire.messages import (
+    DeleteArtifact,
+    Deleted,
+    GetArtifact,
+    GSStats,
+    InstanceCall,
+    InstanceReply,
+    ListArtifacts,
+    ListShards,
+    ListWorkers,
+    PageIndexGet,
+    PageIndexPut,
+    PlanResult,
+    ReleaseLease,
+    RenewLease,
+    RunPlan,
+)
+from tensorcast.wire.rpc import HandlerRegistry, Request
+from tensorcast.worker.roles import WorkerParts
+from tensorcast.worker.storage import StorageRole
+
+__all__ = ["GatewayRole"]
+
+RELAYED: tuple[type, ...] = (GetArtifact, ListArtifacts, ListWorkers, RenewLease, ListShards, GSStats, PageIndexPut,
+                             PageIndexGet)
+
+
+class GatewayRole:
+    def __init__(self, parts: WorkerParts, storage: StorageRole) -> None:
+        self.parts = parts
+        self.storage = storage
+        self.plans = PlanExecutor(self, max_attempts=parts.config.worker.plan_max_attempts)
+
+    def register(self, registry: HandlerRegistry) -> None:
+        for msg_type in RELAYED:
+            registry.register(msg_type, self.relay)
+        registry.register(DeleteArtifact, self.delete)
+        registry.register(ReleaseLease, self.delete)
+        registry.register(RunPlan, self.run_plan)
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    async def relay(self, msg: Any, req: Request) -> Any:
+        return await self.parts.gs.forward(msg, req.ctx)
+
+    async def delete(self, msg: DeleteArtifact | ReleaseLease, req: Request) -> Deleted:
+        reply = await self.parts.gs.caller.call(msg, Deleted, req.ctx)
+        self.storage.drop(reply.artifact_id)  # free our copy now; other holders at their next heartbeat
+        return reply
+
+    async def run_plan(self, msg: RunPlan, req: Request) -> PlanResult:
+        return await self.plans.run(msg, req.ctx)
+
+    # ----------------------------------------------------------------- GatewayPort (plan operations)
+    async def route(self, worker_id: str, msg: Any, ctx: CallContext) -> Any:
+        return await self.parts.peers.route(worker_id, msg, ctx)
+
+    async def gs_call(self, msg: Any, ctx: CallContext) -> Any:
+        if isinstance(msg, DeleteArtifact | ReleaseLease):
+            return await self.delete(msg, Request(conn=None, ctx=ctx, payload=None, peer=None))
+        return await self.parts.gs.forward(msg, ctx)
+
+    async def instance_call(self, instance_id: str, msg: InstanceCall, ctx: CallContext) -> InstanceReply:
+        return await self.parts.peers.call_instance(msg, ctx)
+
+    async def worker_ids(self, ctx: CallContext) -> set[str]:
+        return await self.parts.peers.worker_ids(ctx)
+
+    async def instance_ids(self, ctx: CallContext) -> set[str]:
+        return await self.parts.peers.instance_ids(ctx)

@@ -1,0 +1,138 @@
+"""A worker's link to the global store: typed metadata calls, registration and heartbeats.
+
+Owns: every request a worker makes of the global store, each with its reply type (no frame handling
+elsewhere), registering (retried until a deadline; the storage role then re-announces its replicas), the
+heartbeat loop (usage and network pressure out; artifacts to drop and "register again" back), and
+acknowledging drops. Does not own: what the worker holds (``worker.storage``) or the peers it talks to
+(``worker.peers``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from tensorcast.context import CallContext
+from tensorcast.errors import TensorCastError, Unavailable
+from tensorcast.records import ArtifactInfo, InstanceInfo, WorkerInfo
+from tensorcast.wire.caller import Caller
+from tensorcast.wire.messages import (
+    Ack,
+    AddReplica,
+    ArtifactReply,
+    CommitArtifact,
+    GetArtifact,
+    Heartbeat,
+    HeartbeatReply,
+    InstanceList,
+    ListInstances,
+    ListWorkers,
+    Registered,
+    RegisterWorker,
+    RemoveReplica,
+    WorkerList,
+)
+
+__all__ = ["GlobalStoreLink"]
+
+log = logging.getLogger("tensorcast.worker")
+
+# Seconds a background call (registration attempt, replica bookkeeping) may take.
+_CALL_TIMEOUT = 5.0
+
+
+class GlobalStoreLink:
+    """``caller`` is the worker's caller, whose default address is the global store."""
+
+    def __init__(self, caller: Caller, worker_id: str, heartbeat_interval: float) -> None:
+        self.caller = caller
+        self.worker_id = worker_id
+        self.heartbeat_interval = heartbeat_interval
+        self.incarnation = 0
+        self._dropped: set[str] = set()  # dropped since the last heartbeat, acknowledged with the next one
+
+    @staticmethod
+    def _ctx(timeout: float = _CALL_TIMEOUT) -> CallContext:
+        return CallContext(deadline=time.time() + timeout)
+
+    # ----------------------------------------------------------------- registration and heartbeats
+    async def register(self, info: Callable[[], WorkerInfo], announce: Callable[[], Awaitable[None]],
+                       deadline: float) -> None:
+        """Register (again, after a restart or when the store forgot this worker), then ``announce`` the
+        replicas held here. Retries until ``deadline``; then ``Unavailable``."""
+        while True:
+            try:
+                reply = await self.caller.call(RegisterWorker(worker=info()), Registered, self._ctx())
+                self.incarnation = reply.incarnation
+                await announce()
+                return
+            except TensorCastError as exc:
+                if time.time() > deadline:
+                    raise Unavailable(f"cannot register with the global store: {exc}") from exc
+                await asyncio.sleep(0.2)
+
+    def dropped(self, artifact_id: str) -> None:
+        """This worker dropped its replicas of ``artifact_id``: acknowledged with the next heartbeat."""
+        self._dropped.add(artifact_id)
+
+    def kept(self, artifact_id: str) -> None:
+        """The artifact was put here again: nothing to acknowledge."""
+        self._dropped.discard(artifact_id)
+
+    async def heartbeat_loop(self, stats: Callable[[], dict[str, Any]], drop: Callable[[str], None],
+                             reregister: Callable[[], Awaitable[None]]) -> None:
+        """Every ``heartbeat_interval``: report ``stats()``, ``drop`` what the store says was deleted, and
+        ``reregister`` when the store does not know this worker (its database was replaced)."""
+        interval = self.heartbeat_interval
+        while True:
+            await asyncio.sleep(interval)
+            dropped = tuple(self._dropped)
+            beat = Heartbeat(worker_id=self.worker_id, incarnation=self.incarnation, dropped=dropped, **stats())
+            try:
+                reply = await self.caller.call(beat, HeartbeatReply, self._ctx(max(interval * 3, 2.0)))
+            except TensorCastError as exc:
+                log.warning("heartbeat to the global store failed: %s", exc)
+                continue
+            self._dropped.difference_update(dropped)
+            if reply.reregister:
+                log.warning("the global store does not know this worker: registering again")
+                with contextlib.suppress(TensorCastError):
+                    await reregister()
+                continue
+            for aid in reply.drop:
+                drop(aid)
+
+    # ----------------------------------------------------------------- artifacts and replicas
+    async def get_artifact(self, key_or_id: str, ctx: CallContext) -> ArtifactInfo:
+        return (await self.caller.call(GetArtifact(key_or_id=key_or_id), ArtifactReply, ctx)).artifact
+
+    async def commit_artifact(self, info: ArtifactInfo, ctx: CallContext, *, key: str | None = None,
+                              ttl: float | None = None, tiers: tuple[str, ...] = ("memory",)) -> ArtifactInfo:
+        msg = CommitArtifact(artifact=info, worker_id=self.worker_id, key=key, ttl=ttl, tiers=tiers)
+        return (await self.caller.call(msg, ArtifactReply, ctx)).artifact
+
+    async def add_replica(self, artifact_id: str, tiers: tuple[str, ...], ctx: CallContext | None = None) -> None:
+        """Record another tier/replica of an artifact the store knows (``NotFound`` if it does not)."""
+        await self.caller.call(AddReplica(artifact_id=artifact_id, worker_id=self.worker_id, tiers=tiers), Ack,
+                               ctx or self._ctx())
+
+    async def remove_replica(self, artifact_id: str, tier: str) -> None:
+        """Best effort: a replica that went without the store asking (eviction, a cold TTL)."""
+        with contextlib.suppress(TensorCastError):
+            await self.caller.call(RemoveReplica(artifact_id=artifact_id, worker_id=self.worker_id, tier=tier), Ack,
+                                   self._ctx())
+
+    # ----------------------------------------------------------------- signals
+    async def list_workers(self, ctx: CallContext) -> list[WorkerInfo]:
+        return list((await self.caller.call(ListWorkers(), WorkerList, ctx)).workers)
+
+    async def list_instances(self, ctx: CallContext) -> list[InstanceInfo]:
+        return list((await self.caller.call(ListInstances(), InstanceList, ctx)).instances)
+
+    async def forward(self, msg: Any, ctx: CallContext) -> Any:
+        """Relay a caller's metadata request and return the store's reply (checked against its type)."""
+        return await self.caller.forward(msg, ctx)

@@ -1,0 +1,156 @@
+"""Loading replicas into a worker (part of the basic role): prefetch, pins, rank views, device copies,
+checkpoints registered in place.
+
+Owns: the ``Prefetch`` handler (routed to the worker it names; pulls the artifact into memory with the
+storage role's ``Fetcher``, or materializes one tensor-parallel rank's view as an artifact of its own,
+optionally also onto a CUDA device for same-host CUDA IPC hand-offs), recording the new replica at the
+global store, ``RegisterCheckpoint`` (a safetensors checkpoint registered where it lies, by location
+digests, never read here) and re-opening those registrations after a restart. Does not own: the bytes'
+storage (``worker.storage``), moving them (``worker.fetch``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import blake3
+
+from tensorcast.cuda import check_device
+from tensorcast.errors import InvalidArgument, TensorCastError
+from tensorcast.records import ArtifactInfo, TensorMeta
+from tensorcast.tensors import ARTIFACT_ID_RE, artifact_id, wrap_bytes
+from tensorcast.transport.h2d import to_device
+from tensorcast.weights.safetensors import Checkpoint, CheckpointTensor, open_checkpoint
+from tensorcast.wire.messages import ArtifactReply, Prefetch, Prefetched, RegisterCheckpoint
+from tensorcast.wire.rpc import HandlerRegistry, Request
+from tensorcast.worker.roles import WorkerParts
+from tensorcast.worker.storage import StorageRole, nbytes_of
+
+__all__ = ["LoadingRole", "checkpoint_metas"]
+
+log = logging.getLogger("tensorcast.worker")
+
+
+class LoadingRole:
+    def __init__(self, parts: WorkerParts, storage: StorageRole) -> None:
+        self.parts = parts
+        self.storage = storage
+        self.store = storage.store
+
+    def register(self, registry: HandlerRegistry) -> None:
+        registry.register(Prefetch, self.prefetch)
+        registry.register(RegisterCheckpoint, self.register_checkpoint)
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    # ----------------------------------------------------------------- prefetch
+    async def prefetch(self, msg: Prefetch, req: Request) -> Prefetched:
+        if msg.worker_id not in ("", self.parts.worker_id):
+            return await self.parts.peers.call(msg.worker_id, msg, Prefetched, req.ctx)
+        device = check_device(msg.device) if msg.device else ""  # refused before any work
+        info = await self.parts.gs.get_artifact(msg.artifact_id, req.ctx)
+        if msg.view is not None:
+            done = await self._materialize_view(info, msg, req)
+            if device:
+                await self._copy_to_device(msg.view_id, device)
+            return done
+        result = await self.storage.fetcher.fetch(info, req.ctx.deadline, req.ctx.trace_id, msg.streams)
+        if device:
+            await self._copy_to_device(info.id, device)
+        if msg.pin:
+            self.store.pin(info.id, msg.pin_ttl)
+        self.storage.bytes_in += result.bytes_moved
+        if not result.already_present:
+            await self.parts.gs.add_replica(info.id, ("memory",), req.ctx)
+            log.info("prefetched %s from %s (%d bytes, %.3fs, %d retries)", info.id, result.source or "local disk",
+                     result.bytes_moved, result.seconds, result.retries)
+        return result
+
+    async def _copy_to_device(self, artifact_id: str, device: str) -> None:
+        """Copy a memory replica to ``device`` (pipelined H2D), kept for CUDA IPC hand-offs."""
+        devices = self.storage.devices
+        if devices.has(artifact_id, device):
+            return
+        metas = self.store.memory.tensors(artifact_id)
+        nbytes = nbytes_of(metas)
+        devices.reserve(nbytes)
+        releases = []
+        try:
+            host = {}
+            for t in metas:
+                src, _tier, release = self.store.lease_tensor(artifact_id, t, "memory")
+                releases.append(release)
+                host[t.name] = wrap_bytes(src, t, "numpy")
+            tensors = await asyncio.to_thread(to_device, host, device)
+        except BaseException:
+            devices.unreserve(nbytes)
+            raise
+        finally:
+            for release in releases:
+                release()
+        devices.add(artifact_id, device, tensors, nbytes)
+        log.info("copied %s to %s (%d bytes)", artifact_id, device, nbytes)
+
+    async def _materialize_view(self, info: ArtifactInfo, msg: Prefetch, req: Request) -> Prefetched:
+        assert msg.view is not None
+        if not ARTIFACT_ID_RE.match(msg.view_id):
+            raise InvalidArgument(f"view_id {msg.view_id!r} is not an artifact id")
+        result, tensors = await self.storage.fetcher.materialize_view(info, msg.view, msg.view_id, req.ctx.deadline,
+                                                                       req.ctx.trace_id)
+        if msg.pin:
+            self.store.pin(msg.view_id, msg.pin_ttl)
+        self.storage.bytes_in += result.bytes_moved
+        if not result.already_present:
+            view_info = ArtifactInfo(id=msg.view_id, tensors=tensors, nbytes=nbytes_of(tensors), policy="cache",
+                                     meta={**msg.view_meta, "view_of": info.id})
+            await self.parts.gs.commit_artifact(view_info, req.ctx)
+            log.info("materialized view %s of %s (%d bytes, %.3fs)", msg.view_id, info.id, result.bytes_moved,
+                     result.seconds)
+        return result
+
+    # ----------------------------------------------------------------- checkpoints in place
+    async def register_checkpoint(self, msg: RegisterCheckpoint, req: Request) -> ArtifactReply:
+        ckpt = await asyncio.to_thread(open_checkpoint, msg.path)
+        metas = checkpoint_metas(ckpt)
+        aid = artifact_id(metas)
+        self.store.add_external(aid, metas, dict(ckpt.tensors), msg.verify_checksums, ckpt.path)
+        meta = {"source": ckpt.path, "format": "safetensors", "model_type": ckpt.model_type,
+                "config": json.dumps(ckpt.config)}
+        info = ArtifactInfo(id=aid, tensors=metas, nbytes=nbytes_of(metas), policy="durable", meta=meta)
+        done = await self.parts.gs.commit_artifact(info, req.ctx, key=msg.key, tiers=("disk",))
+        log.info("registered checkpoint %s as %s (%d tensors, %d bytes, not read)", ckpt.path, aid, len(metas),
+                 info.nbytes)
+        return ArtifactReply(artifact=done)
+
+    async def restore_checkpoints(self) -> None:
+        """Checkpoints registered in place before a restart: re-open them (unchanged files only)."""
+        for aid, path, verify in self.store.external_registrations():
+            if aid in self.store.external:
+                continue
+            try:
+                ckpt = await asyncio.to_thread(open_checkpoint, path)
+            except TensorCastError as exc:
+                log.warning("checkpoint %s registered as %s is no longer usable: %s", path, aid, exc)
+                continue
+            metas = checkpoint_metas(ckpt)
+            if artifact_id(metas) == aid:
+                self.store.add_external(aid, metas, dict(ckpt.tensors), verify, ckpt.path)
+
+
+def checkpoint_metas(ckpt: Checkpoint) -> tuple[TensorMeta, ...]:
+    return tuple(sorted((TensorMeta(name=t.name, dtype=t.dtype, shape=t.shape, nbytes=t.nbytes,
+                                    digest=_location_digest(t)) for t in ckpt.tensors.values()),
+                        key=lambda m: m.name))
+
+
+def _location_digest(t: CheckpointTensor) -> str:
+    """Identity of a tensor inside a checkpoint file registered in place: where it is, not its content
+    (reading every byte to hash it is what from_disk avoids). Re-registering unchanged files is a no-op."""
+    return str(blake3.blake3(f"file:{t.file}:{t.file_size}:{t.file_mtime_ns}:{t.offset}:{t.nbytes}".encode())
+               .hexdigest())

@@ -1,0 +1,251 @@
+"""The storage role (every worker has it): the worker's pool, its put protocol and its data server.
+
+Owns: the local store (memory and disk tiers), the put handlers (``PutBegin``/``PutData``/``PutCommit``/
+``PutAbort``, recording the artifact at the global store, extra replicas for placements that want them),
+same-host mappings (``MapTensors``), pins, evictions and drops, the data server that serves this
+worker's bytes over the configured transport, re-announcing replicas after a (re)registration, the usage
+figures heartbeats carry, and housekeeping (abandoned puts, cold TTLs, watermarks, pre-faulted stock).
+Requests naming another worker (``Unpin``/``Evict`` with its id) are routed there. Does not own: pulling
+replicas in (``worker.loading``, with this role's ``Fetcher``), the put protocol's decisions
+(``worker.puts``, ``pool.placement``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from tensorcast.context import CallContext
+from tensorcast.errors import NotFound, TensorCastError
+from tensorcast.pool.device import DeviceTier
+from tensorcast.pool.placement import replica_targets, resolve_placement
+from tensorcast.records import ArtifactInfo, TensorMeta, WorkerInfo
+from tensorcast.transport.cuda_ipc import export_handle
+from tensorcast.transport.registry import make_transport
+from tensorcast.wire.messages import (
+    Ack,
+    DropArtifact,
+    Evict,
+    Mapped,
+    MapTensors,
+    Prefetch,
+    Prefetched,
+    PutAbort,
+    PutBegin,
+    PutCommit,
+    PutData,
+    PutDone,
+    PutPlan,
+    Unpin,
+)
+from tensorcast.wire.rpc import HandlerRegistry, Request
+from tensorcast.worker.fetch import Fetcher
+from tensorcast.worker.puts import PutManager
+from tensorcast.worker.roles import WorkerParts
+from tensorcast.worker.store import LocalStore
+
+__all__ = ["StorageRole", "nbytes_of"]
+
+log = logging.getLogger("tensorcast.worker")
+
+
+def nbytes_of(tensors: tuple[TensorMeta, ...]) -> int:
+    return sum(t.nbytes for t in tensors)
+
+
+class StorageRole:
+    def __init__(self, parts: WorkerParts) -> None:
+        self.parts = parts
+        config = parts.config
+        self.worker_id = parts.worker_id
+        self.store = LocalStore(config.worker, parts.worker_id, self._replica_gone)
+        self.puts = PutManager(config.worker, self.store)
+        self.devices = DeviceTier(config.worker.device_capacity)
+        self.transport = make_transport(config.transport.kind, config.wire, token=config.token,
+                                        max_streams=config.transport.max_streams * 2)
+        self.data_server = self.transport.serve(self.store.open_source,
+                                                corrupt_chunks=config.worker.fault_corrupt_chunks)
+        self.fetcher = Fetcher(parts.worker_id, self.store, self.transport, config.transport)
+        self.bytes_in = 0  # payload and fetched bytes received, for the network-pressure signal
+        self._net_mark = (time.time(), 0, 0)
+        self._last_busy = 0.0  # monotonic time a put, fetch or send was last seen running
+        self._tasks: list[asyncio.Task[None]] = []
+        # Pre-faulting the stock and giving back pack tails: one low-priority thread, so that it never
+        # slows the engine that just loaded its weights (a 2-core host has no CPU to spare).
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="tensorcast-prefault",
+                                              initializer=_low_priority)
+
+    def register(self, registry: HandlerRegistry) -> None:
+        registry.register(PutBegin, self.put_begin)
+        registry.register(PutData, self.put_data, sink=lambda msg, conn: self.puts.data_sink(msg))
+        registry.register(PutCommit, self.put_commit)
+        registry.register(PutAbort, self.put_abort)
+        registry.register(MapTensors, self.map_tensors)
+        registry.register(Unpin, self.unpin)
+        registry.register(Evict, self.evict)
+        registry.register(DropArtifact, self.drop_artifact)
+
+    async def start(self) -> None:
+        self._tasks.append(asyncio.ensure_future(self._housekeeping_loop()))
+
+    def start_data_server(self) -> str:
+        return self.data_server.start(self.parts.config.worker.host, 0)
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        self.data_server.close()
+        self.transport.close()
+        for put in list(self.puts.pending.values()):
+            self.puts.abandon(put)
+        self.store.close()  # a refill in progress stops after its current segment
+        self._background.shutdown(wait=True)
+
+    # ----------------------------------------------------------------- registration and heartbeats
+    def info(self, address: str) -> WorkerInfo:
+        s = self.store.stats()
+        p = self.parts
+        return WorkerInfo(
+            worker_id=p.worker_id, address=address, host_id=p.host_id, roles=p.roles, pid=os.getpid(),
+            incarnation=p.gs.incarnation, data_address=self.data_server.address, memory_used=s["memory_used"],
+            memory_capacity=s["memory_capacity"], artifacts=s["artifacts"], disk_used=s["disk_used"],
+            disk_capacity=s["disk_capacity"])
+
+    def heartbeat_stats(self) -> dict[str, Any]:
+        now, b_in, b_out = time.time(), self.bytes_in, self.data_server.bytes_sent
+        t0, in0, out0 = self._net_mark
+        self._net_mark = (now, b_in, b_out)
+        elapsed = max(now - t0, 1e-3)
+        return {**self.store.stats(), "net_in_bps": (b_in - in0) / elapsed, "net_out_bps": (b_out - out0) / elapsed,
+                "transfers_in_flight": self.fetcher.in_flight + self.data_server.active}
+
+    async def announce(self) -> None:
+        """Tell the global store which replicas this worker holds (disk replicas survive restarts)."""
+        store, gs = self.store, self.parts.gs
+        ids = set(store.memory.replica_ids()) | set(store.disk.manifests if store.disk is not None else ())
+        for aid in ids:
+            tiers = store.tiers(aid)
+            try:
+                await gs.add_replica(aid, tiers)
+            except NotFound:
+                tensors = store.tensors(aid)
+                policy = store.disk.manifests[aid].policy if "disk" in tiers and store.disk else "cache"
+                info = ArtifactInfo(id=aid, tensors=tensors, nbytes=nbytes_of(tensors), policy=policy)
+                await gs.commit_artifact(info, CallContext(deadline=time.time() + 5), tiers=tiers)
+        if ids:
+            log.info("announced %d replicas to the global store", len(ids))
+
+    # ----------------------------------------------------------------- housekeeping
+    async def _housekeeping_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(0.5)
+            try:
+                self.puts.reap(time.time())
+                await self.store.housekeeping()
+                if not self.busy():
+                    await loop.run_in_executor(self._background, self.store.memory.trim)
+                last_work = max(self._last_busy, self.store.memory.last_alloc)
+                if not self.busy() and time.monotonic() - last_work >= self.parts.config.worker.prefault_idle_seconds:
+                    await loop.run_in_executor(self._background, self.store.memory.stock.refill, self.busy)
+            except Exception:
+                log.exception("housekeeping failed")
+
+    def busy(self) -> bool:
+        """A put, fetch or send is running: pre-faulting must not compete with it for the CPU."""
+        busy = bool(self.puts.pending or self.fetcher.in_flight or self.data_server.active)
+        if busy:
+            self._last_busy = time.monotonic()
+        return busy
+
+    async def _replica_gone(self, artifact_id: str, tier: str) -> None:
+        if tier == "memory":
+            self.devices.remove(artifact_id)
+        await self.parts.gs.remove_replica(artifact_id, tier)
+
+    # ----------------------------------------------------------------- put
+    async def put_begin(self, msg: PutBegin, req: Request) -> PutPlan:
+        placement = resolve_placement(msg.placement, self.parts.config.worker.cold_memory_ttl)
+        return await self.puts.begin(msg, placement)
+
+    async def put_data(self, msg: PutData, req: Request) -> Ack:
+        assert isinstance(req.payload, memoryview)
+        self.puts.data_received(msg, req.payload.nbytes)
+        self.bytes_in += req.payload.nbytes
+        return Ack()
+
+    async def put_commit(self, msg: PutCommit, req: Request) -> PutDone:
+        put = await self.puts.commit(msg.put_id)
+        self.parts.gs.kept(put.artifact_id)
+        tiers = self.store.tiers(put.artifact_id)
+        info = ArtifactInfo(id=put.artifact_id, tensors=put.tensors, nbytes=nbytes_of(put.tensors),
+                            policy=put.placement.name)
+        done = await self.parts.gs.commit_artifact(info, req.ctx, key=put.key, ttl=put.ttl, tiers=tiers)
+        if put.placement.replicas > 1:
+            done = await self._replicate(done, put.placement.replicas - 1, req.ctx)
+        log.info("stored artifact %s (%d bytes, %s, tiers %s)%s", put.artifact_id, info.nbytes, put.placement.name,
+                 ",".join(tiers), f" key={put.key}" if put.key else "")
+        return PutDone(artifact=done)
+
+    async def _replicate(self, info: ArtifactInfo, extra: int, ctx: CallContext) -> ArtifactInfo:
+        """Copy a fresh artifact to ``extra`` other live workers (other hosts first), worker-to-worker."""
+        p = self.parts
+        for wid in replica_targets(await p.gs.list_workers(ctx), p.worker_id, p.host_id, extra):
+            try:
+                await p.peers.call(wid, Prefetch(artifact_id=info.id, worker_id=wid), Prefetched, ctx)
+            except TensorCastError as exc:
+                log.warning("extra replica of %s on %s failed: %s", info.id, wid, exc)
+        return await p.gs.get_artifact(info.id, ctx)
+
+    async def put_abort(self, msg: PutAbort, req: Request) -> Ack:
+        put = self.puts.pending.get(msg.put_id)
+        if put is not None:
+            self.puts.abandon(put)
+        return Ack()
+
+    # ----------------------------------------------------------------- replicas
+    async def map_tensors(self, msg: MapTensors, req: Request) -> Mapped:
+        names = msg.names or tuple(t.name for t in self.store.tensors(msg.artifact_id))
+        refs = tuple(self.store.segment_refs(msg.artifact_id, names, msg.tier))
+        if msg.device and self.devices.has(msg.artifact_id, msg.device):
+            on_device = self.devices.get(msg.artifact_id, msg.device)
+            if all(n in on_device for n in names):
+                return Mapped(segments=refs, cuda_ipc=tuple(export_handle(on_device[n]) for n in names))
+        return Mapped(segments=refs)
+
+    async def unpin(self, msg: Unpin, req: Request) -> Ack:
+        if msg.worker_id not in ("", self.worker_id):
+            return await self.parts.peers.call(msg.worker_id, msg, Ack, req.ctx)
+        self.store.unpin(msg.artifact_id)
+        return Ack()
+
+    async def evict(self, msg: Evict, req: Request) -> Ack:
+        if msg.worker_id not in ("", self.worker_id):
+            return await self.parts.peers.call(msg.worker_id, msg, Ack, req.ctx)
+        self.store.unpin(msg.artifact_id)
+        await self.store.evict(msg.artifact_id)
+        return Ack()
+
+    async def drop_artifact(self, msg: DropArtifact, req: Request) -> Ack:
+        self.drop(msg.artifact_id)
+        return Ack()
+
+    def drop(self, artifact_id: str) -> None:
+        """Forget every local copy of a deleted artifact (acknowledged to the store with the next heartbeat)."""
+        self.devices.remove(artifact_id)
+        self.store.drop(artifact_id)
+        self.parts.gs.dropped(artifact_id)
+
+
+def _low_priority() -> None:
+    """Run the calling thread at the lowest normal priority (nice 19). Not SCHED_IDLE: a thread that only
+    runs on idle CPU can be preempted while it holds a kernel lock of this process (populating a mapping
+    holds the mmap lock), and then the event loop waits for it as long as the CPUs stay busy."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
