@@ -18,7 +18,7 @@ from tensorcast.errors import StaleFencingToken
 from tensorcast.kv.hrw import assignment
 from tensorcast.kv.keys import KVLayout, page_keys, shard_of
 from tensorcast.testing import running_cluster
-from tensorcast.wire.messages import GSStats, GSStatsReply, KVGet, KVGetReply, KVPut, KVPutReply
+from tensorcast.wire.kv_messages import GSStats, GSStatsReply, KVGet, KVGetReply, KVPut, KVPutReply
 
 LAYOUT = KVLayout("test-model", layers=2, kv_heads=2, head_dim=32, dtype="float16", page_size=16)
 TTL, RENEW = 2.0, 0.5

@@ -13,7 +13,8 @@ from tensorcast.cluster import LocalCluster
 from tensorcast.errors import Unauthenticated
 from tensorcast.testing import RawPeer, running_cluster
 from tensorcast.wire.frames import pack_header
-from tensorcast.wire.messages import ERROR, RESPONSE, ErrorReply, ListWorkers, Welcome, WorkerList
+from tensorcast.wire.messages import ErrorReply, ListWorkers, Welcome, WorkerList
+from tensorcast.wire.protocol import ERROR, RESPONSE
 
 TOKEN = "s3cret-token"
 

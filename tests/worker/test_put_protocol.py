@@ -9,7 +9,8 @@ from tensorcast.cluster import LocalCluster
 from tensorcast.records import TensorMeta
 from tensorcast.tensors import digest_bytes
 from tensorcast.testing import RawPeer
-from tensorcast.wire.messages import ERROR, PutBegin, PutCommit, PutData, PutPlan
+from tensorcast.wire.messages import PutBegin, PutCommit, PutData, PutPlan
+from tensorcast.wire.protocol import ERROR
 
 
 def test_corrupted_stream_is_detected_and_nothing_is_stored(shared_cluster: LocalCluster) -> None:

@@ -34,6 +34,7 @@ from tensorcast.tensors import ARTIFACT_ID_RE, normalize_tensors
 from tensorcast.transport.registry import make_transport
 from tensorcast.views import TP, TPRules, sliced_shape, view_artifact_id
 from tensorcast.wire.caller import Caller
+from tensorcast.wire.kv_messages import ListShards, ShardTable
 from tensorcast.wire.messages import (
     Ack,
     ArtifactList,
@@ -47,7 +48,6 @@ from tensorcast.wire.messages import (
     InstanceReply,
     ListArtifacts,
     ListInstances,
-    ListShards,
     ListWorkers,
     PlanResult,
     Prefetch,
@@ -56,7 +56,6 @@ from tensorcast.wire.messages import (
     ReleaseLease,
     RenewLease,
     RunPlan,
-    ShardTable,
     Unpin,
     WorkerList,
 )

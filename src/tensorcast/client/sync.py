@@ -24,7 +24,8 @@ from tensorcast.kv.client import AsyncKV
 from tensorcast.plans.builder import Plan, PlanOutcome
 from tensorcast.records import InstanceInfo, Placement, WorkerInfo
 from tensorcast.views import TP, TPRules
-from tensorcast.wire.messages import InstanceReply, Prefetched, RunPlan, ShardTable
+from tensorcast.wire.kv_messages import ShardTable
+from tensorcast.wire.messages import InstanceReply, Prefetched, RunPlan
 
 __all__ = ["Artifact", "Client", "View", "connect", "get_client", "init"]
 

@@ -25,9 +25,21 @@ from tensorcast.gs.sqlite import SqliteBackend
 from tensorcast.kv.leases import LeaseRecord, grant, release, renew
 from tensorcast.records import ArtifactInfo, ReplicaInfo, ShardLease, WorkerInfo
 from tensorcast.tensors import ARTIFACT_ID_RE
+from tensorcast.wire.kv_messages import (
+    AcquireShards,
+    GSStats,
+    GSStatsReply,
+    ListShards,
+    PageIndexGet,
+    PageIndexPut,
+    PageIndexReply,
+    ReleaseShards,
+    RenewShards,
+    ShardGrants,
+    ShardTable,
+)
 from tensorcast.wire.messages import (
     Ack,
-    AcquireShards,
     AddReplica,
     ArtifactList,
     ArtifactReply,
@@ -35,29 +47,19 @@ from tensorcast.wire.messages import (
     DeleteArtifact,
     Deleted,
     GetArtifact,
-    GSStats,
-    GSStatsReply,
     Heartbeat,
     HeartbeatReply,
     InstanceHeartbeat,
     InstanceList,
     ListArtifacts,
     ListInstances,
-    ListShards,
     ListWorkers,
-    PageIndexGet,
-    PageIndexPut,
-    PageIndexReply,
     Registered,
     RegisterInstance,
     RegisterWorker,
     ReleaseLease,
-    ReleaseShards,
     RemoveReplica,
     RenewLease,
-    RenewShards,
-    ShardGrants,
-    ShardTable,
     WorkerList,
 )
 from tensorcast.wire.rpc import Handler, HandlerRegistry, Request, RpcServer

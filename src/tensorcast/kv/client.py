@@ -30,8 +30,7 @@ from tensorcast.kv.keys import shard_of
 from tensorcast.pool.segments import SegmentGone, map_shared
 from tensorcast.records import ShardLease, SlotList
 from tensorcast.wire.caller import Caller
-from tensorcast.wire.messages import (
-    Ack,
+from tensorcast.wire.kv_messages import (
     KVCommit,
     KVExists,
     KVExistsReply,
@@ -46,6 +45,7 @@ from tensorcast.wire.messages import (
     PageIndexReply,
     ShardTable,
 )
+from tensorcast.wire.messages import Ack
 
 __all__ = ["AsyncKV"]
 

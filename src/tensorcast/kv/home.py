@@ -25,8 +25,7 @@ from tensorcast.kv.leases import HomeLeases, LeaseRecord
 from tensorcast.kv.pages import Page, PageStore
 from tensorcast.wire.caller import Caller
 from tensorcast.wire.connection import Connection
-from tensorcast.wire.messages import (
-    Ack,
+from tensorcast.wire.kv_messages import (
     AcquireShards,
     KVCommit,
     KVExists,
@@ -37,13 +36,12 @@ from tensorcast.wire.messages import (
     KVPutReply,
     KVRelease,
     ListShards,
-    ListWorkers,
     ReleaseShards,
     RenewShards,
     ShardGrants,
     ShardTable,
-    WorkerList,
 )
+from tensorcast.wire.messages import Ack, ListWorkers, WorkerList
 from tensorcast.wire.rpc import HandlerRegistry, Reply, Request
 
 __all__ = ["ShardHome"]

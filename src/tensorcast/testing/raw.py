@@ -9,7 +9,8 @@ import msgspec
 
 from tensorcast.wire.connection import encode_envelope
 from tensorcast.wire.frames import HEADER, pack_header
-from tensorcast.wire.messages import PROTOCOL_VERSION, REQUEST, Envelope, Hello, Message
+from tensorcast.wire.messages import PROTOCOL_VERSION, Hello
+from tensorcast.wire.protocol import REQUEST, Envelope, Message
 
 __all__ = ["RawPeer"]
 

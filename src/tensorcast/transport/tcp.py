@@ -38,18 +38,8 @@ from tensorcast.errors import (
 from tensorcast.transport.base import FetchStats, SourceOpener, split_ranges
 from tensorcast.wire.connection import encode_envelope
 from tensorcast.wire.frames import HEADER, pack_header, parse_header
-from tensorcast.wire.messages import (
-    ERROR,
-    PROTOCOL_VERSION,
-    REQUEST,
-    RESPONSE,
-    DataHello,
-    DataReply,
-    DataRequest,
-    Envelope,
-    ErrorReply,
-    Message,
-)
+from tensorcast.wire.messages import PROTOCOL_VERSION, DataHello, DataReply, DataRequest, ErrorReply
+from tensorcast.wire.protocol import ERROR, REQUEST, RESPONSE, Envelope, Message
 from tensorcast.wire.rpc import parse_address
 
 __all__ = ["TcpDataServer", "TcpTransport"]

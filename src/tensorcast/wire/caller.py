@@ -16,7 +16,8 @@ from tensorcast.config import WireConfig
 from tensorcast.context import CallContext
 from tensorcast.errors import InternalError, InvalidArgument
 from tensorcast.wire.connection import Sink
-from tensorcast.wire.messages import REPLY_TO, Welcome
+from tensorcast.wire.messages import Welcome
+from tensorcast.wire.protocol import REPLY_TO
 from tensorcast.wire.rpc import ReplySink, RpcChannel
 
 __all__ = ["Caller"]

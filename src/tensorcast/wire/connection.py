@@ -19,7 +19,8 @@ import msgspec
 from tensorcast.config import WireConfig
 from tensorcast.errors import InvalidArgument, ResourceExhausted, TensorCastError, Unavailable
 from tensorcast.wire.frames import HEADER, pack_header, parse_header
-from tensorcast.wire.messages import ERROR, Envelope, ErrorReply, Message
+from tensorcast.wire.messages import ErrorReply
+from tensorcast.wire.protocol import ERROR, Envelope, Message
 
 __all__ = ["Connection", "Frame", "encode_envelope"]
 

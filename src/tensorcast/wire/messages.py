@@ -1,10 +1,13 @@
-"""Every message TensorCast processes exchange, as frozen, tagged msgspec Structs.
+"""The messages TensorCast processes exchange, as frozen, tagged msgspec Structs built from ``records``.
 
-Owns: the message types and the records they carry. A frame's body is an ``Envelope`` (request id, kind,
-trace id, absolute deadline) whose ``body`` is one of ``Message``; decoding an unknown tag fails cleanly.
-Does not own: framing and connections (``wire.frames``, ``wire.rpc``) or what a handler does.
+Owns: the ``Msg`` base, the protocol version and every message but the KV-page ones (``wire.kv_messages``):
+connection set-up, generic replies, puts, maps, prefetch, the data plane's control frames, metadata,
+instances, plans and the worker's calls to the global store. Does not own: the envelope, the union of
+all messages or the reply table (``wire.protocol``), framing and connections (``wire.frames``,
+``wire.rpc``), or what a handler does.
 
-Adding a message: define a Struct with ``tag=True`` here, add it to ``Message``, register a handler.
+Adding a message: define a ``Msg`` subclass here (or in ``wire.kv_messages``), add it to
+``wire.protocol.Message`` and, for a request, to ``REPLY_TO``; register a handler.
 """
 
 from __future__ import annotations
@@ -20,9 +23,7 @@ from tensorcast.records import (
     Placement,
     ReplicaInfo,
     SegmentRef,
-    ShardLease,
     SliceSpec,
-    SlotList,
     StepResult,
     StepSpec,
     TensorMeta,
@@ -33,21 +34,21 @@ from tensorcast.records import (
 PROTOCOL_VERSION = 2
 
 
-class _Msg(msgspec.Struct, frozen=True, tag=True, kw_only=True, omit_defaults=True):
+class Msg(msgspec.Struct, frozen=True, tag=True, kw_only=True, omit_defaults=True):
     pass
 
 
 # --------------------------------------------------------------------------- connection set-up
 
 
-class Hello(_Msg):
+class Hello(Msg):
     protocol_version: int
     token: str | None = None
     peer_id: str = ""
     host_id: str = ""
 
 
-class Welcome(_Msg):
+class Welcome(Msg):
     protocol_version: int
     server_id: str
     host_id: str
@@ -57,11 +58,11 @@ class Welcome(_Msg):
 # --------------------------------------------------------------------------- generic replies
 
 
-class Ack(_Msg):
+class Ack(Msg):
     pass
 
 
-class ErrorReply(_Msg):
+class ErrorReply(Msg):
     code: str
     message: str
     retryable: bool = False
@@ -70,7 +71,7 @@ class ErrorReply(_Msg):
 # --------------------------------------------------------------------------- caller <-> worker
 
 
-class PutBegin(_Msg):
+class PutBegin(Msg):
     """Start storing an artifact. The worker answers with a ``PutPlan``."""
 
     tensors: tuple[TensorMeta, ...]
@@ -82,7 +83,7 @@ class PutBegin(_Msg):
     placement: str | Placement | None = None
 
 
-class PutPlan(_Msg):
+class PutPlan(Msg):
     put_id: str
     artifact_id: str
     # One entry per tensor (in PutBegin order): where to write it, or None when the worker already
@@ -93,7 +94,7 @@ class PutPlan(_Msg):
     exists: bool = False
 
 
-class PutData(_Msg):
+class PutData(Msg):
     """Payload frame: bytes ``[offset, offset + len(payload))`` of tensor ``index`` of a put."""
 
     put_id: str
@@ -101,25 +102,25 @@ class PutData(_Msg):
     offset: int
 
 
-class PutCommit(_Msg):
+class PutCommit(Msg):
     put_id: str
 
 
-class PutAbort(_Msg):
+class PutAbort(Msg):
     put_id: str
 
 
-class PutDone(_Msg):
+class PutDone(Msg):
     artifact: ArtifactInfo
 
 
-class ArtifactReply(_Msg):
+class ArtifactReply(Msg):
     """The reply to GetArtifact, CommitArtifact, RenewLease and RegisterCheckpoint."""
 
     artifact: ArtifactInfo
 
 
-class MapTensors(_Msg):
+class MapTensors(Msg):
     """Same host: name the files holding an artifact's tensors so the caller maps them. Objects that may
     not be mapped (slab-arena slots, whose memory is reused) come back as None: read them instead."""
 
@@ -130,13 +131,13 @@ class MapTensors(_Msg):
     device: str = ""
 
 
-class Mapped(_Msg):
+class Mapped(Msg):
     segments: tuple[SegmentRef | None, ...]
     # With MapTensors.device: one handle per name when the worker holds them all on that device, else ().
     cuda_ipc: tuple[CudaIpcHandle, ...] = ()
 
 
-class Prefetch(_Msg):
+class Prefetch(Msg):
     """Make sure ``worker_id`` holds a memory replica (pulled worker-to-worker); any worker routes it."""
 
     artifact_id: str
@@ -153,7 +154,7 @@ class Prefetch(_Msg):
     device: str = ""
 
 
-class Prefetched(_Msg):
+class Prefetched(Msg):
     worker_id: str
     already_present: bool
     source: str = ""  # worker id the bytes came from ("" = local disk tier or already present)
@@ -163,7 +164,7 @@ class Prefetched(_Msg):
     retries: int = 0
 
 
-class RegisterCheckpoint(_Msg):
+class RegisterCheckpoint(Msg):
     """Register a safetensors checkpoint (file or directory, readable by the worker) without reading it."""
 
     path: str
@@ -171,19 +172,19 @@ class RegisterCheckpoint(_Msg):
     verify_checksums: bool = True
 
 
-class Unpin(_Msg):
+class Unpin(Msg):
     artifact_id: str
     worker_id: str
 
 
-class Evict(_Msg):
+class Evict(Msg):
     """Drop ``worker_id``'s memory replica now (its disk copy, if any, stays). Pinned copies are unpinned."""
 
     artifact_id: str
     worker_id: str
 
 
-class DropArtifact(_Msg):
+class DropArtifact(Msg):
     """Gateway -> holder: forget this artifact's replica now (it was deleted)."""
 
     artifact_id: str
@@ -192,12 +193,12 @@ class DropArtifact(_Msg):
 # --------------------------------------------------------------------------- data plane (transport.tcp)
 
 
-class DataHello(_Msg):
+class DataHello(Msg):
     protocol_version: int
     token: str | None = None
 
 
-class DataRequest(_Msg):
+class DataRequest(Msg):
     """Send bytes ``[offset, offset + length)`` of a tensor (after applying ``slices``, if any), in chunks
     each preceded by its 8-byte xxh3-64 checksum."""
 
@@ -210,7 +211,7 @@ class DataRequest(_Msg):
     tier: str = ""  # "" = any tier this worker holds
 
 
-class DataReply(_Msg):
+class DataReply(Msg):
     total: int  # bytes that follow (the requested range)
     chunk_bytes: int
     tier: str = "memory"
@@ -219,53 +220,53 @@ class DataReply(_Msg):
 # --------------------------------------------------------------------------- metadata (GS; gateways forward)
 
 
-class GetArtifact(_Msg):
+class GetArtifact(Msg):
     key_or_id: str
 
 
-class ListArtifacts(_Msg):
+class ListArtifacts(Msg):
     prefix: str = ""
     limit: int = 10_000
 
 
-class ArtifactList(_Msg):
+class ArtifactList(Msg):
     artifacts: tuple[ArtifactInfo, ...]
 
 
-class DeleteArtifact(_Msg):
+class DeleteArtifact(Msg):
     key_or_id: str
 
 
-class Deleted(_Msg):
+class Deleted(Msg):
     artifact_id: str
     replicas: tuple[ReplicaInfo, ...] = ()
 
 
-class RenewLease(_Msg):
+class RenewLease(Msg):
     artifact_id: str
     ttl: float
 
 
-class ReleaseLease(_Msg):
+class ReleaseLease(Msg):
     artifact_id: str
 
 
-class ListWorkers(_Msg):
+class ListWorkers(Msg):
     pass
 
 
-class WorkerList(_Msg):
+class WorkerList(Msg):
     workers: tuple[WorkerInfo, ...]
 
 
 # --------------------------------------------------------------------------- instances
 
 
-class RegisterInstance(_Msg):
+class RegisterInstance(Msg):
     instance: InstanceInfo
 
 
-class InstanceHeartbeat(_Msg):
+class InstanceHeartbeat(Msg):
     instance_id: str
     running: int = 0
     waiting: int = 0
@@ -273,15 +274,15 @@ class InstanceHeartbeat(_Msg):
     kv_tokens_capacity: int = 0
 
 
-class ListInstances(_Msg):
+class ListInstances(Msg):
     pass
 
 
-class InstanceList(_Msg):
+class InstanceList(Msg):
     instances: tuple[InstanceInfo, ...]
 
 
-class InstanceCall(_Msg):
+class InstanceCall(Msg):
     """Gateway -> instance runtime: run one instance operation through the adaptor.
 
     ``op``: publish | hydrate | transform_into | engine (an engine-specific command in ``args``)."""
@@ -293,137 +294,21 @@ class InstanceCall(_Msg):
     args: dict[str, Any] = {}
 
 
-class InstanceReply(_Msg):
+class InstanceReply(Msg):
     artifacts: tuple[str, ...] = ()
     result: dict[str, Any] = {}
-
-
-# --------------------------------------------------------------------------- KV pages and shard leases
-
-
-class ListShards(_Msg):
-    pass
-
-
-class ShardTable(_Msg):
-    num_shards: int
-    leases: tuple[ShardLease, ...]
-    now: float  # the global store's clock, to compare expiries with
-
-
-class AcquireShards(_Msg):
-    worker_id: str
-    shards: tuple[int, ...]
-    ttl: float
-
-
-class RenewShards(_Msg):
-    worker_id: str
-    shards: tuple[int, ...]
-    tokens: tuple[int, ...]
-    ttl: float
-
-
-class ReleaseShards(_Msg):
-    worker_id: str
-    shards: tuple[int, ...]
-    tokens: tuple[int, ...]
-
-
-class ShardGrants(_Msg):
-    """The leases granted or renewed (others were refused)."""
-
-    leases: tuple[ShardLease, ...]
-
-
-class KVPut(_Msg):
-    """Store pages (payload: their bytes back to back, ``sizes`` each). ``tokens``: fencing token per shard."""
-
-    keys: tuple[str, ...]
-    sizes: tuple[int, ...]
-    tokens: dict[int, int]
-    ttl: float | None = None
-    # Same host: no payload; the reply names reserved slots, the caller copies into them, then KVCommit.
-    same_host: bool = False
-
-
-class KVPutReply(_Msg):
-    stored: int
-    slots: SlotList | None = None  # same_host: where to write each page (arena -1: already present)
-    reservation: str = ""
-
-
-class KVCommit(_Msg):
-    """Same host: the caller wrote the reserved slots; make the pages visible (fencing checked again)."""
-
-    reservation: str
-    keys: tuple[str, ...]
-    tokens: dict[int, int]
-
-
-class KVGet(_Msg):
-    keys: tuple[str, ...]
-    tokens: dict[int, int]
-    # Same host: no payload; the reply names the slots (held under a read lease until released).
-    same_host: bool = False
-    # Read leases of earlier same-host gets that the caller is done with (saves a KVRelease round trip).
-    release: tuple[str, ...] = ()
-
-
-class KVGetReply(_Msg):
-    """``sizes[i]`` bytes of page i follow in the payload, or -1 for a miss."""
-
-    sizes: tuple[int, ...]
-    slots: SlotList | None = None  # same_host: where each hit is, held under ``lease`` until KVRelease
-    lease: str = ""
-
-
-class KVRelease(_Msg):
-    leases: tuple[str, ...]
-
-
-class KVExists(_Msg):
-    keys: tuple[str, ...]
-    tokens: dict[int, int]
-
-
-class KVExistsReply(_Msg):
-    present: bytes  # one byte per key: 1 present, 0 missing
-
-
-class GSStats(_Msg):
-    pass
-
-
-class GSStatsReply(_Msg):
-    requests: dict[str, int]
-
-
-class PageIndexPut(_Msg):
-    """Benchmark switch only: record page locations in the global store (what shard homes avoid)."""
-
-    keys: tuple[str, ...]
-    worker_id: str
-
-
-class PageIndexGet(_Msg):
-    keys: tuple[str, ...]
-
-
-class PageIndexReply(_Msg):
-    holders: tuple[str, ...]  # "" = unknown
 
 
 # --------------------------------------------------------------------------- plans
 
 
-class RunPlan(_Msg):
+class RunPlan(Msg):
     steps: tuple[StepSpec, ...]
     concurrency: int = 4
     idempotency_key: str | None = None
 
 
-class PlanResult(_Msg):
+class PlanResult(Msg):
     plan_id: str
     status: str  # succeeded | failed
     steps: tuple[StepResult, ...]
@@ -434,15 +319,15 @@ class PlanResult(_Msg):
 # --------------------------------------------------------------------------- worker <-> GS
 
 
-class RegisterWorker(_Msg):
+class RegisterWorker(Msg):
     worker: WorkerInfo
 
 
-class Registered(_Msg):
+class Registered(Msg):
     incarnation: int
 
 
-class Heartbeat(_Msg):
+class Heartbeat(Msg):
     worker_id: str
     incarnation: int
     memory_used: int
@@ -458,14 +343,14 @@ class Heartbeat(_Msg):
     dropped: tuple[str, ...] = ()
 
 
-class HeartbeatReply(_Msg):
+class HeartbeatReply(Msg):
     # Artifacts deleted or expired that this worker still holds: drop them.
     drop: tuple[str, ...] = ()
     # The GS does not know this worker (e.g. its database was replaced): register again.
     reregister: bool = False
 
 
-class CommitArtifact(_Msg):
+class CommitArtifact(Msg):
     """A worker holds a complete replica: record the artifact (if new), its key and the replica."""
 
     artifact: ArtifactInfo
@@ -475,7 +360,7 @@ class CommitArtifact(_Msg):
     tiers: tuple[str, ...] = ("memory",)
 
 
-class AddReplica(_Msg):
+class AddReplica(Msg):
     """A worker holds (another tier of) an existing artifact; ownership and keys are untouched."""
 
     artifact_id: str
@@ -483,134 +368,7 @@ class AddReplica(_Msg):
     tiers: tuple[str, ...] = ("memory",)
 
 
-class RemoveReplica(_Msg):
+class RemoveReplica(Msg):
     artifact_id: str
     worker_id: str
     tier: str = "memory"
-
-
-Message = (
-    Hello
-    | Welcome
-    | Ack
-    | ErrorReply
-    | PutBegin
-    | PutPlan
-    | PutData
-    | PutCommit
-    | PutAbort
-    | PutDone
-    | ArtifactReply
-    | DataHello
-    | DataRequest
-    | DataReply
-    | MapTensors
-    | Mapped
-    | DropArtifact
-    | Prefetch
-    | Prefetched
-    | Unpin
-    | RegisterCheckpoint
-    | Evict
-    | GetArtifact
-    | ListArtifacts
-    | ArtifactList
-    | DeleteArtifact
-    | Deleted
-    | RenewLease
-    | ReleaseLease
-    | ListWorkers
-    | WorkerList
-    | RegisterWorker
-    | Registered
-    | Heartbeat
-    | HeartbeatReply
-    | CommitArtifact
-    | RemoveReplica
-    | AddReplica
-    | RegisterInstance
-    | InstanceHeartbeat
-    | ListInstances
-    | InstanceList
-    | InstanceCall
-    | InstanceReply
-    | RunPlan
-    | PlanResult
-    | ListShards
-    | ShardTable
-    | AcquireShards
-    | RenewShards
-    | ReleaseShards
-    | ShardGrants
-    | KVPut
-    | KVPutReply
-    | KVGet
-    | KVGetReply
-    | KVCommit
-    | KVRelease
-    | KVExists
-    | KVExistsReply
-    | GSStats
-    | GSStatsReply
-    | PageIndexPut
-    | PageIndexGet
-    | PageIndexReply
-)
-
-REQUEST, RESPONSE, ERROR = 0, 1, 2
-
-
-class Envelope(msgspec.Struct, frozen=True, array_like=True):
-    """Frame body: who/what/when around one message. ``deadline`` is absolute (``time.time()``)."""
-
-    request_id: int
-    kind: int
-    trace_id: str
-    deadline: float | None
-    body: msgspec.Raw
-
-
-# The reply type of every request: a call checks the reply against it in one place (``wire.caller``).
-REPLY_TO: dict[type, type] = {
-    Hello: Welcome,
-    PutBegin: PutPlan,
-    PutData: Ack,
-    PutCommit: PutDone,
-    PutAbort: Ack,
-    MapTensors: Mapped,
-    Prefetch: Prefetched,
-    RegisterCheckpoint: ArtifactReply,
-    Unpin: Ack,
-    Evict: Ack,
-    DropArtifact: Ack,
-    DataHello: DataReply,
-    DataRequest: DataReply,
-    GetArtifact: ArtifactReply,
-    ListArtifacts: ArtifactList,
-    DeleteArtifact: Deleted,
-    RenewLease: ArtifactReply,
-    ReleaseLease: Deleted,
-    ListWorkers: WorkerList,
-    RegisterInstance: Ack,
-    InstanceHeartbeat: Ack,
-    ListInstances: InstanceList,
-    InstanceCall: InstanceReply,
-    ListShards: ShardTable,
-    AcquireShards: ShardGrants,
-    RenewShards: ShardGrants,
-    ReleaseShards: ShardGrants,
-    KVPut: KVPutReply,
-    KVCommit: KVPutReply,
-    KVGet: KVGetReply,
-    KVRelease: Ack,
-    KVExists: KVExistsReply,
-    GSStats: GSStatsReply,
-    PageIndexPut: Ack,
-    PageIndexGet: PageIndexReply,
-    RunPlan: PlanResult,
-    RegisterWorker: Registered,
-    Heartbeat: HeartbeatReply,
-    CommitArtifact: ArtifactReply,
-    AddReplica: Ack,
-    RemoveReplica: Ack,
-}

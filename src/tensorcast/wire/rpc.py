@@ -31,16 +31,8 @@ from tensorcast.errors import (
     error_from_code,
 )
 from tensorcast.wire.connection import Connection, Frame, Sink, encode_envelope
-from tensorcast.wire.messages import (
-    ERROR,
-    PROTOCOL_VERSION,
-    REQUEST,
-    RESPONSE,
-    Envelope,
-    ErrorReply,
-    Hello,
-    Welcome,
-)
+from tensorcast.wire.messages import PROTOCOL_VERSION, ErrorReply, Hello, Welcome
+from tensorcast.wire.protocol import ERROR, REQUEST, RESPONSE, Envelope
 
 __all__ = ["HandlerRegistry", "Reply", "Request", "RpcChannel", "RpcServer", "parse_address"]
 

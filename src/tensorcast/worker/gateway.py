@@ -13,18 +13,15 @@ from typing import Any
 
 from tensorcast.context import CallContext
 from tensorcast.plans.executor import PlanExecutor
+from tensorcast.wire.kv_messages import GSStats, ListShards, PageIndexGet, PageIndexPut
 from tensorcast.wire.messages import (
     DeleteArtifact,
     Deleted,
     GetArtifact,
-    GSStats,
     InstanceCall,
     InstanceReply,
     ListArtifacts,
-    ListShards,
     ListWorkers,
-    PageIndexGet,
-    PageIndexPut,
     PlanResult,
     ReleaseLease,
     RenewLease,

@@ -14,7 +14,8 @@ from typing import Any, TypeVar
 from tensorcast.context import CallContext
 from tensorcast.errors import InternalError, NotFound, Unavailable
 from tensorcast.wire.caller import Caller
-from tensorcast.wire.messages import REPLY_TO, InstanceCall, InstanceReply
+from tensorcast.wire.messages import InstanceCall, InstanceReply
+from tensorcast.wire.protocol import REPLY_TO
 from tensorcast.wire.rpc import HandlerRegistry
 from tensorcast.worker.gs_link import GlobalStoreLink
 

@@ -1,0 +1,124 @@
+"""The KV-page messages: shard leases between shard homes and the global store, and page operations
+between callers and shard homes (plus the benchmark-only page index and the store's request counters).
+
+Owns: their types, built from ``records`` on the ``wire.messages.Msg`` base. Does not own: the envelope,
+the union or the reply table (``wire.protocol``), or their handlers (``kv.home``, ``gs.service``).
+"""
+
+from __future__ import annotations
+
+from tensorcast.records import ShardLease, SlotList
+from tensorcast.wire.messages import Msg
+
+
+class ListShards(Msg):
+    pass
+
+
+class ShardTable(Msg):
+    num_shards: int
+    leases: tuple[ShardLease, ...]
+    now: float  # the global store's clock, to compare expiries with
+
+
+class AcquireShards(Msg):
+    worker_id: str
+    shards: tuple[int, ...]
+    ttl: float
+
+
+class RenewShards(Msg):
+    worker_id: str
+    shards: tuple[int, ...]
+    tokens: tuple[int, ...]
+    ttl: float
+
+
+class ReleaseShards(Msg):
+    worker_id: str
+    shards: tuple[int, ...]
+    tokens: tuple[int, ...]
+
+
+class ShardGrants(Msg):
+    """The leases granted or renewed (others were refused)."""
+
+    leases: tuple[ShardLease, ...]
+
+
+class KVPut(Msg):
+    """Store pages (payload: their bytes back to back, ``sizes`` each). ``tokens``: fencing token per shard."""
+
+    keys: tuple[str, ...]
+    sizes: tuple[int, ...]
+    tokens: dict[int, int]
+    ttl: float | None = None
+    # Same host: no payload; the reply names reserved slots, the caller copies into them, then KVCommit.
+    same_host: bool = False
+
+
+class KVPutReply(Msg):
+    stored: int
+    slots: SlotList | None = None  # same_host: where to write each page (arena -1: already present)
+    reservation: str = ""
+
+
+class KVCommit(Msg):
+    """Same host: the caller wrote the reserved slots; make the pages visible (fencing checked again)."""
+
+    reservation: str
+    keys: tuple[str, ...]
+    tokens: dict[int, int]
+
+
+class KVGet(Msg):
+    keys: tuple[str, ...]
+    tokens: dict[int, int]
+    # Same host: no payload; the reply names the slots (held under a read lease until released).
+    same_host: bool = False
+    # Read leases of earlier same-host gets that the caller is done with (saves a KVRelease round trip).
+    release: tuple[str, ...] = ()
+
+
+class KVGetReply(Msg):
+    """``sizes[i]`` bytes of page i follow in the payload, or -1 for a miss."""
+
+    sizes: tuple[int, ...]
+    slots: SlotList | None = None  # same_host: where each hit is, held under ``lease`` until KVRelease
+    lease: str = ""
+
+
+class KVRelease(Msg):
+    leases: tuple[str, ...]
+
+
+class KVExists(Msg):
+    keys: tuple[str, ...]
+    tokens: dict[int, int]
+
+
+class KVExistsReply(Msg):
+    present: bytes  # one byte per key: 1 present, 0 missing
+
+
+class GSStats(Msg):
+    pass
+
+
+class GSStatsReply(Msg):
+    requests: dict[str, int]
+
+
+class PageIndexPut(Msg):
+    """Benchmark switch only: record page locations in the global store (what shard homes avoid)."""
+
+    keys: tuple[str, ...]
+    worker_id: str
+
+
+class PageIndexGet(Msg):
+    keys: tuple[str, ...]
+
+
+class PageIndexReply(Msg):
+    holders: tuple[str, ...]  # "" = unknown

@@ -1,0 +1,179 @@
+"""The contract every global-store backend must pass (``gs.backend.MetadataBackend``): run against each
+backend in ``BACKENDS``. SQLite today; a replicated backend (etcd) plugs into the same suite by adding a
+factory that opens it on a fresh namespace."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tensorcast.gs.backend import MetadataBackend
+from tensorcast.gs.sqlite import SqliteBackend
+from tensorcast.kv.leases import LeaseRecord
+from tensorcast.records import ArtifactInfo, InstanceInfo, TensorMeta, WorkerInfo
+
+# name -> factory(directory) of a backend (not opened); two factories on one directory see the same data.
+BACKENDS: dict[str, Callable[[Path], MetadataBackend]] = {
+    "sqlite": lambda d: SqliteBackend(d / "gs.sqlite3", "FULL"),
+}
+STATS = {"memory_used": 1, "memory_capacity": 2, "artifacts": 3}
+
+
+# One event loop for the whole module: a backend with an asyncio client stays on the loop it opened on.
+_loop = asyncio.new_event_loop()
+
+
+def run(coro: Coroutine[Any, Any, Any]) -> Any:
+    return _loop.run_until_complete(coro)
+
+
+@pytest.fixture(params=sorted(BACKENDS))
+def make(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[], MetadataBackend]]:
+    opened: list[MetadataBackend] = []
+
+    def factory() -> MetadataBackend:
+        backend = BACKENDS[request.param](tmp_path)
+        run(backend.open())
+        opened.append(backend)
+        return backend
+
+    yield factory
+    for b in opened:
+        run(b.close())
+
+
+def worker(wid: str, address: str = "127.0.0.1:1") -> WorkerInfo:
+    return WorkerInfo(worker_id=wid, address=address, host_id="h", roles=("basic",))
+
+
+def artifact(aid: str, nbytes: int = 8) -> ArtifactInfo:
+    t = TensorMeta(name="t", dtype="uint8", shape=(nbytes,), nbytes=nbytes, digest="0" * 64)
+    return ArtifactInfo(id=aid, tensors=(t,), nbytes=nbytes, policy="durable", meta={"k": "v"})
+
+
+A, B = "tc-" + "a" * 32, "tc-" + "b" * 32
+
+
+def test_workers_register_with_increasing_incarnations(make: Callable[[], MetadataBackend]) -> None:
+    b = make()
+    assert run(b.register_worker(worker("w0"), 1.0)) == 1
+    assert run(b.register_worker(worker("w0", "127.0.0.1:2"), 2.0)) == 2
+    got = run(b.get_worker("w0"))
+    assert got is not None and got.address == "127.0.0.1:2" and got.incarnation == 2
+    assert run(b.get_worker("nope")) is None
+    run(b.register_worker(worker("w1"), 3.0))
+    assert [w.worker_id for w in run(b.list_workers())] == ["w0", "w1"]
+
+
+def test_heartbeats_need_the_current_incarnation(make: Callable[[], MetadataBackend]) -> None:
+    b = make()
+    inc = run(b.register_worker(worker("w0"), 1.0))
+    assert run(b.heartbeat("w0", inc, STATS, 5.0, ())) == (True, ())
+    assert run(b.get_worker("w0")).last_heartbeat == 5.0
+    assert run(b.heartbeat("w0", inc + 1, STATS, 6.0, ()))[0] is False  # a stale or future incarnation
+    assert run(b.heartbeat("ghost", 1, STATS, 6.0, ()))[0] is False
+
+
+def test_commit_records_artifact_key_and_replicas_atomically(make: Callable[[], MetadataBackend]) -> None:
+    b = make()
+    run(b.commit_artifact(artifact(A), "w0", "m@v1", None, 10.0, ("memory", "disk")))
+    row = run(b.get_artifact(A))
+    assert row is not None and row.lease_expiry is None and row.info.meta == {"k": "v"}
+    assert row.info.tensors == artifact(A).tensors and row.info.policy == "durable"
+    assert run(b.resolve_key("m@v1")) == A and run(b.keys_of(A)) == ("m@v1",)
+    assert sorted(run(b.replicas_of(A))) == [("w0", "disk"), ("w0", "memory")]
+    # Putting another artifact under the key moves it.
+    run(b.commit_artifact(artifact(B), "w1", "m@v1", None, 11.0))
+    assert run(b.resolve_key("m@v1")) == B and run(b.keys_of(A)) == ()
+    assert run(b.resolve_key("missing")) is None and run(b.get_artifact("tc-" + "c" * 32)) is None
+
+
+def test_leases_merge_system_ownership_wins(make: Callable[[], MetadataBackend]) -> None:
+    b = make()
+    run(b.commit_artifact(artifact(A), "w0", None, 100.0, 1.0))
+    run(b.commit_artifact(artifact(A), "w0", None, 50.0, 2.0))  # two leases: the later expiry stays
+    assert run(b.get_artifact(A)).lease_expiry == 100.0
+    run(b.commit_artifact(artifact(A), "w0", None, None, 3.0))  # a system-owned put upgrades it
+    assert run(b.get_artifact(A)).lease_expiry is None
+    run(b.commit_artifact(artifact(A), "w0", None, 500.0, 4.0))  # and a lease never downgrades it
+    assert run(b.get_artifact(A)).lease_expiry is None
+    assert run(b.set_lease(A, 7.0)) and run(b.expired_artifacts(8.0)) == [A] and run(b.expired_artifacts(6.0)) == []
+    assert not run(b.set_lease("tc-" + "c" * 32, 1.0))
+
+
+def test_listing_by_key_prefix(make: Callable[[], MetadataBackend]) -> None:
+    b = make()
+    ids = [f"tc-{i:032x}" for i in range(5)]
+    for i, aid in enumerate(ids):
+        run(b.commit_artifact(artifact(aid), "w0", f"p/{i}" if i < 4 else "q/0", None, float(i)))
+    assert sorted(run(b.list_artifacts("p/", 100))) == sorted(ids[:4])
+    assert len(run(b.list_artifacts("p/", 2))) == 2
+    assert sorted(run(b.list_artifacts("", 100))) == sorted(ids)
+    assert run(b.list_artifacts("zzz", 100)) == []
+
+
+def test_delete_turns_replicas_into_drops_until_acknowledged(make: Callable[[], MetadataBackend]) -> None:
+    b = make()
+    inc0 = run(b.register_worker(worker("w0"), 1.0))
+    inc1 = run(b.register_worker(worker("w1"), 1.0))
+    run(b.commit_artifact(artifact(A), "w0", "k", None, 2.0))
+    assert run(b.add_replica(A, "w1", ("memory",)))
+    assert sorted(run(b.delete_artifact(A))) == ["w0", "w1"]
+    assert run(b.get_artifact(A)) is None and run(b.resolve_key("k")) is None
+    assert run(b.heartbeat("w0", inc0, STATS, 3.0, ())) == (True, (A,))  # told until it acknowledges
+    assert run(b.heartbeat("w0", inc0, STATS, 4.0, (A,))) == (True, ())
+    assert run(b.replicas_of(A)) == [("w1", "memory")]
+    # Put again before w1 acknowledged: its replica is wanted again, so the drop is withdrawn.
+    run(b.commit_artifact(artifact(A), "w1", None, None, 5.0))
+    assert run(b.heartbeat("w1", inc1, STATS, 6.0, ())) == (True, ())
+
+
+def test_replicas_and_restarts(make: Callable[[], MetadataBackend]) -> None:
+    b = make()
+    run(b.register_worker(worker("w0"), 1.0))
+    assert not run(b.add_replica(A, "w0", ("memory",)))  # unknown artifact
+    run(b.commit_artifact(artifact(A), "w0", None, None, 2.0, ("memory", "disk")))
+    run(b.remove_replica(A, "w0", "disk"))
+    assert run(b.replicas_of(A)) == [("w0", "memory")]
+    run(b.add_replica(A, "w0", ("disk",)))
+    run(b.register_worker(worker("w0"), 3.0))  # a restart loses memory replicas, keeps disk ones
+    assert run(b.replicas_of(A)) == [("w0", "disk")]
+
+
+def test_instances(make: Callable[[], MetadataBackend]) -> None:
+    b = make()
+    info = InstanceInfo(instance_id="i0", address="127.0.0.1:9", home_worker="w0", engine="e")
+    run(b.upsert_instance(info, 1.0))
+    assert run(b.instance_heartbeat("i0", {"running": 3, "waiting": 1, "kv_tokens_used": 5,
+                                           "kv_tokens_capacity": 9}, 2.0))
+    assert not run(b.instance_heartbeat("i9", {}, 2.0))
+    (got,) = run(b.list_instances())
+    assert (got.running, got.waiting, got.kv_tokens_used, got.last_heartbeat, got.engine) == (3, 1, 5, 2.0, "e")
+
+
+def test_shard_leases_and_page_index(make: Callable[[], MetadataBackend]) -> None:
+    b = make()
+    recs = [LeaseRecord(s, f"w{s % 2}", 1, 10.0 + s, 1.0) for s in range(4)]
+    run(b.save_leases(recs))
+    run(b.save_leases([LeaseRecord(2, "w9", 2, 30.0, 5.0)]))
+    got = run(b.load_leases())
+    assert got[2] == LeaseRecord(2, "w9", 2, 30.0, 5.0) and got[3] == recs[3] and len(got) == 4
+    run(b.page_index_put(("k1", "k2"), "w0"))
+    assert run(b.page_index_get(("k2", "k3"))) == ["w0", ""]
+
+
+def test_everything_acknowledged_survives_a_reopen(make: Callable[[], MetadataBackend]) -> None:
+    b = make()
+    inc = run(b.register_worker(worker("w0"), 1.0))
+    run(b.commit_artifact(artifact(A), "w0", "k", 99.0, 2.0, ("disk",)))
+    run(b.save_leases([LeaseRecord(0, "w0", 3, 10.0, 1.0)]))
+    run(b.close())
+    again = make()
+    assert run(again.resolve_key("k")) == A and run(again.get_artifact(A)).lease_expiry == 99.0
+    assert run(again.replicas_of(A)) == [("w0", "disk")]
+    assert run(again.load_leases())[0].token == 3
+    assert run(again.register_worker(worker("w0"), 3.0)) == inc + 1

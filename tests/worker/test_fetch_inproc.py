@@ -1,0 +1,142 @@
+"""A worker's pull path (``worker.fetch.Fetcher``) over the in-process transport: two local stores in this
+process, no sockets and no worker processes. Whole artifacts, rank views, corrupted chunks retried, a dead
+source skipped for the next replica, and nothing partial kept when every source fails."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from tensorcast.config import Config, TransportConfig
+from tensorcast.errors import NotFound, Unavailable
+from tensorcast.pool.placement import PRESETS
+from tensorcast.records import ArtifactInfo, ReplicaInfo, SliceSpec, TensorMeta
+from tensorcast.tensors import artifact_id, normalize_tensors
+from tensorcast.transport.base import DataServer
+from tensorcast.transport.registry import make_transport
+from tensorcast.worker.fetch import Fetcher
+from tensorcast.worker.store import LocalStore
+
+MiB = 1 << 20
+
+
+async def _gone(artifact_id: str, tier: str) -> None:
+    return None
+
+
+def _store(name: str) -> LocalStore:
+    cfg = Config.from_flat({"worker.memory_capacity": 256 * MiB, "worker.prefault_bytes": 0,
+                            "worker.shm_prefix": f"tc-test-{uuid.uuid4().hex[:8]}"})
+    return LocalStore(cfg.worker, name, _gone)
+
+
+def _hold(store: LocalStore, tensors: dict[str, np.ndarray]) -> ArtifactInfo:
+    """Put ``tensors`` into ``store``'s memory tier as a worker's put would."""
+    inputs = normalize_tensors(tensors)
+    metas = tuple(t.meta for t in inputs)
+    for item in inputs:
+        if item.meta.nbytes and not store.memory.has_blob(item.meta.digest):
+            loc = store.memory.allocate(item.meta.nbytes)
+            loc.view()[:] = memoryview(item.data)  # type: ignore[arg-type]
+            store.memory.commit_blob(item.meta.digest, loc)
+    aid = artifact_id(metas)
+    store.add_memory_replica(aid, metas, PRESETS["cache"])
+    return ArtifactInfo(id=aid, tensors=metas, nbytes=sum(t.nbytes for t in metas))
+
+
+class Pair:
+    """A source store serving its bytes in process, and a destination store with its fetcher."""
+
+    def __init__(self, corrupt_chunks: int = 0) -> None:
+        self.transport = make_transport("inproc", Config().wire, token=None, max_streams=4)
+        self.src = _store("src")
+        self.server: DataServer = self.transport.serve(self.src.open_source, corrupt_chunks=corrupt_chunks)
+        self.server.start("", 0)
+        self.dst = _store("dst")
+        self.fetcher = Fetcher("dst", self.dst, self.transport, TransportConfig(retries=2))
+
+    def replica(self, worker_id: str = "src", address: str | None = None) -> ReplicaInfo:
+        return ReplicaInfo(worker_id=worker_id, data_address=address or self.server.address)
+
+    def close(self) -> None:
+        self.server.close()
+        self.src.close()
+        self.dst.close()
+
+
+@pytest.fixture()
+def pair() -> Iterator[Pair]:
+    p = Pair()
+    yield p
+    p.close()
+
+
+def _bytes(store: LocalStore, meta: TensorMeta) -> bytes:
+    view, _tier, release = store.lease_blob(meta, "memory")
+    try:
+        return bytes(view)
+    finally:
+        release()
+
+
+def test_a_whole_artifact_is_pulled_byte_exact(pair: Pair) -> None:
+    rng = np.random.default_rng(0)
+    tensors = {"big": rng.integers(0, 255, 9 * MiB + 3, dtype=np.uint8), "small": np.arange(100, dtype=np.int64)}
+    info = _hold(pair.src, tensors)
+    info = ArtifactInfo(id=info.id, tensors=info.tensors, nbytes=info.nbytes, replicas=(pair.replica(),))
+    done = asyncio.run(pair.fetcher.fetch(info, time.time() + 30, "t", streams=2))
+    assert not done.already_present and done.source == "src" and done.bytes_moved == info.nbytes
+    for t in info.tensors:
+        assert _bytes(pair.dst, t) == _bytes(pair.src, t)
+    assert asyncio.run(pair.fetcher.fetch(info, None, "t")).already_present
+    assert pair.fetcher.in_flight == 0
+
+
+def test_a_rank_view_moves_only_its_slice(pair: Pair) -> None:
+    w = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    info = _hold(pair.src, {"w": w})
+    info = ArtifactInfo(id=info.id, tensors=info.tensors, nbytes=info.nbytes, replicas=(pair.replica(),))
+    view = {"w": (SliceSpec(dim=1, start=8, stop=16),)}
+    view_id = "tc-" + "f" * 32
+    sent = pair.server.bytes_sent
+    done, metas = asyncio.run(pair.fetcher.materialize_view(info, view, view_id, None, "t"))
+    assert metas[0].shape == (64, 8) and done.bytes_moved == 64 * 8 * 4
+    assert pair.server.bytes_sent - sent == 64 * 8 * 4  # the holder cut the slice: only it crossed
+    got = np.frombuffer(_bytes(pair.dst, metas[0]), np.float32).reshape(64, 8)
+    assert np.array_equal(got, w[:, 8:16])
+
+
+def test_corrupted_chunks_are_fetched_again() -> None:
+    p = Pair(corrupt_chunks=2)
+    try:
+        data = np.random.default_rng(1).integers(0, 255, 6 * MiB, dtype=np.uint8)
+        info = _hold(p.src, {"x": data})
+        info = ArtifactInfo(id=info.id, tensors=info.tensors, nbytes=info.nbytes, replicas=(p.replica(),))
+        done = asyncio.run(p.fetcher.fetch(info, None, "t"))
+        assert done.retries == 2
+        assert _bytes(p.dst, info.tensors[0]) == data.tobytes()
+    finally:
+        p.close()
+
+
+def test_a_dead_source_makes_way_for_the_next_replica_and_nothing_partial_stays(pair: Pair) -> None:
+    data = np.random.default_rng(2).integers(0, 255, 5 * MiB, dtype=np.uint8)
+    info = _hold(pair.src, {"x": data})
+    dead = pair.replica("gone", address="inproc:999999")
+    good = ArtifactInfo(id=info.id, tensors=info.tensors, nbytes=info.nbytes, replicas=(dead, pair.replica()))
+    done = asyncio.run(pair.fetcher.fetch(good, None, "t"))
+    assert done.source == "src" and done.retries == 1
+    pair.dst.drop(info.id)
+    used = pair.dst.memory.state.used
+    lost = ArtifactInfo(id=info.id, tensors=info.tensors, nbytes=info.nbytes, replicas=(dead,))
+    with pytest.raises(Unavailable):
+        asyncio.run(pair.fetcher.fetch(lost, None, "t"))
+    assert pair.dst.memory.state.used == used and pair.dst.memory.state.reserved == 0
+    assert not pair.dst.memory.has_replica(info.id)
+    with pytest.raises(NotFound):
+        asyncio.run(pair.fetcher.fetch(ArtifactInfo(id=info.id, tensors=info.tensors, nbytes=info.nbytes), None, "t"))
