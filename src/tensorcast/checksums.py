@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from tensorcast.errors import Unavailable
+from tensorcast.errors import ChunkCorrupted
 
 __all__ = ["CHUNK_BYTES", "ChunkCorrupted", "chunk_checksums", "chunk_count", "first_bad_chunk", "pack_checksums",
            "unpack_checksums"]
@@ -22,10 +22,6 @@ __all__ = ["CHUNK_BYTES", "ChunkCorrupted", "chunk_checksums", "chunk_count", "f
 # The chunk grid: checksums are per chunk of this size, from offset 0.
 CHUNK_BYTES = 4 * 1024 * 1024
 _PACK = struct.Struct("<Q")
-
-
-class ChunkCorrupted(Unavailable):
-    """A received chunk failed its checksum; nothing of that transfer was kept. Retryable."""
 
 
 def chunk_count(nbytes: int) -> int:

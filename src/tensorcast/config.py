@@ -70,6 +70,8 @@ class WireConfig(msgspec.Struct, frozen=True, kw_only=True):
     # A connection that has not completed its handshake by then is closed.
     handshake_timeout: float = 10.0
     connect_timeout: float = 10.0
+    # Fault injection for tests: corrupt one chunk of each of the next N payloads this process sends.
+    fault_corrupt_payload_chunks: int = 0
 
 
 class GSConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -9,6 +9,7 @@ The tree::
     ├── Unauthenticated             UNAUTHENTICATED  no   missing or wrong cluster token, no handshake
     ├── ResourceExhausted           RESOURCE_EXHAUSTED yes pool capacity, oversized frame
     ├── Unavailable                 UNAVAILABLE      yes  peer down, connection lost, no live replica
+    │   └── ChunkCorrupted          CHUNK_CORRUPTED  yes  received bytes failed their checksum (none kept)
     ├── StaleFencingToken           STALE_FENCING_TOKEN yes a shard lease changed hands; refresh and retry
     └── InternalError               INTERNAL         no   a bug: the remote side failed unexpectedly
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 __all__ = [
+    "ChunkCorrupted",
     "DeadlineExceeded",
     "InternalError",
     "InvalidArgument",
@@ -78,6 +80,12 @@ class Unavailable(TensorCastError):
     retryable = True
 
 
+class ChunkCorrupted(Unavailable):
+    """A received chunk failed its checksum; nothing of that transfer was kept. Retryable."""
+
+    code = "CHUNK_CORRUPTED"
+
+
 class StaleFencingToken(TensorCastError):
     code = "STALE_FENCING_TOKEN"
     retryable = True
@@ -96,6 +104,7 @@ _BY_CODE: dict[str, type[TensorCastError]] = {
         Unauthenticated,
         ResourceExhausted,
         Unavailable,
+        ChunkCorrupted,
         StaleFencingToken,
         InternalError,
     )

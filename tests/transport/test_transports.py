@@ -3,6 +3,7 @@ and streams, verified chunk checksums, corrupted chunks detected, typed errors."
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -52,6 +53,10 @@ def test_ranges_and_streams_are_byte_exact(pair: tuple[Transport, DataServer], s
     part = np.zeros(1000, np.uint8)
     tr.fetch(server.address, DataRequest(artifact_id="a", name="x", offset=CHUNK_BYTES + 7), memoryview(part))
     assert np.array_equal(part, DATA[CHUNK_BYTES + 7 : CHUNK_BYTES + 1007])
+    # The sender counts a chunk after handing it to the socket: the receiver may be done a moment earlier.
+    deadline = time.monotonic() + 2.0
+    while (server.bytes_sent < DATA.nbytes + part.nbytes or server.active) and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert server.bytes_sent >= DATA.nbytes + part.nbytes and server.active == 0
 
 

@@ -306,7 +306,12 @@ class AsyncKV:
                         views.append(memoryview(buf))  # type: ignore[arg-type]
                 return views
 
-            await self._get(address, [keys[j] for j in idx], sink)
+            try:
+                await self._get(address, [keys[j] for j in idx], sink)
+            except BaseException:
+                for j in idx:  # a failed (possibly retried) request leaves no half-received page
+                    out[j] = None
+                raise
 
         if self.locations == "global-store":
             await self._index_get(keys)
@@ -335,7 +340,12 @@ class AsyncKV:
                         views.append(targets[j][:size])
                 return views
 
-            await self._get(address, [keys[j] for j in idx], sink)
+            try:
+                await self._get(address, [keys[j] for j in idx], sink)
+            except BaseException:
+                for j in idx:  # a failed (possibly retried) request is no hit, whatever landed
+                    hits[j] = False
+                raise
 
         await self._run(keys, fetch, need_all=False)
         return hits

@@ -24,7 +24,7 @@ from tensorcast.kv.keys import shard_of
 from tensorcast.kv.leases import HomeLeases, LeaseRecord
 from tensorcast.kv.pages import Page, PageStore
 from tensorcast.wire.caller import Caller
-from tensorcast.wire.connection import Connection
+from tensorcast.wire.connection import Connection, Landing
 from tensorcast.wire.kv_messages import (
     AcquireShards,
     KVCommit,
@@ -54,6 +54,7 @@ class _PendingPut:
     pages: list[tuple[str, Page] | None]  # None: the page was already stored (bytes discarded)
     started: float
     ttl: float | None = None
+    done: bool = False  # committed or abandoned: its slots are no longer this put's
 
 
 # Same-host reservations and read leases not committed/released within this long are reclaimed.
@@ -69,10 +70,8 @@ class ShardHome:
         self.store = PageStore(config.memory_capacity, f"{shm_prefix}-kv", arena_bytes=config.arena_bytes,
                                max_page_bytes=config.max_page_bytes, default_ttl=config.page_ttl)
         self.num_shards = 0
-        self._pending: dict[int, _PendingPut] = {}
         self._reservations: dict[str, _PendingPut] = {}  # same-host puts awaiting KVCommit
         self._read_leases: dict[str, tuple[float, Callable[[], None]]] = {}  # same-host gets awaiting KVRelease
-        self._scratch = memoryview(bytearray(config.max_page_bytes))
         self._task: asyncio.Task[None] | None = None
         self.serving = True
 
@@ -181,32 +180,36 @@ class ShardHome:
             raise InvalidArgument("keys and sizes differ in length")
         shards = self._check(msg.keys, msg.tokens)
         now = time.time()
-        pages: list[tuple[str, Page] | None] = []
+        pending = _PendingPut([], time.monotonic(), msg.ttl)
         views: list[memoryview] = []
         try:
             for key, size, shard in zip(msg.keys, msg.sizes, shards, strict=True):
                 if self.store.contains(key, now):  # same key, same content: keep the stored page
-                    pages.append(None)
-                    views.append(self._scratch[:size])
+                    pending.pages.append(None)
+                    views.append(memoryview(bytearray(size)))  # received (and checked), then dropped
                     continue
                 page, view = self.store.reserve(shard, key, size, now)
-                pages.append((key, page))
+                pending.pages.append((key, page))
                 views.append(view)
         except BaseException:
-            self._abandon(_PendingPut(pages, 0.0))
+            self._abandon(pending)
             raise
-        return _PendingPut(pages, time.monotonic(), msg.ttl), views
+        return pending, views
 
-    def _abandon(self, pending: _PendingPut | None) -> None:
-        for entry in pending.pages if pending else ():
+    def _abandon(self, pending: _PendingPut) -> None:
+        """Give back a put's reserved slots, unless it was committed (idempotent)."""
+        if pending.done:
+            return
+        pending.done = True
+        for entry in pending.pages:
             if entry is not None:
                 self.store.abandon(entry[1])
 
-    def put_sink(self, msg: KVPut, conn: Connection) -> list[memoryview]:
+    def put_sink(self, msg: KVPut, conn: Connection) -> Landing:
+        """The pages' bytes land straight in their reserved slots; if the request fails before ``put``
+        commits them (a checksum, a lost connection, a stale token), the slots are given back."""
         pending, views = self._reserve(msg)
-        self._abandon(self._pending.pop(id(msg), None))  # an id reused after a put that never completed
-        self._pending[id(msg)] = pending
-        return views
+        return Landing(views, pending, lambda: self._abandon(pending))
 
     async def put(self, msg: KVPut, req: Request) -> KVPutReply:
         if msg.same_host:
@@ -215,7 +218,7 @@ class ShardHome:
             self._reservations[rid] = reserved
             slots = self.store.slot_list([None if entry is None else entry[1] for entry in reserved.pages])
             return KVPutReply(stored=0, slots=slots, reservation=rid)
-        pending = self._pending.pop(id(msg), None)
+        pending: _PendingPut | None = req.landing
         if pending is None:
             self._check(msg.keys, msg.tokens)
             if any(msg.sizes):
@@ -224,13 +227,12 @@ class ShardHome:
         try:
             self._check(msg.keys, msg.tokens)  # the lease may have been lost while the bytes arrived
         except StaleFencingToken:
-            for entry in pending.pages:
-                if entry is not None:
-                    self.store.abandon(entry[1])
+            self._abandon(pending)
             raise
         return KVPutReply(stored=self._commit(pending))
 
     def _commit(self, pending: _PendingPut) -> int:
+        pending.done = True
         now = time.time()
         stored = 0
         for entry in pending.pages:
@@ -283,8 +285,6 @@ class ShardHome:
     def _reap_pending(self) -> None:
         """Reservations whose bytes never arrived, and same-host leases never released (the caller died)."""
         cutoff = time.monotonic() - _SAME_HOST_TIMEOUT
-        for rid in [r for r, p in self._pending.items() if p.started < cutoff]:
-            self._abandon(self._pending.pop(rid))
         for res in [r for r, p in self._reservations.items() if p.started < cutoff]:
             self._abandon(self._reservations.pop(res))
         for lease in [r for r, (t, _) in self._read_leases.items() if t < cutoff]:

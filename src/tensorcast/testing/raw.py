@@ -7,8 +7,9 @@ from typing import Any
 
 import msgspec
 
+from tensorcast.checksums import chunk_checksums, pack_checksums
 from tensorcast.wire.connection import encode_envelope
-from tensorcast.wire.frames import HEADER, pack_header
+from tensorcast.wire.frames import CHECKSUMS, HEADER, pack_header
 from tensorcast.wire.messages import PROTOCOL_VERSION, Hello
 from tensorcast.wire.protocol import REQUEST, Envelope, Message
 
@@ -26,9 +27,14 @@ class RawPeer:
     def send_raw(self, data: bytes) -> None:
         self.sock.sendall(data)
 
-    def send(self, message: Any, request_id: int = 1, payload: bytes = b"", trace_id: str = "raw") -> None:
+    def send(self, message: Any, request_id: int = 1, payload: bytes = b"", trace_id: str = "raw",
+             checksums: bool = True) -> None:
+        """One request frame; a payload goes with its chunk checksums unless ``checksums=False`` (which a
+        server must refuse)."""
         body = encode_envelope(request_id, REQUEST, trace_id, None, message)
-        self.sock.sendall(pack_header(len(body), len(payload)) + body + payload)
+        sums = pack_checksums(chunk_checksums(memoryview(payload))) if payload and checksums else b""
+        flags = CHECKSUMS if sums else 0
+        self.sock.sendall(pack_header(len(body), len(payload), flags) + body + sums + payload)
 
     def hello(self, token: str | None = None) -> tuple[Envelope, Any]:
         self.send(Hello(protocol_version=PROTOCOL_VERSION, token=token, peer_id="raw"))
@@ -44,9 +50,11 @@ class RawPeer:
         return bytes(buf)
 
     def recv(self) -> tuple[Envelope, Any]:
-        _magic, _ver, _flags, body_len, payload_len = HEADER.unpack(self._recv_exact(HEADER.size))
+        _magic, _ver, flags, body_len, payload_len = HEADER.unpack(self._recv_exact(HEADER.size))
         env = _ENV.decode(self._recv_exact(body_len))
         if payload_len:
+            if flags & CHECKSUMS:
+                self._recv_exact(8 * -(-payload_len // (4 << 20)))
             self._recv_exact(payload_len)
         return env, _MSG.decode(env.body)
 

@@ -62,7 +62,7 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
 def _recv_frame(sock: socket.socket, max_body: int) -> tuple[Envelope, Any]:
     hdr = bytearray(HEADER.size)
     _recv_exact(sock, memoryview(hdr))
-    body_len, payload_len = parse_header(bytes(hdr), max_body)
+    _flags, body_len, payload_len = parse_header(bytes(hdr), max_body)
     if payload_len:
         raise InvalidArgument("data-plane control frames carry no payload")
     body = bytearray(body_len)

@@ -1,10 +1,11 @@
 """One framed connection: an asyncio ``BufferedProtocol`` that reads payloads straight into their buffers.
 
-Owns: reading frames (header -> body -> payload) out of a staging buffer, handing payload bytes to a
-receiver-chosen destination (the socket is ``recv_into`` that buffer directly once the body is known),
-writing frames with flow control, and the connection's lifecycle. Protocol violations (bad magic,
-oversized body) are answered with a typed error and the connection is closed; they never take the
-process down. Does not own: what requests mean (``wire.rpc``).
+Owns: reading frames (header -> body -> payload checksums -> payload) out of a staging buffer, handing
+payload bytes to a receiver-chosen destination (the socket is ``recv_into`` that buffer directly once the
+body is known), writing frames with their payload checksums and flow control, and the connection's
+lifecycle. The checksums are kept on the frame; the RPC layer checks them before anything uses the
+bytes. Protocol violations (bad magic, oversized body) are answered with a typed error and the
+connection is closed; they never take the process down. Does not own: what requests mean (``wire.rpc``).
 """
 
 from __future__ import annotations
@@ -12,25 +13,30 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import msgspec
 
+from tensorcast.checksums import chunk_checksums, chunk_count, pack_checksums, unpack_checksums
 from tensorcast.config import WireConfig
 from tensorcast.errors import InvalidArgument, ResourceExhausted, TensorCastError, Unavailable
-from tensorcast.wire.frames import HEADER, pack_header, parse_header
+from tensorcast.wire.frames import CHECKSUMS, HEADER, pack_header, parse_header
 from tensorcast.wire.messages import ErrorReply
 from tensorcast.wire.protocol import ERROR, Envelope, Message
 
-__all__ = ["Connection", "Frame", "encode_envelope"]
+__all__ = ["Connection", "Frame", "Landing", "PayloadFaults", "Sink", "encode_envelope", "payload_views"]
 
 log = logging.getLogger("tensorcast.wire")
 
 _STAGING = 256 * 1024
 _DISCARD = 1024 * 1024
+# Payloads at least this large are checksummed off the event loop.
+_HASH_OFF_LOOP = 1024 * 1024
 _ENVELOPE_DECODER = msgspec.msgpack.Decoder(Envelope)
 _MESSAGE_DECODER = msgspec.msgpack.Decoder(Message)
 _ENCODER = msgspec.msgpack.Encoder()
+_HEADER, _BODY, _PAYLOAD, _SUMS = 0, 1, 2, 3
 
 
 def encode_envelope(request_id: int, kind: int, trace_id: str, deadline: float | None, body: Any) -> bytes:
@@ -42,27 +48,54 @@ def encode_envelope(request_id: int, kind: int, trace_id: str, deadline: float |
 Sink = memoryview | list[memoryview]
 
 
+def payload_views(payload: Sink | None) -> list[memoryview]:
+    """A payload as flat byte views (empty ones dropped)."""
+    views = [] if payload is None else payload if isinstance(payload, list) else [payload]
+    return [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views if v.nbytes]
+
+
+@dataclass(slots=True)
+class Landing:
+    """Where a request's payload lands, with what the handler needs about it (``context``), and how to give
+    the destination back if the request fails before its handler completes (``discard``)."""
+
+    views: Sink
+    context: Any = None
+    discard: Callable[[], None] | None = None
+
+
+class PayloadFaults:
+    """Fault injection for tests (``wire.fault_corrupt_payload_chunks``): corrupt one chunk of each of the
+    next N payloads sent, so that receivers' checksum checks and senders' retries are exercised."""
+
+    def __init__(self, payloads: int) -> None:
+        self.left = payloads
+
+    def take(self) -> bool:
+        if self.left <= 0:
+            return False
+        self.left -= 1
+        return True
+
+
 class Frame:
-    """A received frame: the envelope, its decoded message (or the decode error), and the payload."""
+    """A received frame: the envelope, its decoded message (or the decode error), the payload, and the
+    payload's checksums as sent (verified by the RPC layer)."""
 
-    __slots__ = ("envelope", "error", "message", "payload")
+    __slots__ = ("checksums", "envelope", "error", "landing", "message", "payload")
 
-    def __init__(
-        self,
-        envelope: Envelope,
-        message: Any,
-        error: TensorCastError | None,
-        payload: Sink | None,
-    ) -> None:
+    def __init__(self, envelope: Envelope, message: Any, error: TensorCastError | None) -> None:
         self.envelope = envelope
         self.message = message
         self.error = error
-        self.payload = payload
+        self.payload: Sink | None = None
+        self.checksums: list[int] | None = None
+        self.landing: Landing | None = None
 
 
 # Called with the frame's envelope, message and payload length once the body is known; returns the
 # destination for the payload, or None to receive it into a fresh buffer (bounded by the config).
-SinkChooser = Callable[["Connection", Envelope, Any, int], Sink | None]
+SinkChooser = Callable[["Connection", Envelope, Any, int], Sink | Landing | None]
 FrameHandler = Callable[["Connection", Frame], None]
 
 
@@ -73,11 +106,13 @@ class Connection(asyncio.BufferedProtocol):
         on_frame: FrameHandler,
         choose_sink: SinkChooser,
         on_lost: Callable[[Connection, Exception | None], None] | None = None,
+        faults: PayloadFaults | None = None,
     ) -> None:
         self.config = config
         self._on_frame = on_frame
         self._choose_sink = choose_sink
         self._on_lost = on_lost
+        self._faults = faults
         self.transport: asyncio.Transport | None = None
         self.closed = asyncio.Event()
         self.peer: Any = None  # set by the RPC layer after the handshake
@@ -86,20 +121,19 @@ class Connection(asyncio.BufferedProtocol):
         self._staging = bytearray(_STAGING)
         self._r = 0
         self._w = 0
-        self._state = 0  # 0 header, 1 body, 2 payload
+        self._state = _HEADER
+        self._flags = 0
         self._body_len = 0
         self._payload_len = 0
         self._direct: memoryview | None = None  # filled by recv_into directly
         self._direct_pos = 0
         self._direct_done: Callable[[], None] | None = None
-        self._big_body: bytearray | None = None
+        self._big: bytearray | None = None  # a body or checksum block larger than what is staged
         self._pending: Frame | None = None
         self._sinks: list[memoryview] = []
         self._sink_i = 0
         self._sink_pos = 0
-        self._have_sink = False
         self._discard_left = 0
-        self._discard_error: TensorCastError | None = None
         self._write_lock = asyncio.Lock()
         self._can_write = asyncio.Event()
         self._can_write.set()
@@ -114,6 +148,7 @@ class Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed.set()
         self._can_write.set()
+        self._drop_pending()
         if self._on_lost is not None:
             self._on_lost(self, exc)
 
@@ -163,102 +198,126 @@ class Connection(asyncio.BufferedProtocol):
     def _process(self) -> None:
         while self._direct is None and not self._failed and not self.closed.is_set():
             avail = self._w - self._r
-            if self._state == 0:
+            if self._state == _HEADER:
                 if avail < HEADER.size:
                     return
-                hdr = parse_header(memoryview(self._staging)[self._r : self._r + HEADER.size],
-                                   self.config.max_frame_bytes)
+                head = memoryview(self._staging)[self._r : self._r + HEADER.size]
+                self._flags, self._body_len, self._payload_len = parse_header(head, self.config.max_frame_bytes)
                 self._r += HEADER.size
-                self._body_len, self._payload_len = hdr
-                self._state = 1
-            elif self._state == 1:
-                if self._body_len > len(self._staging):
-                    self._big_body = bytearray(self._body_len)
-                    self._big_body[:avail] = self._staging[self._r : self._w]
-                    self._r = self._w
-                    self._start_direct(memoryview(self._big_body), avail, self._big_body_done)
-                    return
-                if avail < self._body_len:
+                self._state = _BODY
+            elif self._state == _BODY:
+                if not self._take_block(self._body_len, self._big_body_done):
                     return
                 body = bytes(self._staging[self._r : self._r + self._body_len])
                 self._r += self._body_len
                 self._body_done(body)
+            elif self._state == _SUMS:
+                n = 8 * chunk_count(self._payload_len)
+                if not self._take_block(n, self._big_sums_done):
+                    return
+                self._sums_done(bytes(self._staging[self._r : self._r + n]))
+                self._r += n
             else:
                 self._pump_payload()
 
+    def _take_block(self, size: int, done: Callable[[], None]) -> bool:
+        """True when ``size`` bytes are staged; a block larger than the staging buffer is read directly
+        into a buffer of its own (then ``done`` runs, and False is returned)."""
+        avail = self._w - self._r
+        if size <= len(self._staging):
+            return avail >= size
+        self._big = bytearray(size)
+        self._big[:avail] = self._staging[self._r : self._w]
+        self._r = self._w
+        self._start_direct(memoryview(self._big), avail, done)
+        return False
+
     def _big_body_done(self) -> None:
-        body, self._big_body = bytes(self._big_body or b""), None
+        body, self._big = bytes(self._big or b""), None
         self._body_done(body)
+
+    def _big_sums_done(self) -> None:
+        sums, self._big = bytes(self._big or b""), None
+        self._sums_done(sums)
 
     def _body_done(self, body: bytes) -> None:
         try:
             env = _ENVELOPE_DECODER.decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise InvalidArgument(f"malformed frame body: {exc}") from exc
-        message: Any = None
-        error: TensorCastError | None = None
         try:
-            message = _MESSAGE_DECODER.decode(env.body)
+            frame = Frame(env, _MESSAGE_DECODER.decode(env.body), None)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            error = InvalidArgument(f"unknown or malformed message: {exc}", trace_id=env.trace_id)
-        frame = Frame(env, message, error, None)
+            frame = Frame(env, None, InvalidArgument(f"unknown or malformed message: {exc}", trace_id=env.trace_id))
         if self._payload_len == 0:
-            self._state = 0
+            self._state = _HEADER
             self._on_frame(self, frame)
             return
-        sink: Sink | None = None
-        if error is None:
+        self._pending = frame
+        sums = bool(self._flags & CHECKSUMS)
+        if frame.error is None and not sums:
+            frame.error = InvalidArgument("a payload must come with its chunk checksums", trace_id=env.trace_id)
+        if frame.error is None:
             try:
-                sink = self._choose_sink(self, env, message, self._payload_len)
+                self._land(frame)
             except TensorCastError as exc:
-                error = exc
                 frame.error = exc
-        if error is not None:
-            # Consume the payload without keeping it, then report the error for this request only.
-            self._discard_left = self._payload_len
-            self._pending = frame
+        if frame.error is not None:
+            # Consume the payload (and its checksums) without keeping it; the error is this request's only.
+            self._discard_left = self._payload_len + (8 * chunk_count(self._payload_len) if sums else 0)
+            self._state = _PAYLOAD
         else:
+            self._state = _SUMS if sums else _PAYLOAD
+
+    def _land(self, frame: Frame) -> None:
+        """Choose where the payload goes (the request's sink, or a bounded fresh buffer)."""
+        chosen = self._choose_sink(self, frame.envelope, frame.message, self._payload_len)
+        landing = chosen if isinstance(chosen, Landing) else None
+        sink: Sink | None = chosen.views if isinstance(chosen, Landing) else chosen
+        try:
             if sink is None:
                 if self._payload_len > self.config.max_unsolicited_payload_bytes:
-                    raise ResourceExhausted(
-                        f"payload of {self._payload_len} bytes exceeds the limit of "
-                        f"{self.config.max_unsolicited_payload_bytes} bytes"
-                    )
+                    raise ResourceExhausted(f"payload of {self._payload_len} bytes exceeds the limit of "
+                                            f"{self.config.max_unsolicited_payload_bytes} bytes")
                 sink = memoryview(bytearray(self._payload_len))
-            views = sink if isinstance(sink, list) else [sink]
+            views = payload_views(sink)
             total = sum(v.nbytes for v in views)
             if total != self._payload_len:
-                raise InvalidArgument(
-                    f"payload of {self._payload_len} bytes does not match its {total}-byte destination"
-                )
-            self._sinks = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views if v.nbytes]
-            self._sink_i, self._sink_pos, self._have_sink = 0, 0, True
-            frame.payload = sink
-            self._pending = frame
-        self._state = 2
+                raise InvalidArgument(f"payload of {self._payload_len} bytes does not match its {total}-byte "
+                                      "destination")
+        except BaseException:
+            if landing is not None and landing.discard is not None:
+                landing.discard()
+            raise
+        self._sinks, self._sink_i, self._sink_pos = views, 0, 0
+        frame.payload, frame.landing = sink, landing
+
+    def _sums_done(self, raw: bytes) -> None:
+        assert self._pending is not None
+        self._pending.checksums = unpack_checksums(raw)
+        self._state = _PAYLOAD
 
     def _pump_payload(self) -> None:
-        if self._have_sink:
-            while self._sink_i < len(self._sinks):
-                view = self._sinks[self._sink_i]
-                avail = self._w - self._r
-                take = min(avail, len(view) - self._sink_pos)
-                view[self._sink_pos : self._sink_pos + take] = self._staging[self._r : self._r + take]
-                self._r += take
-                self._sink_pos += take
-                if self._sink_pos < len(view):
-                    self._start_direct(view, self._sink_pos, self._sink_view_done)
-                    return
-                self._sink_i, self._sink_pos = self._sink_i + 1, 0
-        else:
+        if self._discard_left:
             avail = self._w - self._r
             take = min(avail, self._discard_left)
             self._r += take
             self._discard_left -= take
             if self._discard_left > 0:
-                scratch = memoryview(bytearray(min(_DISCARD, self._discard_left)))
-                self._start_direct(scratch, 0, self._discard_chunk_done)
+                self._start_direct(memoryview(bytearray(min(_DISCARD, self._discard_left))), 0,
+                                   self._discard_chunk_done)
                 return
+        while self._sink_i < len(self._sinks):
+            view = self._sinks[self._sink_i]
+            avail = self._w - self._r
+            take = min(avail, len(view) - self._sink_pos)
+            view[self._sink_pos : self._sink_pos + take] = self._staging[self._r : self._r + take]
+            self._r += take
+            self._sink_pos += take
+            if self._sink_pos < len(view):
+                self._start_direct(view, self._sink_pos, self._sink_view_done)
+                return
+            self._sink_i, self._sink_pos = self._sink_i + 1, 0
         self._payload_done()
 
     def _sink_view_done(self) -> None:
@@ -267,43 +326,52 @@ class Connection(asyncio.BufferedProtocol):
 
     def _discard_chunk_done(self) -> None:
         self._discard_left -= self._direct_pos
-        if self._discard_left > 0:
-            scratch = memoryview(bytearray(min(_DISCARD, self._discard_left)))
-            self._start_direct(scratch, 0, self._discard_chunk_done)
-        else:
-            self._payload_done()
+        self._pump_payload()
 
     def _payload_done(self) -> None:
         frame, self._pending = self._pending, None
-        self._sinks, self._have_sink = [], False
-        self._state = 0
+        self._sinks = []
+        self._state = _HEADER
         assert frame is not None
         self._on_frame(self, frame)
 
     def _start_direct(self, target: memoryview, pos: int, done: Callable[[], None]) -> None:
+        assert pos < len(target)
         self._direct, self._direct_pos, self._direct_done = target, pos, done
-        if pos >= len(target):
-            self._direct = None
-            self._direct_done = None
-            done()
+
+    def _drop_pending(self) -> None:
+        """The connection ended mid-frame: give back the destination its payload was landing in, and let go
+        of every buffer (a closed connection must not keep memory alive)."""
+        frame, self._pending = self._pending, None
+        if frame is not None and frame.landing is not None and frame.landing.discard is not None:
+            frame.landing.discard()
+        self._sinks, self._big, self._direct, self._direct_done = [], None, None, None
 
     # ------------------------------------------------------------------ writing
 
     async def send(self, body: bytes, payload: Sink | None = None) -> None:
-        """Write one frame; the payload (one buffer, or several sent back to back) goes in chunks, waiting
-        on flow control between them."""
+        """Write one frame; the payload (one buffer, or several sent back to back) goes after its chunk
+        checksums, in pieces, waiting on flow control between them."""
         if self.transport is None or self.closed.is_set():
             raise Unavailable("connection is closed")
-        views = [] if payload is None else payload if isinstance(payload, list) else [payload]
+        views = payload_views(payload)
         payload_len = sum(v.nbytes for v in views)
+        head = b""
+        if payload_len:
+            sums = chunk_checksums(views) if payload_len < _HASH_OFF_LOOP else \
+                await asyncio.to_thread(chunk_checksums, views)
+            head = pack_checksums(sums)
+            if self._faults is not None and self._faults.take():
+                bad = bytearray(views[0])
+                bad[len(bad) // 2] ^= 0xFF
+                views = [memoryview(bad), *views[1:]]
         async with self._write_lock:
             if self.closed.is_set():
                 raise Unavailable("connection is closed")
-            self.transport.write(pack_header(len(body), payload_len) + body)
+            self.transport.write(pack_header(len(body), payload_len, CHECKSUMS if payload_len else 0) + body + head)
             step = self.config.send_chunk_bytes
             pending = 0
-            for view in views:
-                raw = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+            for raw in views:
                 for start in range(0, raw.nbytes, step):
                     if pending >= step:
                         await self._can_write.wait()
@@ -320,6 +388,7 @@ class Connection(asyncio.BufferedProtocol):
         if self._failed:
             return
         self._failed = True
+        self._drop_pending()
         if self.transport is not None and not self.closed.is_set():
             log.warning("closing connection: %s", exc)
             body = encode_envelope(0, ERROR, exc.trace_id or "", None,

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from tensorcast.checksums import ChunkCorrupted, first_bad_chunk
 from tensorcast.config import WireConfig
 from tensorcast.context import CallContext, set_current_trace
 from tensorcast.errors import (
@@ -30,7 +31,7 @@ from tensorcast.errors import (
     Unavailable,
     error_from_code,
 )
-from tensorcast.wire.connection import Connection, Frame, Sink, encode_envelope
+from tensorcast.wire.connection import Connection, Frame, Landing, PayloadFaults, Sink, encode_envelope, payload_views
 from tensorcast.wire.messages import PROTOCOL_VERSION, ErrorReply, Hello, Welcome
 from tensorcast.wire.protocol import ERROR, REQUEST, RESPONSE, Envelope
 
@@ -54,6 +55,7 @@ class Request:
     ctx: CallContext
     payload: Sink | None
     peer: Hello | None
+    landing: Any = None  # the context its sink returned with the payload's destination (``Landing``)
 
 
 @dataclass(slots=True)
@@ -65,7 +67,9 @@ class Reply:
 
 
 Handler = Callable[[Any, Request], Awaitable[Any]]
-SinkFn = Callable[[Any, Connection], Sink | None]
+# Where a request's payload goes: a buffer, several buffers, a Landing (buffers plus what the handler needs
+# and how to give them back if the request fails), or None for a fresh buffer.
+SinkFn = Callable[[Any, Connection], Sink | Landing | None]
 # Where a reply's payload goes: a buffer, several buffers, or a function of the reply message choosing them.
 ReplySink = Sink | Callable[[Any], Sink]
 
@@ -110,6 +114,7 @@ class RpcServer:
         self.welcome = Welcome(protocol_version=PROTOCOL_VERSION, server_id=server_id, host_id=host_id,
                                roles=roles)
         self._server: asyncio.Server | None = None
+        self._faults = PayloadFaults(config.fault_corrupt_payload_chunks)
         self._conns: set[Connection] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self.address = ""
@@ -132,7 +137,7 @@ class RpcServer:
             await self._server.wait_closed()
 
     def _make_conn(self) -> Connection:
-        conn = Connection(self.config, self._on_frame, self._choose_sink, self._on_lost)
+        conn = Connection(self.config, self._on_frame, self._choose_sink, self._on_lost, self._faults)
         self._conns.add(conn)
         loop = asyncio.get_running_loop()
         loop.call_later(self.config.handshake_timeout, self._check_handshake, conn)
@@ -145,14 +150,14 @@ class RpcServer:
     def _on_lost(self, conn: Connection, exc: Exception | None) -> None:
         self._conns.discard(conn)
 
-    def _choose_sink(self, conn: Connection, env: Envelope, message: Any, size: int) -> Sink | None:
+    def _choose_sink(self, conn: Connection, env: Envelope, message: Any, size: int) -> Sink | Landing | None:
         if not conn.authenticated:
             raise Unauthenticated("payload before handshake")
         entry = self.registry.get(type(message))
         if entry is None or entry[1] is None:
             raise InvalidArgument(f"{type(message).__name__} does not take a payload")
         view = entry[1](message, conn)
-        if view is None or isinstance(view, list):
+        if view is None or isinstance(view, list | Landing):
             return view
         if len(view) < size:
             raise InvalidArgument(f"payload of {size} bytes overruns its {len(view)}-byte destination")
@@ -193,6 +198,7 @@ class RpcServer:
         ctx = CallContext(trace_id=env.trace_id, deadline=env.deadline)
         set_current_trace(env.trace_id)
         reply: Reply | None = None
+        landing = frame.landing
         try:
             if frame.error is not None:
                 raise frame.error
@@ -200,13 +206,16 @@ class RpcServer:
             if entry is None:
                 raise InvalidArgument(f"{type(frame.message).__name__} is not served here")
             ctx.check(type(frame.message).__name__)
-            coro = entry[0](frame.message, Request(conn, ctx, frame.payload, conn.peer))
+            await verify_payload(frame)
+            coro = entry[0](frame.message, Request(conn, ctx, frame.payload, conn.peer,
+                                                   landing.context if landing is not None else None))
             left = ctx.remaining()
             try:
                 result = await (coro if left is None else asyncio.wait_for(coro, left))
             except TimeoutError:
                 raise DeadlineExceeded(f"{type(frame.message).__name__}: deadline passed while running",
                                        trace_id=env.trace_id) from None
+            landing = None  # the handler took the payload's destination over
             reply = result if isinstance(result, Reply) else Reply(result)
             body = encode_envelope(env.request_id, RESPONSE, env.trace_id, None, reply.message)
             await conn.send(body, reply.payload)
@@ -218,6 +227,8 @@ class RpcServer:
             log.exception("handler for %s failed", type(frame.message).__name__)
             self._write_error(conn, env, InternalError(f"{type(exc).__name__}: {exc}"))
         finally:
+            if landing is not None and landing.discard is not None:
+                landing.discard()
             if reply is not None and reply.on_sent is not None:
                 reply.on_sent()
 
@@ -237,6 +248,20 @@ class RpcServer:
             await conn.send(body)
 
 
+async def verify_payload(frame: Frame) -> None:
+    """Check a received payload against the checksums it came with (``ChunkCorrupted`` on a mismatch:
+    nothing of it may be used; a retry may succeed)."""
+    if frame.payload is None or frame.checksums is None:
+        return
+    views = payload_views(frame.payload)
+    size = sum(v.nbytes for v in views)
+    bad = first_bad_chunk(views, frame.checksums) if size < 1 << 20 else \
+        await asyncio.to_thread(first_bad_chunk, views, frame.checksums)
+    if bad is not None:
+        raise ChunkCorrupted(f"{type(frame.message).__name__}: payload chunk {bad} failed its checksum",
+                             trace_id=frame.envelope.trace_id)
+
+
 class RpcChannel:
     """A client's connection to one server, reconnecting on demand.
 
@@ -251,11 +276,13 @@ class RpcChannel:
         token: str | None,
         peer_id: str = "",
         host_id: str = "",
+        faults: PayloadFaults | None = None,
     ) -> None:
         self.address = address
         self.config = config
         self.hello = Hello(protocol_version=PROTOCOL_VERSION, token=token, peer_id=peer_id, host_id=host_id)
         self.welcome: Welcome | None = None
+        self._faults = faults
         self._conn: Connection | None = None
         self._connecting: asyncio.Lock | None = None
         self._ids = itertools.count(1)
@@ -273,7 +300,8 @@ class RpcChannel:
             try:
                 _, conn = await asyncio.wait_for(
                     loop.create_connection(
-                        lambda: Connection(self.config, self._on_frame, self._choose_sink, self._on_lost),
+                        lambda: Connection(self.config, self._on_frame, self._choose_sink, self._on_lost,
+                                           self._faults),
                         host, port),
                     self.config.connect_timeout,
                 )
@@ -336,6 +364,7 @@ class RpcChannel:
             raise InternalError("malformed error reply", trace_id=ctx.trace_id)
         if frame.error is not None:
             raise frame.error
+        await verify_payload(frame)
         return frame
 
     def _choose_sink(self, conn: Connection, env: Envelope, message: Any, size: int) -> Sink | None:
