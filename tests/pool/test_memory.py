@@ -12,6 +12,7 @@ import pytest
 from tensorcast.errors import ResourceExhausted
 from tensorcast.pool.memory import MemoryTier
 from tensorcast.pool.segments import SegmentStock
+from tensorcast.pool.state import MemoryReplica
 
 MiB = 1 << 20
 
@@ -38,8 +39,11 @@ def test_pack_is_carved_out_of_stock_chunks_page_aligned(tier: MemoryTier) -> No
     assert os.stat(first.path).st_size == 8 * MiB  # the unused tails go back later, off the caller's path
     page = os.sysconf("SC_PAGE_SIZE")
     # Best fit, largest first: 6 MiB in one chunk; 3 MiB + 5 (a page more), 3 MiB, 1 MiB, 100 B in the other.
-    assert tier.trim() == (8 * MiB - 6 * MiB) + (8 * MiB - 7 * MiB - 2 * page)
+    # The chunk with the most room (2 MiB, holding the 6 MiB tensor) stays open for the next batch; the
+    # other's tail goes back.
+    assert tier.trim() == 8 * MiB - 7 * MiB - 2 * page
     assert os.stat(first.path).st_size < 8 * MiB and tier.trim() == 0
+    assert os.stat(big[3].segment.path).st_size == 8 * MiB
     for i, loc in enumerate(locs):  # non-overlapping: each keeps its own bytes
         np.frombuffer(loc.view(), np.uint8)[:] = i + 1
     for i, loc in enumerate(locs):
@@ -64,19 +68,58 @@ def test_without_stock_small_tensors_still_share_a_mappable_pack() -> None:
         t.close()
 
 
+def test_the_next_batch_continues_in_the_open_chunk(tier: MemoryTier) -> None:
+    (a,) = tier.allocate_pack([1 * MiB])
+    (b,) = tier.allocate_pack([2 * MiB + 5])
+    (c,) = tier.allocate_pack([1 * MiB])
+    assert a.segment is b.segment is c.segment and (a.offset, b.offset, c.offset) == (0, MiB, 3 * MiB + 4096)
+    assert tier.stock.ready_bytes == 24 * MiB  # one chunk for three batches, nothing to trim
+    assert tier.trim() == 0
+    for loc in (a, b, c):  # freed blobs' pages are not handed out again while the chunk lives
+        tier.discard(loc)
+    (d,) = tier.allocate_pack([1 * MiB])
+    assert d.segment is a.segment and d.offset > c.offset
+
+
+def test_freed_memory_no_caller_was_given_is_recycled_faulted(tier: MemoryTier) -> None:
+    (a,) = tier.allocate_pack([7 * MiB + MiB // 2])  # too little room left to stay open
+    seg = a.segment
+    tier.commit_blob("a" * 64, a)
+    tier.state.add_replica(MemoryReplica("x", ("a" * 64,)))
+    ready = tier.stock.ready_bytes
+    for digest in tier.state.remove_replica("x"):
+        tier._free_blob(digest)
+    assert os.path.exists(seg.path) and tier.stock.ready_bytes > ready  # back in the stock, pages and all
+    (b,) = tier.allocate_pack([7 * MiB])
+    assert b.segment is seg  # and reused for the next batch
+
+
+def test_exported_memory_is_never_reused(tier: MemoryTier) -> None:
+    (a,) = tier.allocate_pack([7 * MiB + MiB // 2])
+    a.segment.exported = True  # a same-host caller was given it: it may have it mapped
+    tier.commit_blob("a" * 64, a)
+    tier.state.add_replica(MemoryReplica("x", ("a" * 64,)))
+    ready = tier.stock.ready_bytes
+    for digest in tier.state.remove_replica("x"):
+        tier._free_blob(digest)
+    assert not os.path.exists(a.segment.path) and tier.stock.ready_bytes == ready
+
+
 def test_trim_skips_a_chunk_retired_meanwhile(tier: MemoryTier) -> None:
-    (a,) = tier.allocate_pack([2 * MiB])
+    (a,) = tier.allocate_pack([7 * MiB + MiB // 2])
+    a.segment.exported = True  # (recycled otherwise)
     tier.discard(a)  # a failed fetch: the chunk goes with its only blob
     assert not os.path.exists(a.segment.path)
     assert tier.trim() == 0
 
 
 def test_a_pack_segment_goes_with_its_last_blob(tier: MemoryTier) -> None:
-    a, b = tier.allocate_pack([2 * MiB, 2 * MiB])
+    a, b = tier.allocate_pack([4 * MiB, 3 * MiB + MiB // 2])
     assert a.segment is b.segment
     tier.commit_blob("a" * 64, a)
     tier.commit_blob("b" * 64, b)
     path = a.segment.path
+    a.segment.exported = True  # a caller mapped it: it is unlinked, not recycled
     assert tier.state.commit_blob("a" * 64, 0) is False  # already there
     tier.state.free_blob("a" * 64)
     tier._release_loc(a)

@@ -15,7 +15,7 @@ import os
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -61,6 +61,8 @@ from tensorcast.wire.messages import (
 )
 
 __all__ = ["AsyncArtifact", "AsyncClient", "AsyncView", "connect"]
+
+T = TypeVar("T")
 
 
 class AsyncView:
@@ -181,10 +183,9 @@ class AsyncArtifact(ArtifactBase):
             msg = msgspec.structs.replace(msg, view=view.slices, view_id=view.view_id, view_meta=meta)
         elif rules is not None:
             raise InvalidArgument("rules= takes effect with tp=TP(rank, world_size)")
-        done = await self.client.caller.call(msg, Prefetched, self.client.caller.context(timeout))
-        if msg.view is None and (not done.already_present or
-                                 all(r.worker_id != to or r.tier != "memory" for r in self.info.replicas)):
-            await self.refresh()  # reads through this handle should see the new replica
+        done = await self.client._send_to_worker(to, msg, Prefetched, self.client.caller.context(timeout))
+        if msg.view is None and done.artifact is not None:
+            self.info = done.artifact  # reads through this handle see the new replica
         return done
 
     async def evict(self, on: str) -> None:
@@ -253,6 +254,19 @@ class AsyncClient:
         except KeyError:
             raise NotFound(f"no worker {worker_id!r}") from None
 
+    async def _send_to_worker(self, worker_id: str, msg: Any, expect: type[T], ctx: CallContext) -> T:
+        """A request about worker ``worker_id``, sent to it directly when its address is known (one hop
+        fewer than through the gateway, which routes it there too); through the gateway otherwise, or if
+        that address no longer answers (the worker moved)."""
+        address = self._workers[worker_id].address if worker_id in self._workers else ""
+        if address and address != self.address:
+            try:
+                return await self.caller.call(msg, expect, ctx, address=address)
+            except Unavailable:
+                self._workers.pop(worker_id, None)
+                await self.caller.drop(address)
+        return await self.caller.call(msg, expect, ctx)
+
     async def put(self, tensors: Any, key: str | None = None, *, ttl: float | None = None,
                   policy: str | Placement | None = None, on: str | None = None, timeout: float | None = None,
                   ctx: CallContext | None = None) -> AsyncArtifact:
@@ -297,7 +311,7 @@ class AsyncClient:
         if ARTIFACT_ID_RE.match(key_or_id) and tp is None and slices is None and rules is None:
             msg = Prefetch(artifact_id=key_or_id, worker_id=to, pin=pin, pin_ttl=pin_ttl, streams=streams,
                            device=device)
-            return await self.caller.call(msg, Prefetched, self.caller.context(timeout))
+            return await self._send_to_worker(to, msg, Prefetched, self.caller.context(timeout))
         art = await self.artifact(key_or_id, timeout=timeout)
         return await art.prefetch(to, pin=pin, pin_ttl=pin_ttl, timeout=timeout, streams=streams, tp=tp, rules=rules,
                                   slices=slices, device=device)

@@ -129,17 +129,29 @@ class SqliteBackend(MetadataBackend):
             self.db.execute("ALTER TABLE workers ADD COLUMN memory_prefaulted INTEGER NOT NULL DEFAULT 0")
 
     @contextlib.contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
+    def _tx(self, durable: bool = True) -> Iterator[sqlite3.Connection]:
         """One write transaction: committed when the block ends (``return`` included), rolled back if it
-        raises, so a failed statement never leaves the connection inside a transaction."""
+        raises, so a failed statement never leaves the connection inside a transaction.
+
+        ``durable=False`` is for state that a power loss makes moot anyway: heartbeats, and the locations of
+        *memory* replicas (which do not survive a power loss either; restarted workers re-register and
+        their memory replicas are cleared). Those commits survive a crash of this process (WAL) without
+        waiting for an fsync; everything else waits for the configured ``synchronous`` level."""
         db = self.db
-        db.execute("BEGIN IMMEDIATE")
+        relaxed = not durable and self.synchronous in ("FULL", "EXTRA")
+        if relaxed:
+            db.execute("PRAGMA synchronous=NORMAL")
         try:
-            yield db
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        db.execute("COMMIT")
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+        finally:
+            if relaxed:
+                db.execute(f"PRAGMA synchronous={self.synchronous}")
 
     # ----------------------------------------------------------------- workers
     async def register_worker(self, worker: WorkerInfo, now: float) -> int:
@@ -158,7 +170,7 @@ class SqliteBackend(MetadataBackend):
 
     async def heartbeat(self, worker_id: str, incarnation: int, stats: dict[str, float], now: float,
                         dropped: tuple[str, ...]) -> tuple[bool, tuple[str, ...]]:
-        with self._tx() as db:
+        with self._tx(durable=False) as db:
             cur = db.execute(
                 "UPDATE workers SET last_heartbeat=?, memory_used=?, memory_capacity=?, artifacts=?, disk_used=?, "
                 "disk_capacity=?, net_in_bps=?, net_out_bps=?, transfers_in_flight=?, memory_prefaulted=? "
@@ -205,7 +217,7 @@ class SqliteBackend(MetadataBackend):
         if row is None:
             return False
         info = msgspec.structs.replace(_INSTANCE.decode(row[0]), **load)
-        with self._tx() as db:
+        with self._tx(durable=False) as db:
             db.execute("UPDATE instances SET info=?, last_heartbeat=? WHERE instance_id=?",
                        (_ENC.encode(info), now, instance_id))
         return True
@@ -227,7 +239,7 @@ class SqliteBackend(MetadataBackend):
                            [(r.shard, r.holder, r.token, r.expiry, r.acquired_at) for r in records])
 
     async def page_index_put(self, keys: tuple[str, ...], worker_id: str) -> None:
-        with self._tx() as db:
+        with self._tx(durable=False) as db:
             db.executemany("INSERT OR REPLACE INTO page_index VALUES (?,?)", [(k, worker_id) for k in keys])
 
     async def page_index_get(self, keys: tuple[str, ...]) -> list[str]:
@@ -307,7 +319,7 @@ class SqliteBackend(MetadataBackend):
             "SELECT artifact_id FROM artifacts WHERE lease_expiry IS NOT NULL AND lease_expiry <= ?", (now,))]
 
     async def add_replica(self, artifact_id: str, worker_id: str, tiers: tuple[str, ...]) -> bool:
-        with self._tx() as db:
+        with self._tx(durable=set(tiers) != {"memory"}) as db:
             if db.execute("SELECT 1 FROM artifacts WHERE artifact_id=?", (artifact_id,)).fetchone() is None:
                 return False
             for tier in tiers:
@@ -316,6 +328,6 @@ class SqliteBackend(MetadataBackend):
         return True
 
     async def remove_replica(self, artifact_id: str, worker_id: str, tier: str) -> None:
-        with self._tx() as db:
+        with self._tx(durable=tier != "memory") as db:
             db.execute("DELETE FROM replicas WHERE artifact_id=? AND worker_id=? AND tier=?",
                        (artifact_id, worker_id, tier))

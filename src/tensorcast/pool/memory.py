@@ -28,6 +28,8 @@ from tensorcast.records import TensorMeta
 __all__ = ["BlobLoc", "MemoryTier"]
 
 _PAGE = mmap.PAGESIZE  # blobs in a pack start on a page: callers map each one on its own
+# A chunk stays open for the next batch only with at least this much room left.
+_MIN_OPEN_ROOM = 1024 * 1024
 
 
 def _pages(nbytes: int) -> int:
@@ -60,6 +62,8 @@ class MemoryTier:
         self._tensors: dict[str, tuple[TensorMeta, ...]] = {}
         self._closing: list[Segment] = []
         self._untrimmed: list[tuple[Segment, int]] = []  # pack chunks and the bytes they use
+        self._open: tuple[Segment, int] | None = None  # the chunk the next pack continues in, and its bytes used
+        self._trimming: set[int] = set()  # ids of chunks being cut down right now
         self.last_alloc = 0.0  # monotonic time of the last allocation: the stock refills after a quiet spell
         remove_stale_segments(prefix)
 
@@ -95,76 +99,131 @@ class MemoryTier:
         return BlobLoc(seg, 0, nbytes, nbytes)
 
     def allocate_pack(self, sizes: list[int]) -> list[BlobLoc]:
-        """Room for a batch of blobs that live and die together (the tensors of one artifact or view).
+        """Room for a batch of blobs (the tensors of one artifact or view, a checkpoint's hundreds of tensors).
 
-        They are carved, page-aligned, out of pre-faulted stock chunks, so that a checkpoint of hundreds of
-        tensors is filled without first-touch faults; small ones too, so that callers can map them (arena
-        slots are reused, so they are never mapped). Largest first, each into the chunk of this batch with
-        the least room that still fits it (best fit decreasing): the batch takes as few chunks as it can.
-        Once the stock is empty, fresh segments (not pre-faulted) take its place. A tensor larger than a
-        chunk gets a segment of its own. A chunk goes when its last blob does: until then freed blobs' pages
-        stay (they may be mapped by callers). The chunks' unused tails are given back later, by ``trim()``:
-        freeing pages costs about as much as filling them, and the caller is waiting. Blocking (it may
-        create segments): call it off the event loop. All or nothing.
+        They are carved, page-aligned, out of pre-faulted stock chunks, so that they are filled without
+        first-touch faults; small ones too, so that callers can map them (arena slots are reused, so they
+        are never mapped). Largest first, each into the chunk with the least room that still fits it (best
+        fit decreasing): the batch takes as few chunks as it can. The chunk with the most room left stays
+        *open*: the next batch continues in it, so a stream of small transfers keeps filling one chunk
+        instead of taking (and later trimming) a chunk each. Freed blobs' pages in a chunk are never handed
+        out again while the chunk lives (callers may have them mapped); a chunk goes with its last blob,
+        back to the stock if no caller was ever given it. Once the stock is empty, fresh segments (not
+        pre-faulted) take its place. A tensor larger than a chunk gets a segment of its own. Other chunks'
+        unused tails are given back later, by ``trim()``. Blocking: call it off the event loop. All or
+        nothing.
         """
         self.last_alloc = time.monotonic()
         out: list[BlobLoc | None] = [None] * len(sizes)
-        chunk_bytes = self.stock.chunk_bytes
-        order = sorted((k for k in range(len(sizes)) if 0 < sizes[k] <= chunk_bytes), key=lambda k: -sizes[k])
-        left = sum(_pages(sizes[k]) for k in order)  # bytes still to place in chunks
-        room: list[tuple[int, int]] = []  # (bytes left, index into chunks), sorted: best fit by bisection
-        chunks: list[tuple[Segment, list[int]]] = []  # (chunk, [bytes used])
+        chunks: list[tuple[Segment, list[int]]] = []  # (chunk, [bytes used]); the open one first, if any
+        with self.lock:  # the open chunk is this batch's alone until it is handed back
+            opened, self._open = self._open, None
+        if opened is not None:
+            chunks.append((opened[0], [opened[1]]))
         try:
             for k in range(len(sizes)):
-                if not 0 < sizes[k] <= chunk_bytes:
+                if not 0 < sizes[k] <= self.stock.chunk_bytes:
                     out[k] = self.allocate(sizes[k])  # a tensor larger than a chunk: a segment of its own
-            for i in order:
-                size = sizes[i]
-                at = bisect.bisect_left(room, (size, -1))
-                if at < len(room):
-                    k = room.pop(at)[1]
-                else:
-                    # A stock chunk; once the stock is empty, a fresh segment for the rest (faulted in as it
-                    # is filled): small tensors stay in a pack, where callers can map them, not in arena slots.
-                    seg = self.stock.take_chunk() or Segment.create(SHM_DIR, self.prefix, min(chunk_bytes, left))
-                    seg.blobs = 0
-                    k = len(chunks)
-                    chunks.append((seg, [0]))
-                seg, used = chunks[k]
-                with self.lock:
-                    self.state.reserve(size)
-                seg.blobs += 1
-                out[i] = BlobLoc(seg, used[0], size, size)
-                used[0] += _pages(size)
-                left -= _pages(size)
-                if used[0] < seg.size:
-                    bisect.insort(room, (seg.size - used[0], k))
+            self._place(sizes, out, chunks)
         except BaseException:
-            for seg, _ in chunks:
-                if seg.blobs == 0:
-                    self._retire(seg)  # taken from the stock, nothing placed in it yet
             for loc in out:
                 if loc is not None:
                     self.discard(loc)
+            with self.lock:
+                for k, (seg, _) in enumerate(chunks):
+                    if k == 0 and opened is not None:
+                        self._hand_back_open(seg, opened[1])  # nothing of this batch stays in it
+                    elif seg.blobs == 0:
+                        self._retire(seg)  # taken from the stock, nothing placed in it yet
             raise
-        with self.lock:
-            self._untrimmed += [(seg, used[0]) for seg, used in chunks if used[0] < seg.size]
+        self._keep_open(chunks, opened is not None)
         return [loc for loc in out if loc is not None]
+
+    def _place(self, sizes: list[int], out: list[BlobLoc | None], chunks: list[tuple[Segment, list[int]]]) -> None:
+        """Best fit decreasing of the blobs that fit a chunk into ``chunks``, taking more as needed."""
+        chunk_bytes = self.stock.chunk_bytes
+        order = sorted((k for k in range(len(sizes)) if 0 < sizes[k] <= chunk_bytes), key=lambda k: -sizes[k])
+        left = sum(_pages(sizes[k]) for k in order)  # bytes still to place
+        room = sorted((seg.size - used[0], k) for k, (seg, used) in enumerate(chunks))  # best fit by bisection
+        for i in order:
+            size = sizes[i]
+            at = bisect.bisect_left(room, (_pages(size), -1))
+            if at < len(room):
+                k = room.pop(at)[1]
+            else:
+                # Recycled or pre-faulted memory from the stock; once it is empty, a fresh segment for the
+                # rest (faulted in as it is filled): small tensors stay in a pack, where callers can map
+                # them, not in arena slots.
+                seg = self.stock.take_for_pack(_pages(size)) or \
+                    Segment.create(SHM_DIR, self.prefix, min(chunk_bytes, left))
+                seg.blobs = 0
+                k = len(chunks)
+                chunks.append((seg, [0]))
+            seg, used = chunks[k]
+            with self.lock:
+                self.state.reserve(size)
+            seg.blobs += 1
+            out[i] = BlobLoc(seg, used[0], size, size)
+            used[0] += _pages(size)
+            left -= _pages(size)
+            if used[0] < seg.size:
+                bisect.insort(room, (seg.size - used[0], k))
+
+    def _keep_open(self, chunks: list[tuple[Segment, list[int]]], had_open: bool) -> None:
+        """After a batch: the chunk with the most room left stays open for the next one; the others' tails
+        wait for ``trim()``. An open chunk holds one reference of its own, so it outlives its blobs."""
+        with self.lock:
+            best = max(range(len(chunks)), key=lambda k: chunks[k][0].size - chunks[k][1][0], default=-1)
+            for k, (seg, used) in enumerate(chunks):
+                was_open = had_open and k == 0
+                if k == best and seg.size - used[0] >= _MIN_OPEN_ROOM:
+                    if not was_open:
+                        seg.blobs += 1
+                    self._hand_back_open(seg, used[0])
+                elif was_open:
+                    self._close_open(seg, used[0])
+                elif used[0] < seg.size:
+                    self._untrimmed.append((seg, used[0]))
+
+    def _hand_back_open(self, seg: Segment, used: int) -> None:
+        """Make ``seg`` the open chunk (with the lock held); if another batch set one meanwhile, the one with
+        less room left is closed."""
+        if self._open is not None:
+            other, other_used = self._open
+            if other.size - other_used >= seg.size - used:
+                self._close_open(seg, used)
+                return
+            self._close_open(other, other_used)
+        self._open = (seg, used)
+
+    def _close_open(self, seg: Segment, used: int) -> None:
+        """A chunk stops being open: without blobs it goes (back to the stock, whole), else its tail waits
+        for ``trim()``."""
+        seg.blobs -= 1
+        if seg.blobs <= 0:
+            self._retire(seg)
+        elif used < seg.size:
+            self._untrimmed.append((seg, used))
 
     def trim(self) -> int:
         """Give back the unused tail pages of the chunks that packs were carved from; returns the bytes
         given back. Blocking (call it off the event loop, when the hot path is done)."""
         with self.lock:
             todo, self._untrimmed = self._untrimmed, []
+            self._trimming.update(id(seg) for seg, _ in todo)  # not recycled while being cut
         freed = 0
         for seg, used in todo:
-            with self.lock:
-                if seg.blobs <= 0:  # retired meanwhile: its pages are gone with it
-                    continue
-            with contextlib.suppress(FileNotFoundError):
-                before = seg.size
-                seg.shrink(used)
-                freed += before - used
+            try:
+                with self.lock:
+                    if seg.blobs <= 0:  # retired meanwhile: its pages are gone with it
+                        continue
+                with contextlib.suppress(FileNotFoundError):
+                    before = seg.size
+                    seg.shrink(used)
+                    freed += before - used
+            finally:
+                with self.lock:
+                    self._trimming.discard(id(seg))
         return freed
 
     def discard(self, loc: BlobLoc) -> None:
@@ -257,6 +316,11 @@ class MemoryTier:
                 self._retire(loc.segment)
 
     def _retire(self, segment: Segment) -> None:
+        """A segment's last blob is gone (the lock is held): its memory goes back to the stock when no caller
+        was ever given it and no reader holds it (its pages stay faulted), else it is unlinked and unmapped."""
+        if id(segment) not in self._trimming and self.stock.recycle(segment):
+            self._untrimmed = [(s, used) for s, used in self._untrimmed if s is not segment]  # it is whole
+            return
         segment.unlink()
         if not segment.try_close():
             self._closing.append(segment)
@@ -269,6 +333,9 @@ class MemoryTier:
     def close(self) -> None:
         with self.lock:
             segs = list({id(b.segment): b.segment for b in self._blobs.values() if b.arena is None}.values())
+            if self._open is not None and all(s is not self._open[0] for s in segs):
+                segs.append(self._open[0])
+            self._open = None
             for seg in segs + list(self._arenas.values()) + self._closing:
                 seg.unlink()
                 seg.try_close()

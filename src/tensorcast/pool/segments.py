@@ -12,7 +12,10 @@ reused for other bytes. Does not own: accounting (``pool.state``).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import ctypes
+import ctypes.util
 import errno
 import glob
 import logging
@@ -31,6 +34,13 @@ SHM_DIR = "/dev/shm"
 log = logging.getLogger("tensorcast.pool")
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14; older kernels refuse it (EINVAL)
+_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+# Pages are faulted in steps of this many bytes: each step holds the process's mmap lock only briefly, so
+# the event loop (which maps and unmaps memory too) never waits long behind the pre-faulting thread.
+_PREFAULT_STEP = 2 * 1024 * 1024
+# ctypes calls release the GIL: the event loop runs on while a page-populating call is in the kernel.
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 class SegmentGone(NotFound):
@@ -40,7 +50,7 @@ class SegmentGone(NotFound):
 class Segment:
     """A mapped file owned by this process (a worker)."""
 
-    __slots__ = ("_mm", "_unlinked", "blobs", "path", "readers", "size")
+    __slots__ = ("_mm", "_unlinked", "blobs", "exported", "path", "readers", "size")
 
     def __init__(self, path: str, size: int, mm: mmap.mmap | None) -> None:
         self.path = path
@@ -48,6 +58,8 @@ class Segment:
         self._mm = mm
         self.readers = 0
         self.blobs = 1  # blobs living in it: a pack segment holds several, and goes with the last one
+        # Its name was handed to a caller, who may have mapped it: its pages may never hold other bytes.
+        self.exported = False
         self._unlinked = False
 
     @classmethod
@@ -64,11 +76,34 @@ class Segment:
                     if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT):
                         raise ResourceExhausted(f"{directory} is full: cannot reserve {size} bytes") from None
                     raise
-                flags = mmap.MAP_SHARED | (_POPULATE if populate else 0)
-                mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        return cls(path, size, mm)
+        seg = cls(path, size, mm)
+        if populate:
+            seg.prefault()
+        return seg
+
+    def prefault(self, stop: Callable[[], bool] = lambda: False) -> bool:
+        """Map every page in now (writable), a step at a time, so that filling the segment later pays no
+        page faults (here a fault costs more than copying the page). Stops early when ``stop()`` says so;
+        True when every page is in. Only for a segment no other thread uses yet (its address is used
+        without a buffer export). Each step runs without the GIL (``mmap.madvise`` would hold it) and holds
+        the process's mmap lock for one step only; older kernels without MADV_POPULATE_WRITE: one touch per
+        page."""
+        if self._mm is None:
+            return True
+        holder = ctypes.c_char.from_buffer(self._mm)
+        base = ctypes.addressof(holder)
+        del holder  # the mapping stays; only the export is dropped, so the segment can still be closed
+        for start in range(0, self.size, _PREFAULT_STEP):
+            if stop():
+                return False
+            length = min(_PREFAULT_STEP, self.size - start)
+            if _LIBC.madvise(ctypes.c_void_p(base + start), ctypes.c_size_t(length), _POPULATE_WRITE) != 0:
+                view = memoryview(self._mm)[start : start + length]
+                view[:: mmap.PAGESIZE] = bytes(-(-length // mmap.PAGESIZE))
+        return True
 
     @classmethod
     def open_existing(cls, path: str, writable: bool = False) -> Segment:
@@ -136,15 +171,19 @@ class Segment:
 
 
 class SegmentStock:
-    """Pre-faulted segments, built while the worker is idle, up to a byte budget.
+    """Pre-faulted segments, ready to be filled without first-touch page faults, up to a byte budget.
 
-    Two kinds, so that both a burst of many tensors and repeated large puts find memory ready:
+    Three kinds, so that a burst of many tensors, repeated large puts and a steady stream of transfers all
+    find memory ready:
     - **chunks** of ``chunk_bytes``: the budget left after the demanded classes is kept full of them.
       ``take_chunk()`` hands one out whole (a pack allocation carves many tensors out of it);
       ``take(size)`` for ``size <= chunk_bytes`` cuts one down to ``size`` (the tail pages go back).
     - **size classes** (powers of two) for objects larger than a chunk: every miss records demand for its
       class and ``refill()`` builds one segment per demanded class (first), so that a workload that keeps
       putting similar large tensors finds one ready.
+    - **recycled** segments (``recycle``): memory whose bytes were freed and that no caller was ever given
+      (so nobody can have it mapped: the zero-copy invariant holds) keeps its faulted pages and serves the
+      next allocation of a similar size. Sustained transfers then never wait for first touch.
 
     ``refill(busy)`` builds one segment at a time and stops as soon as ``busy()`` says the hot path needs
     the CPU again. The stock is extra memory beyond the tier's capacity; its size is a worker signal.
@@ -160,6 +199,7 @@ class SegmentStock:
         self._lock = threading.Lock()
         self._chunks: list[Segment] = []
         self._stock: dict[int, list[Segment]] = {}
+        self._recycled: list[Segment] = []  # sorted by size
         self._bytes = 0
         self._closed = False
         self._wanted: set[int] = set()  # classes above the chunk size to keep one segment ready of
@@ -181,13 +221,22 @@ class SegmentStock:
             self._bytes -= seg.size
             return seg
 
+    def take_for_pack(self, size: int) -> Segment | None:
+        """A pre-faulted segment to carve a batch of blobs out of, with room for at least ``size`` bytes: the
+        smallest recycled one that fits, else a chunk; None when the stock has neither."""
+        seg = self._take_recycled(size, limit=None)
+        return seg if seg is not None else self.take_chunk() if size <= self.chunk_bytes else None
+
     def take(self, size: int) -> Segment | None:
         """A pre-faulted segment of exactly ``size`` bytes, or None on a miss."""
-        if self.budget <= 0 or size < self.MIN_CLASS // 2:
+        if self.budget <= 0:
             return None
-        if size <= self.chunk_bytes:
+        seg = self._take_recycled(size)
+        if seg is None and size < self.MIN_CLASS // 2:
+            return None
+        if seg is None and size <= self.chunk_bytes:
             seg = self.take_chunk()
-        else:
+        elif seg is None:
             cls = self.size_class(size)
             with self._lock:
                 self._wanted.add(cls)
@@ -198,6 +247,33 @@ class SegmentStock:
         if seg is not None:
             seg.shrink(size)
         return seg
+
+    def _take_recycled(self, size: int, limit: int | None = 2) -> Segment | None:
+        """The smallest recycled segment of at least ``size`` bytes (and at most ``limit * size``)."""
+        with self._lock:
+            at = bisect.bisect_left([s.size for s in self._recycled], size)
+            if at == len(self._recycled) or (limit is not None and self._recycled[at].size > limit * size):
+                return None
+            seg = self._recycled.pop(at)
+            self._bytes -= seg.size
+            return seg
+
+    def recycle(self, seg: Segment) -> bool:
+        """Keep a segment whose bytes were freed, faulted pages and all, for the next allocation. Only for
+        memory no caller was given (``exported`` false) and no reader holds; False when the budget is full
+        (the caller then unlinks it)."""
+        if seg.exported or seg.readers or not seg.size:
+            return False
+        with self._lock:
+            if self._closed or self._bytes + seg.size > self.budget:
+                return False
+            seg.blobs = 1
+            if seg.size == self.chunk_bytes:
+                self._chunks.append(seg)
+            else:
+                bisect.insort(self._recycled, seg, key=lambda s: s.size)
+            self._bytes += seg.size
+            return True
 
     def _next_build(self) -> tuple[int, list[Segment], list[Segment]] | None:
         """What to pre-fault next (size, list to add it to, chunks to give up for it), or None when full.
@@ -221,7 +297,9 @@ class SegmentStock:
             return None
 
     def refill(self, busy: Callable[[], bool] = lambda: False) -> int:
-        """Pre-fault segments until the budget is used or ``busy()`` (blocking); returns bytes added."""
+        """Pre-fault segments until the budget is used or ``busy()`` (blocking; ``busy`` is asked between
+        steps of a few MiB, so the hot path never waits long); returns bytes added. A segment cut short by
+        ``busy`` is kept with the pages it has."""
         added = 0
         while not busy() and (job := self._next_build()) is not None:
             size, into, dropped = job
@@ -229,16 +307,19 @@ class SegmentStock:
                 seg.unlink()
                 seg.try_close()
             try:
-                seg = Segment.create(self.directory, self.prefix, size, populate=True)
+                seg = Segment.create(self.directory, self.prefix, size)
             except Exception as exc:  # a full /dev/shm: the stock is an optimisation, never an error
                 log.debug("prefault of %d bytes failed: %s", size, exc)
                 return added
+            complete = seg.prefault(busy)
             with self._lock:
                 if not self._closed:
                     into.append(seg)
                     self._bytes += size
                     added += size
-                    continue
+                    if complete:
+                        continue
+                    return added
             seg.unlink()
             seg.try_close()
             return added
@@ -247,8 +328,8 @@ class SegmentStock:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            segs = self._chunks + [s for ss in self._stock.values() for s in ss]
-            self._chunks = []
+            segs = self._chunks + self._recycled + [s for ss in self._stock.values() for s in ss]
+            self._chunks, self._recycled = [], []
             self._stock.clear()
             self._bytes = 0
         for s in segs:

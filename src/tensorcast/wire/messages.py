@@ -162,6 +162,8 @@ class Prefetched(Msg):
     bytes_moved: int = 0
     seconds: float = 0.0
     retries: int = 0
+    # The artifact's record as the worker saw it, with the new replica: callers need not read it again.
+    artifact: ArtifactInfo | None = None
 
 
 class RegisterCheckpoint(Msg):

@@ -88,6 +88,10 @@ class HandlerRegistry:
     def get(self, msg_type: type) -> tuple[Handler, SinkFn | None] | None:
         return self._handlers.get(msg_type)
 
+    def types(self) -> frozenset[type]:
+        """The message types served."""
+        return frozenset(self._handlers)
+
     async def dispatch(self, msg: Any, ctx: CallContext) -> Any:
         """Run ``msg``'s handler in process (a request this process sends itself) and return its reply."""
         entry = self._handlers.get(type(msg))
@@ -107,8 +111,10 @@ class RpcServer:
         server_id: str,
         host_id: str,
         roles: tuple[str, ...] = (),
+        on_request: Callable[[Any], None] | None = None,
     ) -> None:
         self.registry = registry
+        self._on_request = on_request
         self.config = config
         self.token = token
         self.welcome = Welcome(protocol_version=PROTOCOL_VERSION, server_id=server_id, host_id=host_id,
@@ -171,6 +177,8 @@ class RpcServer:
         if not conn.authenticated:
             self._handshake(conn, frame)
             return
+        if self._on_request is not None:
+            self._on_request(frame.message)
         self._spawn(self._handle(conn, frame))
 
     def _handshake(self, conn: Connection, frame: Frame) -> None:
@@ -288,28 +296,38 @@ class RpcChannel:
         self._ids = itertools.count(1)
         self._pending: dict[int, tuple[asyncio.Future[Frame], ReplySink | None]] = {}
 
-    async def connect(self) -> Welcome:
+    async def connect(self, ctx: CallContext | None = None) -> Welcome:
+        """Open the connection (or reuse it) and handshake; bounded by the handshake timeout and by
+        ``ctx``'s deadline, whichever comes first."""
         if self._connecting is None:
             self._connecting = asyncio.Lock()
+        limit = CallContext(deadline=time.time() + self.config.handshake_timeout)
+        if ctx is not None and ctx.deadline is not None and ctx.deadline < (limit.deadline or 0):
+            limit = ctx
         async with self._connecting:
             if self._conn is not None and not self._conn.closed.is_set():
                 assert self.welcome is not None
                 return self.welcome
             host, port = parse_address(self.address)
             loop = asyncio.get_running_loop()
+            left = min(self.config.connect_timeout, max(limit.remaining() or 0.0, 0.001))
             try:
                 _, conn = await asyncio.wait_for(
                     loop.create_connection(
                         lambda: Connection(self.config, self._on_frame, self._choose_sink, self._on_lost,
                                            self._faults),
                         host, port),
-                    self.config.connect_timeout,
+                    left,
                 )
-            except (OSError, TimeoutError) as exc:
+            except TimeoutError:
+                if limit is ctx:
+                    raise DeadlineExceeded(f"connecting to {self.address}: deadline exceeded",
+                                           trace_id=ctx.trace_id) from None
+                raise Unavailable(f"cannot connect to {self.address}: timed out") from None
+            except OSError as exc:
                 raise Unavailable(f"cannot connect to {self.address}: {exc}") from None
             try:
-                frame = await self._roundtrip(conn, self.hello, CallContext(
-                    deadline=time.time() + self.config.handshake_timeout), None, None)
+                frame = await self._roundtrip(conn, self.hello, limit, None, None)
                 if not isinstance(frame.message, Welcome):
                     raise InvalidArgument(f"unexpected handshake reply {type(frame.message).__name__}")
             except BaseException:
@@ -330,7 +348,7 @@ class RpcChannel:
     ) -> Frame:
         """Send ``message`` and return the reply frame; raise the typed error the server reported."""
         ctx.check(type(message).__name__)
-        await self.connect()
+        await self.connect(ctx)
         assert self._conn is not None
         return await self._roundtrip(self._conn, message, ctx, payload, sink)
 

@@ -16,10 +16,11 @@ import json
 import logging
 
 import blake3
+import msgspec
 
 from tensorcast.cuda import check_device
 from tensorcast.errors import InvalidArgument, TensorCastError
-from tensorcast.records import ArtifactInfo, TensorMeta
+from tensorcast.records import ArtifactInfo, ReplicaInfo, TensorMeta
 from tensorcast.tensors import ARTIFACT_ID_RE, artifact_id, wrap_bytes
 from tensorcast.transport.h2d import to_device
 from tensorcast.weights.safetensors import Checkpoint, CheckpointTensor, open_checkpoint
@@ -70,7 +71,14 @@ class LoadingRole:
             await self.parts.gs.add_replica(info.id, ("memory",), req.ctx)
             log.info("prefetched %s from %s (%d bytes, %.3fs, %d retries)", info.id, result.source or "local disk",
                      result.bytes_moved, result.seconds, result.retries)
-        return result
+        return msgspec.structs.replace(result, artifact=self._with_my_replica(info))
+
+    def _with_my_replica(self, info: ArtifactInfo) -> ArtifactInfo:
+        """``info`` with this worker's memory replica listed (as the global store now records it)."""
+        me = ReplicaInfo(worker_id=self.parts.worker_id, address=self.parts.address, host_id=self.parts.host_id,
+                         tier="memory", data_address=self.storage.data_server.address)
+        others = tuple(r for r in info.replicas if not (r.worker_id == me.worker_id and r.tier == "memory"))
+        return msgspec.structs.replace(info, replicas=(me, *others))
 
     async def _copy_to_device(self, artifact_id: str, device: str) -> None:
         """Copy a memory replica to ``device`` (pipelined H2D), kept for CUDA IPC hand-offs."""

@@ -9,6 +9,7 @@ entry in that table.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,7 +19,7 @@ from tensorcast.wire.rpc import HandlerRegistry
 from tensorcast.worker.gs_link import GlobalStoreLink
 from tensorcast.worker.peers import Peers
 
-__all__ = ["Role", "WorkerParts"]
+__all__ = ["Activity", "Role", "WorkerParts"]
 
 
 class Role(Protocol):
@@ -33,6 +34,20 @@ class Role(Protocol):
 
 
 @dataclass
+class Activity:
+    """When this worker last received a request that moves or holds bytes (a put, a prefetch, a map, KV
+    pages): background work (pre-faulting, trimming) waits for quiet. Signals and metadata do not count."""
+
+    last: float = 0.0  # monotonic
+
+    def touch(self) -> None:
+        self.last = time.monotonic()
+
+    def quiet_for(self) -> float:
+        return time.monotonic() - self.last
+
+
+@dataclass
 class WorkerParts:
     config: Config
     worker_id: str
@@ -42,3 +57,5 @@ class WorkerParts:
     gs: GlobalStoreLink
     peers: Peers
     registry: HandlerRegistry
+    activity: Activity
+    address: str = ""  # this worker's RPC address, once it serves

@@ -34,7 +34,7 @@ from tensorcast.worker.gs_link import GlobalStoreLink
 from tensorcast.worker.instances import InstanceRegistry
 from tensorcast.worker.loading import LoadingRole
 from tensorcast.worker.peers import Peers
-from tensorcast.worker.roles import Role, WorkerParts
+from tensorcast.worker.roles import Activity, Role, WorkerParts
 from tensorcast.worker.storage import StorageRole
 
 __all__ = ["ROLES", "Worker", "run_worker"]
@@ -57,7 +57,7 @@ class Worker:
         registry = HandlerRegistry()
         self.parts = WorkerParts(config=config, worker_id=worker_id, host_id=host_id, roles=tuple(sorted(roles)),
                                  caller=caller, gs=gs, peers=Peers(worker_id, caller, gs, registry),
-                                 registry=registry)
+                                 registry=registry, activity=Activity())
         self.storage = StorageRole(self.parts)
         self.loading = LoadingRole(self.parts, self.storage)
         self.services: list[Role] = [self.storage, self.loading, InstanceRegistry(self.parts)]
@@ -67,10 +67,19 @@ class Worker:
         if "shard-home" in roles:
             self.kv_home = ShardHome(worker_id, config.kv, caller, f"{config.worker.shm_prefix}-{worker_id}")
             self.services.append(self.kv_home)
+        busy_types: set[type] = set()  # requests that move or hold bytes: background work waits for quiet
         for service in self.services:
+            before = registry.types()
             service.register(registry)
+            if service in (self.storage, self.loading, self.kv_home):
+                busy_types |= registry.types() - before
+
+        def on_request(msg: object) -> None:
+            if type(msg) in busy_types:
+                self.parts.activity.touch()
+
         self.server = RpcServer(registry, config.wire, token=config.token, server_id=worker_id, host_id=host_id,
-                                roles=self.parts.roles)
+                                roles=self.parts.roles, on_request=on_request)
         self.address = ""
         self._heartbeats: asyncio.Task[None] | None = None
 
@@ -94,7 +103,7 @@ class Worker:
 
     async def start(self) -> str:
         cfg = self.parts.config.worker
-        self.address = await self.server.start(cfg.host, cfg.port)
+        self.address = self.parts.address = await self.server.start(cfg.host, cfg.port)
         self.storage.start_data_server()
         await self._register(_REGISTER_TIMEOUT)
         for service in self.services:

@@ -53,6 +53,8 @@ from tensorcast.worker.store import LocalStore
 __all__ = ["StorageRole", "nbytes_of"]
 
 log = logging.getLogger("tensorcast.worker")
+# Seconds without a request before background work may run (the worker is not serving anyone).
+_QUIET = 0.25
 
 
 def nbytes_of(tensors: tuple[TensorMeta, ...]) -> int:
@@ -158,8 +160,10 @@ class StorageRole:
                 log.exception("housekeeping failed")
 
     def busy(self) -> bool:
-        """A put, fetch or send is running: pre-faulting must not compete with it for the CPU."""
-        busy = bool(self.puts.pending or self.fetcher.in_flight or self.data_server.active)
+        """A put, fetch or send is running, or a request came in a moment ago: pre-faulting and trimming must
+        not compete with the hot path for the CPU (nor hold the locks it needs)."""
+        busy = bool(self.puts.pending or self.fetcher.in_flight or self.data_server.active) or \
+            self.parts.activity.quiet_for() < _QUIET
         if busy:
             self._last_busy = time.monotonic()
         return busy

@@ -310,6 +310,7 @@ class LocalStore:
             if meta.nbytes and tier in ("", "memory") and self.memory.has_blob(meta.digest):
                 loc: BlobLoc = self.memory.blob(meta.digest)
                 if loc.arena is None:  # arena slots are reused: never mapped by callers
+                    loc.segment.exported = True  # the caller may map it: its pages never hold other bytes
                     refs[name] = SegmentRef(path=loc.segment.path, size=loc.size, offset=loc.offset, tier="memory")
             elif meta.nbytes and tier in ("", "disk") and self.disk is not None and self.disk.has_blob(meta.digest):
                 refs[name] = SegmentRef(path=self.disk.blob_path(meta.digest), size=meta.nbytes, tier="disk")
