@@ -31,7 +31,7 @@ import numpy as np
 
 import tensorcast as tc
 from benchlib import best_of, write_json
-from tensorcast.kv.client import AsyncKV
+from tensorcast.client.kv import AsyncKV
 
 KiB, MiB = 1 << 10, 1 << 20
 

@@ -10,8 +10,8 @@ import pytest
 
 import tensorcast as tc
 from tensorcast.client.aio import AsyncArtifact, AsyncClient, AsyncView
+from tensorcast.client.kv import AsyncKV
 from tensorcast.client.sync import KV, Artifact, Client, Operations, View
-from tensorcast.kv.client import AsyncKV
 
 # Async methods with no sync twin, and why.
 NO_TWIN = {

@@ -20,13 +20,13 @@ from typing import Any, TypeVar
 import msgspec
 
 from tensorcast.client.artifact import ArtifactBase, build_view_slices, check_target, copy_into, like_of
+from tensorcast.client.kv import AsyncKV
 from tensorcast.client.locality import Locality
 from tensorcast.client.puts import put_tensors
 from tensorcast.client.reads import Diagnostics, Reader
 from tensorcast.config import Config, default_host_id
 from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument, NotFound, Unavailable
-from tensorcast.kv.client import AsyncKV
 from tensorcast.plans.builder import Plan, PlanOutcome
 from tensorcast.pool.placement import resolve_placement
 from tensorcast.records import ArtifactInfo, InstanceInfo, Placement, SliceSpec, WorkerInfo

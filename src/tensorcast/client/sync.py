@@ -14,13 +14,13 @@ from typing import Any, TypeVar
 
 from tensorcast.client.aio import AsyncArtifact, AsyncClient, AsyncView
 from tensorcast.client.artifact import ArtifactBase
+from tensorcast.client.kv import AsyncKV
 from tensorcast.client.loop import LoopThread
 from tensorcast.client.operation import Operation
 from tensorcast.client.reads import Diagnostics
 from tensorcast.config import Config
 from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument
-from tensorcast.kv.client import AsyncKV
 from tensorcast.plans.builder import Plan, PlanOutcome
 from tensorcast.records import InstanceInfo, Placement, WorkerInfo
 from tensorcast.views import TP, TPRules

@@ -3,7 +3,7 @@
 Owns: ``KVLayout`` (what a page holds: layers, KV heads, head dim, dtype, tokens per page; its
 ``layout_id``), ``page_keys`` (page i's key is the BLAKE3 hash of page i-1's key and page i's tokens,
 salted with the model id and layout id — so a key names a whole prefix, and a prefix lookup is a walk of
-keys), and ``shard_of``. Does not own: where pages live (``kv.home``) or how they are found (``kv.client``).
+keys), and ``shard_of``. Does not own: where pages live (``kv.home``) or how they are found (``client.kv``).
 """
 
 from __future__ import annotations
