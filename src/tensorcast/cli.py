@@ -103,7 +103,7 @@ def gs(data_dir: str, host: str | None, port: int | None, ready_file: str | None
 @click.option("--id", "worker_id", required=True, help="Stable worker id (kept across restarts).")
 @click.option("--host", default=None)
 @click.option("--port", type=int, default=None)
-@click.option("--roles", default=None, help="Comma-separated roles: basic,gateway.")
+@click.option("--roles", default=None, help="Comma-separated roles (default basic,gateway,shard-home).")
 @click.option("--memory", default=None, help="Memory tier capacity, e.g. 8GiB.")
 @click.option("--host-id", default=None, help="Host identity for same-host decisions.")
 @click.option("--ready-file", type=click.Path(dir_okay=False), default=None)

@@ -93,7 +93,7 @@ class GSConfig(msgspec.Struct, frozen=True, kw_only=True):
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 0
-    roles: tuple[str, ...] = ("basic", "gateway")
+    roles: tuple[str, ...] = ("basic", "gateway", "shard-home")
     # Bytes of tensor data the memory tier may hold; puts beyond it fail with ResourceExhausted.
     memory_capacity: int = 4 * 1024**3
     heartbeat_interval: float = 1.0
