@@ -9,6 +9,7 @@ Sizes accept integers or strings with a unit (``512MiB``, ``4GB``). Unknown keys
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import socket
@@ -21,7 +22,7 @@ import msgspec
 from tensorcast.errors import InvalidArgument
 
 __all__ = ["ClientConfig", "Config", "GSConfig", "KVConfig", "TransportConfig", "WireConfig", "WorkerConfig",
-           "default_host_id", "parse_size"]
+           "check_token", "default_host_id", "parse_size"]
 
 _UNITS = {
     "": 1,
@@ -46,8 +47,8 @@ def parse_size(value: int | float | str, key: str = "size") -> int:
     if isinstance(value, bool):
         raise InvalidArgument(f"{key}: expected a size, got {value!r}")
     if isinstance(value, int | float):
-        if value < 0:
-            raise InvalidArgument(f"{key}: size must be >= 0, got {value}")
+        if not math.isfinite(value) or value < 0:
+            raise InvalidArgument(f"{key}: size must be a finite number >= 0, got {value}")
         return int(value)
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
     if not m or m.group(2).lower() not in _UNITS:
@@ -63,6 +64,15 @@ def default_host_id() -> str:
 class WireConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Largest control message body accepted; anything larger is refused with ResourceExhausted.
     max_frame_bytes: int = 64 * 1024**2
+    # Largest frame accepted before a connection has authenticated (a Hello is a few hundred bytes): no
+    # memory is committed to an unauthenticated peer beyond this.
+    max_handshake_bytes: int = 4096
+    # Bytes this process may hold at once in frame bodies and payloads still being received into fresh
+    # buffers (a receiver-chosen destination, such as a segment being filled, does not count); beyond it,
+    # further such frames are refused with ResourceExhausted.
+    receive_budget_bytes: int = 1024**3
+    # Connections a server accepts at once; more are closed at accept.
+    max_connections: int = 4096
     # Largest payload a peer may push without a receiver-chosen destination buffer.
     max_unsolicited_payload_bytes: int = 64 * 1024**2
     # Payloads are written in chunks of this size so flow control can pause the sender.
@@ -148,6 +158,12 @@ class TransportConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Retries of a transfer whose chunk failed its checksum or whose source failed, before trying
     # another replica.
     retries: int = 2
+    # Data-plane connections a worker serves at once, in all and from one peer address; more are closed at
+    # accept. Idle (authenticated) connections wait in one selector thread, not a thread each, and are
+    # closed after idle_timeout seconds.
+    max_connections: int = 512
+    max_connections_per_peer: int = 256
+    idle_timeout: float = 600.0
 
 
 class KVConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -222,9 +238,23 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
                 raise InvalidArgument(f"unknown config key {dotted!r}")
             nested.setdefault(section, {})[key] = _coerce(sub, key, value, dotted)
         try:
-            return msgspec.convert(nested, cls, strict=False)
+            config = msgspec.convert(nested, cls, strict=False)
         except msgspec.ValidationError as exc:
             raise InvalidArgument(f"invalid configuration: {exc}") from exc
+        check_token(config.token)
+        for section in _SECTIONS:
+            for key, value in msgspec.structs.asdict(getattr(config, section)).items():
+                if isinstance(value, float) and not (math.isfinite(value) and value >= 0):
+                    raise InvalidArgument(f"{section}.{key}: expected a finite number >= 0, got {value!r}")
+        return config
+
+
+def check_token(token: str | None) -> None:
+    """A cluster token is either absent (no authentication: processes bind loopback only) or a non-blank
+    secret. An empty one would silently turn authentication off, so it is refused."""
+    if token is not None and not token.strip():
+        raise InvalidArgument("the cluster token is empty or blank: set a secret in TENSORCAST_TOKEN (or --token), "
+                              "or unset it to run without authentication (loopback only)")
 
 
 _SECTIONS: dict[str, type[msgspec.Struct]] = {
@@ -237,6 +267,8 @@ _SECTIONS: dict[str, type[msgspec.Struct]] = {
 }
 _SIZE_KEYS = {
     "max_frame_bytes",
+    "max_handshake_bytes",
+    "receive_budget_bytes",
     "max_unsolicited_payload_bytes",
     "send_chunk_bytes",
     "memory_capacity",

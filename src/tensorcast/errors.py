@@ -33,8 +33,12 @@ __all__ = [
     "TensorCastError",
     "Unauthenticated",
     "Unavailable",
+    "clip",
     "error_from_code",
 ]
+
+# Longest caller-supplied text (a key, a path, a name) an error message repeats.
+CLIP_CHARS = 200
 
 
 class TensorCastError(Exception):
@@ -109,6 +113,13 @@ _BY_CODE: dict[str, type[TensorCastError]] = {
         InternalError,
     )
 }
+
+
+def clip(value: object, limit: int = CLIP_CHARS) -> str:
+    """``repr(value)`` for an error message, cut to about ``limit`` characters: a message never echoes a
+    megabyte key back."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def error_from_code(code: str, message: str, trace_id: str | None = None) -> TensorCastError:

@@ -15,7 +15,7 @@ import time
 
 from tensorcast.context import current_trace_id
 
-__all__ = ["JsonFormatter", "setup_logging"]
+__all__ = ["JsonFormatter", "RateLimitedLog", "setup_logging"]
 
 
 class JsonFormatter(logging.Formatter):
@@ -48,3 +48,29 @@ def setup_logging(process_name: str, level: str | None = None, path: str | None 
     root.setLevel((level or os.environ.get("TENSORCAST_LOG_LEVEL", "INFO")).upper())
     root.propagate = False
     logging.Formatter.converter = time.gmtime
+
+
+class RateLimitedLog:
+    """Warnings about things peers can cause at will (refused connections, malformed frames), logged at a
+    bounded rate: at most ``burst`` per ``period`` seconds, then one line saying how many were left out."""
+
+    def __init__(self, logger: logging.Logger, burst: int = 5, period: float = 10.0) -> None:
+        self.logger = logger
+        self.burst = burst
+        self.period = period
+        self._window = 0.0
+        self._count = 0
+        self._dropped = 0
+
+    def warning(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._window >= self.period:
+            if self._dropped:
+                self.logger.warning("%d more such warnings in the last %.0f s were not logged", self._dropped,
+                                    self.period)
+            self._window, self._count, self._dropped = now, 0, 0
+        if self._count < self.burst:
+            self._count += 1
+            self.logger.warning(msg, *args)
+        else:
+            self._dropped += 1

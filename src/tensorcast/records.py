@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from tensorcast.errors import InvalidArgument
+from tensorcast.errors import InvalidArgument, clip
 
 __all__ = ["ArtifactInfo", "CudaIpcHandle", "InstanceInfo", "Need", "Overflow", "Placement", "ReplicaInfo",
            "SegmentRef", "ShardLease", "SliceSpec", "SlotList", "StepResult", "StepSpec", "TensorMeta",
@@ -197,11 +197,11 @@ class Placement(msgspec.Struct, frozen=True, kw_only=True):
 
     def validate(self) -> Placement:
         if self.memory not in ("required", "preferred", "none"):
-            raise InvalidArgument(f"placement.memory must be required/preferred/none, got {self.memory!r}")
+            raise InvalidArgument(f"placement.memory must be required/preferred/none, got {clip(self.memory)}")
         if self.disk not in ("required", "none"):
-            raise InvalidArgument(f"placement.disk must be required/none, got {self.disk!r}")
+            raise InvalidArgument(f"placement.disk must be required/none, got {clip(self.disk)}")
         if self.overflow not in ("evict", "spill", "reject"):
-            raise InvalidArgument(f"placement.overflow must be evict/spill/reject, got {self.overflow!r}")
+            raise InvalidArgument(f"placement.overflow must be evict/spill/reject, got {clip(self.overflow)}")
         if self.memory == "none" and self.disk == "none":
             raise InvalidArgument("placement keeps no copy: memory and disk are both 'none'")
         if not 1 <= self.replicas <= 16:

@@ -22,7 +22,7 @@ import ml_dtypes
 import msgspec
 import numpy as np
 
-from tensorcast.errors import InvalidArgument
+from tensorcast.errors import InvalidArgument, clip
 from tensorcast.records import TensorMeta
 
 __all__ = [
@@ -76,7 +76,7 @@ def numpy_dtype(name: str) -> np.dtype[Any]:
     try:
         return DTYPES[name]
     except KeyError:
-        raise InvalidArgument(f"unsupported dtype {name!r}; supported: {', '.join(DTYPES)}") from None
+        raise InvalidArgument(f"unsupported dtype {clip(name)}; supported: {', '.join(DTYPES)}") from None
 
 
 _RAW: dict[int, np.dtype[Any]] = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32),
@@ -97,7 +97,7 @@ def dtype_name(dtype: Any) -> str:
     else:
         name = str(dtype).removeprefix("torch.")
     if name not in DTYPES:
-        raise InvalidArgument(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
+        raise InvalidArgument(f"unsupported dtype {clip(dtype)}; supported: {', '.join(DTYPES)}")
     return name
 
 
@@ -153,7 +153,7 @@ def _as_numpy(name: str, value: Any) -> np.ndarray[Any, Any]:
             arr = arr.astype(arr.dtype.newbyteorder("="))
         return arr
     raise InvalidArgument(
-        f"tensor {name!r}: expected a numpy array or a torch CPU tensor, got {type(value).__name__}"
+        f"tensor {clip(name)}: expected a numpy array or a torch CPU tensor, got {type(value).__name__}"
     )
 
 
@@ -168,11 +168,11 @@ def normalize_tensors(tensors: Any) -> list[TensorInput]:
     out: list[TensorInput] = []
     for name, value in items:
         if not isinstance(name, str) or not name:
-            raise InvalidArgument(f"tensor names must be non-empty strings, got {name!r}")
+            raise InvalidArgument(f"tensor names must be non-empty strings, got {clip(name)}")
         arr = _as_numpy(name, value)
         dtype_name = _NAME_BY_NUMPY.get(arr.dtype)
         if dtype_name is None:
-            raise InvalidArgument(f"tensor {name!r}: unsupported dtype {arr.dtype}")
+            raise InvalidArgument(f"tensor {clip(name)}: unsupported dtype {arr.dtype}")
         contiguous = np.ascontiguousarray(arr)
         raw = contiguous.reshape(-1).view(np.uint8)
         meta = TensorMeta(
@@ -203,4 +203,4 @@ def wrap_bytes(buf: Any, meta: TensorMeta, like: str) -> Any:
             return torch.empty(meta.shape, dtype=tdtype)
         raw = torch.frombuffer(buf, dtype=torch.uint8, count=meta.nbytes)
         return raw.view(tdtype).reshape(meta.shape)
-    raise InvalidArgument(f"like must be 'torch' or 'numpy', got {like!r}")
+    raise InvalidArgument(f"like must be 'torch' or 'numpy', got {clip(like)}")

@@ -24,9 +24,9 @@ from tensorcast.client.kv import AsyncKV
 from tensorcast.client.locality import Locality
 from tensorcast.client.puts import put_tensors
 from tensorcast.client.reads import Diagnostics, Reader
-from tensorcast.config import Config, default_host_id
+from tensorcast.config import Config, check_token, default_host_id
 from tensorcast.context import CallContext
-from tensorcast.errors import InvalidArgument, NotFound, Unavailable
+from tensorcast.errors import InvalidArgument, NotFound, Unavailable, clip
 from tensorcast.plans.builder import Plan, PlanOutcome
 from tensorcast.pool.placement import resolve_placement
 from tensorcast.records import ArtifactInfo, InstanceInfo, Placement, SliceSpec, WorkerInfo
@@ -104,7 +104,7 @@ class AsyncView:
                 raise InvalidArgument(f"view holds {len(self.slices)} tensors: name one of {list(self.slices)}")
             name = next(iter(self.slices))
         if name not in self.slices:
-            raise NotFound(f"view has no tensor {name!r}")
+            raise NotFound(f"view has no tensor {clip(name)}")
         return (await self._materialize((name,), like, source, device))[name]
 
     async def tensor_dict(self, like: str = "torch", *, source: str = "auto", device: str = "cpu") -> dict[str, Any]:
@@ -114,7 +114,7 @@ class AsyncView:
     async def tensor_dict_into(self, targets: Mapping[str, Any], *, source: str = "auto") -> None:
         for n in targets:
             if n not in self.slices:
-                raise NotFound(f"view has no tensor {n!r}")
+                raise NotFound(f"view has no tensor {clip(n)}")
             meta = self.artifact.meta(n)
             check_target(msgspec.structs.replace(meta, shape=self.shape(n)), targets[n])
         copy_into(targets, await self._materialize(tuple(targets), like_of(targets), source))
@@ -218,6 +218,7 @@ class AsyncClient:
         self.config = config or Config.load()
         self.address = address
         self.token = token if token is not None else self.config.token
+        check_token(self.token)
         self.host_id = self.config.client.host_id or default_host_id()
         self.client_id = f"client-{uuid.uuid4().hex[:8]}"
         self.caller = Caller(self.config.wire, token=self.token, peer_id=self.client_id, host_id=self.host_id,
@@ -252,7 +253,7 @@ class AsyncClient:
         try:
             return self._workers[worker_id].address
         except KeyError:
-            raise NotFound(f"no worker {worker_id!r}") from None
+            raise NotFound(f"no worker {clip(worker_id)}") from None
 
     async def _send_to_worker(self, worker_id: str, msg: Any, expect: type[T], ctx: CallContext) -> T:
         """A request about worker ``worker_id``, sent to it directly when its address is known (one hop

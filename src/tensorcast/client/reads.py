@@ -27,7 +27,7 @@ from tensorcast.client.locality import Locality
 from tensorcast.config import Config
 from tensorcast.context import CallContext
 from tensorcast.cuda import cuda_available
-from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, Unavailable
+from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, Unavailable, clip
 from tensorcast.pool.segments import SegmentGone, map_private
 from tensorcast.records import ArtifactInfo, ReplicaInfo, SliceSpec, TensorMeta
 from tensorcast.tensors import digest_bytes, numpy_dtype, raw_dtype, wrap_bytes
@@ -67,7 +67,7 @@ class Reader:
 
     def order(self, info: ArtifactInfo, source: str) -> list[ReplicaInfo]:
         if source not in SOURCES:
-            raise InvalidArgument(f"source must be one of {SOURCES}, got {source!r}")
+            raise InvalidArgument(f"source must be one of {SOURCES}, got {clip(source)}")
         local_host = self.locality.host_id
         live = [r for r in info.replicas if r.alive and r.address]
         if source == "local_only":
@@ -94,17 +94,17 @@ class Reader:
                           ctx: CallContext | None = None) -> tuple[dict[str, Any], Diagnostics]:
         ctx = self.caller.context(ctx=ctx)
         if like not in ("torch", "numpy"):
-            raise InvalidArgument(f"like must be 'torch' or 'numpy', got {like!r}")
+            raise InvalidArgument(f"like must be 'torch' or 'numpy', got {clip(like)}")
         if device != "cpu":
             if like != "torch":
-                raise InvalidArgument(f"device {device!r} needs like='torch'")
+                raise InvalidArgument(f"device {clip(device)} needs like='torch'")
             if not device.startswith("cuda") or not cuda_available():
-                raise InvalidArgument(f"device {device!r}: this process has no such device (CUDA devices need "
+                raise InvalidArgument(f"device {clip(device)}: this process has no such device (CUDA devices need "
                                       "torch with CUDA and a GPU); use device='cpu'")
         metas = {t.name: t for t in info.tensors}
         for n in names:
             if n not in metas:
-                raise NotFound(f"artifact {info.id} has no tensor {n!r} (has {sorted(metas)})")
+                raise NotFound(f"artifact {info.id} has no tensor {clip(n)} (has {sorted(metas)})")
         slices = slices or {}
         diag = Diagnostics()
         t0 = time.perf_counter()
@@ -188,7 +188,7 @@ class Reader:
                 await self._fetch_into(replica, req, buf.data, diag, ctx)
                 if not spec and self.verify_remote_reads and \
                         await asyncio.to_thread(digest_bytes, buf.data) != meta.digest:
-                    raise Unavailable(f"tensor {name!r} of {info.id} from {replica.worker_id} failed its digest")
+                    raise Unavailable(f"tensor {clip(name)} of {info.id} from {replica.worker_id} failed its digest")
             out[name] = wrap_bytes(buf, msgspec.structs.replace(meta, shape=shape, nbytes=nbytes), like)
         return out
 

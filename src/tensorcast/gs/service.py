@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from tensorcast.config import Config
-from tensorcast.errors import InvalidArgument, NotFound
+from tensorcast.errors import InvalidArgument, NotFound, clip
 from tensorcast.gs.backend import MetadataBackend
 from tensorcast.gs.sqlite import SqliteBackend
 from tensorcast.kv.leases import LeaseRecord, grant, release, renew
@@ -125,7 +125,7 @@ class GlobalStore:
             return key_or_id
         aid = await self.backend.resolve_key(key_or_id)
         if aid is None:
-            raise NotFound(f"no artifact with key {key_or_id!r}")
+            raise NotFound(f"no artifact with key {clip(key_or_id)}")
         return aid
 
     async def info(self, artifact_id: str, workers: dict[str, WorkerInfo] | None = None) -> ArtifactInfo:
@@ -328,9 +328,9 @@ def _lease_msg(r: LeaseRecord, workers: dict[str, WorkerInfo]) -> ShardLease:
 
 def validate_key(key: str) -> None:
     if not key or len(key) > 1024 or any(ord(c) < 32 for c in key):
-        raise InvalidArgument(f"invalid key {key!r}: 1..1024 printable characters")
+        raise InvalidArgument(f"invalid key {clip(key)}: 1..1024 printable characters")
     if ARTIFACT_ID_RE.match(key):
-        raise InvalidArgument(f"invalid key {key!r}: keys may not look like artifact ids")
+        raise InvalidArgument(f"invalid key {clip(key)}: keys may not look like artifact ids")
 
 
 async def run_global_store(config: Config, data_dir: Path, ready_file: Path | None = None,

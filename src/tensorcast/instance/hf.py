@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tensorcast.errors import InvalidArgument, NotFound
+from tensorcast.errors import InvalidArgument, NotFound, clip
 from tensorcast.instance.adaptor import InstanceLoad
 
 __all__ = ["HFCausalLMAdaptor", "tiny_llama"]
@@ -70,7 +70,7 @@ class HFCausalLMAdaptor:
         try:
             return self.requests[request_id]
         except KeyError:
-            raise NotFound(f"no request {request_id!r} on this instance") from None
+            raise NotFound(f"no request {clip(request_id)} on this instance") from None
 
     # ----------------------------------------------------------------- engine commands
     def prefill(self, request_id: str, input_ids: list[int]) -> list[float]:
@@ -120,7 +120,7 @@ class HFCausalLMAdaptor:
         if command == "drop":
             self.requests.pop(str(args["request_id"]), None)
             return {}
-        raise InvalidArgument(f"unknown engine command {command!r}")
+        raise InvalidArgument(f"unknown engine command {clip(command)}")
 
     # ----------------------------------------------------------------- adaptor operations
     def publish(self, request_id: str, options: Mapping[str, Any]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from tensorcast.client.aio import AsyncClient
 from tensorcast.client.loop import LoopThread
 from tensorcast.config import Config
 from tensorcast.context import CallContext
-from tensorcast.errors import InvalidArgument, NotFound, TensorCastError
+from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, clip
 from tensorcast.instance.adaptor import InstanceAdaptor
 from tensorcast.records import InstanceInfo
 from tensorcast.wire.messages import Ack, InstanceCall, InstanceHeartbeat, InstanceReply, RegisterInstance
@@ -154,7 +154,7 @@ class InstanceRuntime:
             if not isinstance(command, str):
                 raise InvalidArgument("engine calls need args['command']")
             return InstanceReply(result=await self._engine(self.adaptor.engine_command, command, options))
-        raise InvalidArgument(f"unknown instance operation {msg.op!r}")
+        raise InvalidArgument(f"unknown instance operation {clip(msg.op)}")
 
 
 def serve(adaptor: InstanceAdaptor, worker: str, instance_id: str, **kwargs: Any) -> InstanceRuntime:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import blake3
 import msgspec
 
-from tensorcast.errors import InvalidArgument
+from tensorcast.errors import InvalidArgument, clip
 from tensorcast.tensors import numpy_dtype
 
 __all__ = ["KVLayout", "page_keys", "shard_of"]
@@ -73,4 +73,4 @@ def shard_of(key: str, num_shards: int) -> int:
     try:
         return int(key[:8], 16) % num_shards
     except ValueError:
-        raise InvalidArgument(f"page key {key!r} is not a hex hash") from None
+        raise InvalidArgument(f"page key {clip(key)} is not a hex hash") from None

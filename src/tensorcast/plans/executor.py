@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tensorcast.context import CallContext
-from tensorcast.errors import InternalError, InvalidArgument, TensorCastError
+from tensorcast.errors import InternalError, InvalidArgument, TensorCastError, clip
 from tensorcast.plans.ops import OPS, GatewayPort
 from tensorcast.plans.state import FAILED, SKIPPED, SUCCEEDED, PlanState
 from tensorcast.records import StepResult, StepSpec
@@ -90,15 +90,15 @@ class PlanExecutor:
     async def _validate(self, step: StepSpec, ctx: CallContext) -> None:
         op = OPS.get(step.op)
         if op is None:
-            raise InvalidArgument(f"step {step.id!r}: unknown operation {step.op!r}; known: {sorted(OPS)}")
+            raise InvalidArgument(f"step {clip(step.id)}: unknown operation {clip(step.op)}; known: {sorted(OPS)}")
         missing = [a for a in op.required if a not in step.args]
         unknown = [a for a in step.args if a not in op.required and a not in op.optional]
         if missing or unknown:
-            raise InvalidArgument(f"step {step.id!r} ({step.op}): missing arguments {missing}, unknown {unknown}")
+            raise InvalidArgument(f"step {clip(step.id)} ({step.op}): missing arguments {missing}, unknown {unknown}")
         try:
             await op.validate(step.args, self.gateway, ctx)
         except InvalidArgument as exc:
-            raise InvalidArgument(f"step {step.id!r} ({step.op}): {exc.message}") from None
+            raise InvalidArgument(f"step {clip(step.id)} ({step.op}): {exc.message}") from None
 
     async def _execute(self, steps: dict[str, StepSpec], state: PlanState, record: _Record, ctx: CallContext,
                        reused: tuple[str, ...]) -> PlanResult:

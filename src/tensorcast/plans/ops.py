@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tensorcast.context import CallContext
-from tensorcast.errors import InvalidArgument, NotFound
+from tensorcast.errors import InvalidArgument, NotFound, clip
 from tensorcast.tensors import ARTIFACT_ID_RE
 from tensorcast.wire.messages import (
     DeleteArtifact,
@@ -72,7 +72,7 @@ def _artifacts(args: dict[str, Any], key: str = "artifacts") -> tuple[str, ...]:
     ids = (value,) if isinstance(value, str) else tuple(value)
     for a in ids:
         if not isinstance(a, str) or not ARTIFACT_ID_RE.match(a):
-            raise InvalidArgument(f"{key}: {a!r} is not an artifact id")
+            raise InvalidArgument(f"{key}: {clip(a)} is not an artifact id")
     return ids
 
 
@@ -83,13 +83,13 @@ def _is_ref(value: Any) -> bool:
 async def _check_worker(args: dict[str, Any], gw: GatewayPort, ctx: CallContext, key: str) -> None:
     wid = args[key]
     if not isinstance(wid, str) or wid not in await gw.worker_ids(ctx):
-        raise InvalidArgument(f"{key}: unknown worker {wid!r}")
+        raise InvalidArgument(f"{key}: unknown worker {clip(wid)}")
 
 
 async def _check_instance(args: dict[str, Any], gw: GatewayPort, ctx: CallContext) -> None:
     iid = args["instance"]
     if not isinstance(iid, str) or iid not in await gw.instance_ids(ctx):
-        raise InvalidArgument(f"instance: unknown instance {iid!r}")
+        raise InvalidArgument(f"instance: unknown instance {clip(iid)}")
 
 
 def _check_artifacts_arg(args: dict[str, Any]) -> None:
@@ -160,7 +160,7 @@ def _instance_op(op: str, needs_request: bool, takes_artifacts: bool) -> tuple[V
 async def _validate_wait(args: dict[str, Any], gw: GatewayPort, ctx: CallContext) -> None:
     s = args["seconds"]
     if not isinstance(s, int | float) or isinstance(s, bool) or not 0 <= s <= 3600:
-        raise InvalidArgument(f"wait: seconds must be a number in [0, 3600], got {s!r}")
+        raise InvalidArgument(f"wait: seconds must be a number in [0, 3600], got {clip(s)}")
 
 
 async def _run_wait(args: dict[str, Any], gw: GatewayPort, ctx: CallContext) -> StepOutcome:

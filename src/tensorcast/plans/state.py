@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from tensorcast.errors import InvalidArgument
+from tensorcast.errors import InvalidArgument, clip
 
 __all__ = ["PlanState", "StepState"]
 
@@ -44,9 +44,9 @@ class PlanState:
         for sid, ds in self.deps.items():
             for d in ds:
                 if d not in self.deps:
-                    raise InvalidArgument(f"step {sid!r} depends on unknown step {d!r}")
+                    raise InvalidArgument(f"step {clip(sid)} depends on unknown step {clip(d)}")
                 if d == sid:
-                    raise InvalidArgument(f"step {sid!r} depends on itself")
+                    raise InvalidArgument(f"step {clip(sid)} depends on itself")
             self.steps[sid] = StepState(sid, tuple(dict.fromkeys(ds)))
         self.order = self._toposort()
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from tensorcast.errors import InvalidArgument, ResourceExhausted
+from tensorcast.errors import InvalidArgument, ResourceExhausted, clip
 from tensorcast.pool.state import PoolState
 from tensorcast.records import Placement, WorkerInfo
 
@@ -53,7 +53,7 @@ def resolve_placement(policy: str | Placement | None, cold_memory_ttl: float | N
         try:
             p = PRESETS[policy]
         except KeyError:
-            raise InvalidArgument(f"unknown placement policy {policy!r}; presets: {', '.join(PRESETS)} "
+            raise InvalidArgument(f"unknown placement policy {clip(policy)}; presets: {', '.join(PRESETS)} "
                                   "(or pass a tensorcast.Placement)") from None
         if p.name == "cold" and cold_memory_ttl is not None:
             p = msgspec.structs.replace(p, memory_ttl=cold_memory_ttl)
@@ -96,7 +96,7 @@ def decide_put(placement: Placement, state: PoolState, need: int, now: float, pr
                 raise
     elif not may_spill:
         raise ResourceExhausted(f"memory tier full ({max(state.free, 0)} of {state.capacity} bytes free) and "
-                                f"placement {placement.name!r} may not evict or spill")
+                                f"placement {clip(placement.name)} may not evict or spill")
     if not has_disk:
         raise InvalidArgument("memory is full and spilling needs a disk tier (worker.disk_dir is not set)")
     return PutDecision(False, "disk" not in present)

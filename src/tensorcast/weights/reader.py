@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from tensorcast.errors import InvalidArgument, NotFound
+from tensorcast.errors import InvalidArgument, NotFound, clip
 from tensorcast.pool.segments import Segment
 from tensorcast.records import SliceSpec
 from tensorcast.tensors import raw_dtype
@@ -85,7 +85,7 @@ def read_ranges(jobs: Sequence[Job], *, streams: int = 4, chunk: int = _CHUNK) -
                 try:
                     fds[job.path] = os.open(job.path, os.O_RDONLY)
                 except FileNotFoundError:
-                    raise NotFound(f"checkpoint file {job.path} is gone (tensor {job.what!r})") from None
+                    raise NotFound(f"checkpoint file {job.path} is gone (tensor {clip(job.what)})") from None
             fd = fds[job.path]
             if isinstance(job, ReadJob):
                 pieces += _read_pieces(fd, job.offset, job.dest, job, chunk)
@@ -138,7 +138,7 @@ def _read_chunk(fd: int, dest: memoryview, offset: int, job: Job) -> None:
         n = os.preadv(fd, [dest[pos:]], offset + pos)
         if n == 0:
             _check_size(fd, job, offset + len(dest))
-            raise InvalidArgument(f"{job.path}: short read at byte {offset + pos} (tensor {job.what!r})")
+            raise InvalidArgument(f"{job.path}: short read at byte {offset + pos} (tensor {clip(job.what)})")
         pos += n
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tensorcast.errors import InvalidArgument
+from tensorcast.errors import InvalidArgument, clip
 from tensorcast.views import Fused, RuleSpec, TPRules
 
 __all__ = ["register_rules", "rules_for"]
@@ -58,7 +58,7 @@ def rules_for(model_type: str, config: dict[str, Any] | None = None) -> TPRules:
     try:
         rules = _RULES[model_type]
     except KeyError:
-        raise InvalidArgument(f"no tensor-parallel rules for model_type {model_type!r}; known: {sorted(_RULES)} "
+        raise InvalidArgument(f"no tensor-parallel rules for model_type {clip(model_type)}; known: {sorted(_RULES)} "
                               "(register_rules() adds one)") from None
     if config and "num_attention_heads" in config and "hidden_size" in config:
         heads = int(config["num_attention_heads"])

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tensorcast.errors import InvalidArgument, NotFound
+from tensorcast.errors import InvalidArgument, NotFound, clip
 
 __all__ = ["Checkpoint", "CheckpointTensor", "open_checkpoint", "SAFETENSORS_DTYPES"]
 
@@ -90,20 +90,20 @@ def _parse_file(path: Path) -> list[CheckpointTensor]:
         try:
             st_dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
-            raise InvalidArgument(f"{path}: tensor {name!r}: malformed header entry {entry!r}") from None
+            raise InvalidArgument(f"{path}: tensor {clip(name)}: malformed header entry {clip(entry)}") from None
         dtype = SAFETENSORS_DTYPES.get(st_dtype)
         if dtype is None:
-            raise InvalidArgument(f"{path}: tensor {name!r}: unsupported dtype {st_dtype}")
+            raise InvalidArgument(f"{path}: tensor {clip(name)}: unsupported dtype {st_dtype}")
         if not all(isinstance(s, int) and s >= 0 for s in shape):
-            raise InvalidArgument(f"{path}: tensor {name!r}: bad shape {shape}")
+            raise InvalidArgument(f"{path}: tensor {clip(name)}: bad shape {shape}")
         numel = 1
         for s in shape:
             numel *= s
         if end - begin != numel * _ITEMSIZE[dtype] or begin < 0:
-            raise InvalidArgument(f"{path}: tensor {name!r}: {end - begin} bytes do not match shape {shape} of "
+            raise InvalidArgument(f"{path}: tensor {clip(name)}: {end - begin} bytes do not match shape {shape} of "
                                   f"{st_dtype}")
         if data_start + end > st.st_size:
-            raise InvalidArgument(f"{path}: tensor {name!r}: data ends at byte {data_start + end} but the file "
+            raise InvalidArgument(f"{path}: tensor {clip(name)}: data ends at byte {data_start + end} but the file "
                                   f"has {st.st_size} bytes (truncated)")
         spans.append((begin, end, name))
         out.append(CheckpointTensor(name, dtype, tuple(shape), str(path.absolute()), data_start + begin,
@@ -111,7 +111,7 @@ def _parse_file(path: Path) -> list[CheckpointTensor]:
     spans.sort()
     for (_b0, e0, n0), (b1, _e1, n1) in itertools.pairwise(spans):
         if b1 < e0:
-            raise InvalidArgument(f"{path}: tensors {n0!r} and {n1!r} overlap")
+            raise InvalidArgument(f"{path}: tensors {clip(n0)} and {clip(n1)} overlap")
     return out
 
 
@@ -143,9 +143,9 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     for f in files:
         for t in _parse_file(f):
             if t.name in tensors:
-                raise InvalidArgument(f"tensor {t.name!r} appears in both {tensors[t.name].file} and {f}")
+                raise InvalidArgument(f"tensor {clip(t.name)} appears in both {tensors[t.name].file} and {f}")
             if index_map is not None and index_map.get(t.name) != f.name:
-                raise InvalidArgument(f"{f}: tensor {t.name!r} is not listed for this file in the index")
+                raise InvalidArgument(f"{f}: tensor {clip(t.name)} is not listed for this file in the index")
             tensors[t.name] = t
     if index_map is not None:
         missing = sorted(set(index_map) - set(tensors))

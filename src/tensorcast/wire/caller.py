@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from tensorcast.config import WireConfig
 from tensorcast.context import CallContext
 from tensorcast.errors import InternalError, InvalidArgument
-from tensorcast.wire.connection import PayloadFaults, Sink
+from tensorcast.wire.connection import Sink, WireState
 from tensorcast.wire.messages import Welcome
 from tensorcast.wire.protocol import REPLY_TO
 from tensorcast.wire.rpc import ReplySink, RpcChannel
@@ -38,7 +38,7 @@ class Caller:
         self.address = address
         self.timeout = timeout
         self._channels: dict[str, RpcChannel] = {}
-        self._faults = PayloadFaults(config.fault_corrupt_payload_chunks)
+        self._shared = WireState(config)  # one receive budget and fault injector for all its connections
 
     def context(self, timeout: float | None = None, ctx: CallContext | None = None) -> CallContext:
         """``ctx`` (or a fresh context) with a deadline: ``timeout`` from now, else the default timeout,
@@ -52,7 +52,7 @@ class Caller:
         ch = self._channels.get(address)
         if ch is None:
             ch = RpcChannel(address, self.config, token=self.token, peer_id=self.peer_id, host_id=self.host_id,
-                            faults=self._faults)
+                            shared=self._shared)
             self._channels[address] = ch
         return ch
 

@@ -20,16 +20,18 @@ import msgspec
 
 from tensorcast.checksums import chunk_checksums, chunk_count, pack_checksums, unpack_checksums
 from tensorcast.config import WireConfig
-from tensorcast.errors import InvalidArgument, ResourceExhausted, TensorCastError, Unavailable
+from tensorcast.errors import InvalidArgument, ResourceExhausted, TensorCastError, Unauthenticated, Unavailable
 from tensorcast.wire.frames import CHECKSUMS, HEADER, pack_header, parse_header
 from tensorcast.wire.messages import ErrorReply
 from tensorcast.wire.protocol import ERROR, Envelope, Message
 
-__all__ = ["Connection", "Frame", "Landing", "PayloadFaults", "Sink", "encode_envelope", "payload_views"]
+__all__ = ["Connection", "Frame", "Landing", "PayloadFaults", "ReceiveBudget", "Sink", "WireState", "encode_envelope",
+           "error_reply", "payload_views"]
 
 log = logging.getLogger("tensorcast.wire")
 
 _STAGING = 256 * 1024
+_STAGING_PREAUTH = 4096  # an unauthenticated peer gets no more than this (and max_handshake_bytes)
 _DISCARD = 1024 * 1024
 # Payloads at least this large are checksummed off the event loop.
 _HASH_OFF_LOOP = 1024 * 1024
@@ -42,6 +44,15 @@ _HEADER, _BODY, _PAYLOAD, _SUMS = 0, 1, 2, 3
 def encode_envelope(request_id: int, kind: int, trace_id: str, deadline: float | None, body: Any) -> bytes:
     raw = msgspec.Raw(_ENCODER.encode(body))
     return _ENCODER.encode(Envelope(request_id, kind, trace_id, deadline, raw))
+
+
+# The longest error message sent to a peer (callers' keys and paths are clipped where they are quoted).
+_MAX_ERROR_CHARS = 2000
+
+
+def error_reply(exc: TensorCastError) -> ErrorReply:
+    message = exc.message if len(exc.message) <= _MAX_ERROR_CHARS else exc.message[:_MAX_ERROR_CHARS] + "..."
+    return ErrorReply(code=exc.code, message=message, retryable=exc.retryable)
 
 
 # A payload destination: one buffer, or several filled in order (scatter), e.g. KV page slots.
@@ -78,6 +89,33 @@ class PayloadFaults:
         return True
 
 
+class ReceiveBudget:
+    """Bytes all connections of one process hold in frame bodies and payloads still arriving into fresh
+    buffers (``wire.receive_budget_bytes``): many peers announcing large frames cannot make the process
+    commit more memory than this."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, nbytes: int) -> None:
+        if self.held + nbytes > self.limit:
+            raise ResourceExhausted(f"receive buffers full: {nbytes} more bytes would exceed "
+                                    f"wire.receive_budget_bytes ({self.limit}); retry")
+        self.held += nbytes
+
+    def give(self, nbytes: int) -> None:
+        self.held -= nbytes
+
+
+class WireState:
+    """What every connection of one process (a server, or a caller's channels) shares."""
+
+    def __init__(self, config: WireConfig) -> None:
+        self.budget = ReceiveBudget(config.receive_budget_bytes)
+        self.faults = PayloadFaults(config.fault_corrupt_payload_chunks)
+
+
 class Frame:
     """A received frame: the envelope, its decoded message (or the decode error), the payload, and the
     payload's checksums as sent (verified by the RPC layer)."""
@@ -106,19 +144,21 @@ class Connection(asyncio.BufferedProtocol):
         on_frame: FrameHandler,
         choose_sink: SinkChooser,
         on_lost: Callable[[Connection, Exception | None], None] | None = None,
-        faults: PayloadFaults | None = None,
+        shared: WireState | None = None,
     ) -> None:
         self.config = config
         self._on_frame = on_frame
         self._choose_sink = choose_sink
         self._on_lost = on_lost
-        self._faults = faults
+        self._shared = shared or WireState(config)
         self.transport: asyncio.Transport | None = None
         self.closed = asyncio.Event()
         self.peer: Any = None  # set by the RPC layer after the handshake
         self.authenticated = False
+        self.handshake_timer: asyncio.TimerHandle | None = None  # cancelled once authenticated or closed
         self._failed = False  # a protocol violation was reported; ignore whatever follows
-        self._staging = bytearray(_STAGING)
+        self._staging = bytearray(_STAGING_PREAUTH)
+        self._held = 0  # bytes of the shared receive budget this connection holds
         self._r = 0
         self._w = 0
         self._state = _HEADER
@@ -149,8 +189,24 @@ class Connection(asyncio.BufferedProtocol):
         self.closed.set()
         self._can_write.set()
         self._drop_pending()
+        if self.handshake_timer is not None:
+            self.handshake_timer.cancel()
+            self.handshake_timer = None
         if self._on_lost is not None:
             self._on_lost(self, exc)
+
+    def authenticate(self, peer: Any = None) -> None:
+        """The handshake succeeded: frames up to ``wire.max_frame_bytes`` and payloads are accepted now."""
+        self.authenticated = True
+        self.peer = peer
+        if self.handshake_timer is not None:
+            self.handshake_timer.cancel()
+            self.handshake_timer = None
+        if len(self._staging) < _STAGING:
+            staged = self._staging[self._r : self._w]
+            self._staging = bytearray(_STAGING)
+            self._staging[: len(staged)] = staged
+            self._r, self._w = 0, len(staged)
 
     def pause_writing(self) -> None:
         self._can_write.clear()
@@ -202,7 +258,10 @@ class Connection(asyncio.BufferedProtocol):
                 if avail < HEADER.size:
                     return
                 head = memoryview(self._staging)[self._r : self._r + HEADER.size]
-                self._flags, self._body_len, self._payload_len = parse_header(head, self.config.max_frame_bytes)
+                limit = self.config.max_frame_bytes if self.authenticated else self.config.max_handshake_bytes
+                self._flags, self._body_len, self._payload_len = parse_header(head, limit)
+                if self._payload_len and not self.authenticated:
+                    raise Unauthenticated("a payload before the handshake")
                 self._r += HEADER.size
                 self._state = _BODY
             elif self._state == _BODY:
@@ -226,6 +285,7 @@ class Connection(asyncio.BufferedProtocol):
         avail = self._w - self._r
         if size <= len(self._staging):
             return avail >= size
+        self._hold(size)
         self._big = bytearray(size)
         self._big[:avail] = self._staging[self._r : self._w]
         self._r = self._w
@@ -234,11 +294,21 @@ class Connection(asyncio.BufferedProtocol):
 
     def _big_body_done(self) -> None:
         body, self._big = bytes(self._big or b""), None
+        self._release()
         self._body_done(body)
 
     def _big_sums_done(self) -> None:
         sums, self._big = bytes(self._big or b""), None
+        self._release()
         self._sums_done(sums)
+
+    def _hold(self, nbytes: int) -> None:
+        self._shared.budget.take(nbytes)
+        self._held += nbytes
+
+    def _release(self) -> None:
+        self._shared.budget.give(self._held)
+        self._held = 0
 
     def _body_done(self, body: bytes) -> None:
         try:
@@ -279,6 +349,7 @@ class Connection(asyncio.BufferedProtocol):
                 if self._payload_len > self.config.max_unsolicited_payload_bytes:
                     raise ResourceExhausted(f"payload of {self._payload_len} bytes exceeds the limit of "
                                             f"{self.config.max_unsolicited_payload_bytes} bytes")
+                self._hold(self._payload_len)
                 sink = memoryview(bytearray(self._payload_len))
             views = payload_views(sink)
             total = sum(v.nbytes for v in views)
@@ -332,6 +403,7 @@ class Connection(asyncio.BufferedProtocol):
         frame, self._pending = self._pending, None
         self._sinks = []
         self._state = _HEADER
+        self._release()  # the frame is complete: from here its buffer is the handler's (or the caller's)
         assert frame is not None
         self._on_frame(self, frame)
 
@@ -346,6 +418,7 @@ class Connection(asyncio.BufferedProtocol):
         if frame is not None and frame.landing is not None and frame.landing.discard is not None:
             frame.landing.discard()
         self._sinks, self._big, self._direct, self._direct_done = [], None, None, None
+        self._release()
 
     # ------------------------------------------------------------------ writing
 
@@ -361,7 +434,7 @@ class Connection(asyncio.BufferedProtocol):
             sums = chunk_checksums(views) if payload_len < _HASH_OFF_LOOP else \
                 await asyncio.to_thread(chunk_checksums, views)
             head = pack_checksums(sums)
-            if self._faults is not None and self._faults.take():
+            if self._shared.faults.take():
                 bad = bytearray(views[0])
                 bad[len(bad) // 2] ^= 0xFF
                 views = [memoryview(bad), *views[1:]]
@@ -391,8 +464,7 @@ class Connection(asyncio.BufferedProtocol):
         self._drop_pending()
         if self.transport is not None and not self.closed.is_set():
             log.warning("closing connection: %s", exc)
-            body = encode_envelope(0, ERROR, exc.trace_id or "", None,
-                                   ErrorReply(code=exc.code, message=exc.message, retryable=exc.retryable))
+            body = encode_envelope(0, ERROR, exc.trace_id or "", None, error_reply(exc))
             self.transport.write(pack_header(len(body), 0) + body)
             self.transport.close()
 

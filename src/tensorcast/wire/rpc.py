@@ -29,9 +29,20 @@ from tensorcast.errors import (
     TensorCastError,
     Unauthenticated,
     Unavailable,
+    clip,
     error_from_code,
 )
-from tensorcast.wire.connection import Connection, Frame, Landing, PayloadFaults, Sink, encode_envelope, payload_views
+from tensorcast.log import RateLimitedLog
+from tensorcast.wire.connection import (
+    Connection,
+    Frame,
+    Landing,
+    Sink,
+    WireState,
+    encode_envelope,
+    error_reply,
+    payload_views,
+)
 from tensorcast.wire.messages import PROTOCOL_VERSION, ErrorReply, Hello, Welcome
 from tensorcast.wire.protocol import ERROR, REQUEST, RESPONSE, Envelope
 
@@ -101,6 +112,17 @@ class HandlerRegistry:
         return reply.message if isinstance(reply, Reply) else reply
 
 
+def token_refusal(expected: str | None, sent: str | None) -> str:
+    """Why a handshake's token is refused ("" when it is accepted): a wrong or missing token, and also a
+    token sent to a cluster that has none (a misconfigured cluster or client, never silently accepted)."""
+    if expected is None:
+        return "" if sent is None else "this cluster runs without a token, yet one was sent: configure the " \
+                                       "cluster with it (TENSORCAST_TOKEN) or connect without one"
+    if not hmac.compare_digest((sent or "").encode(), expected.encode()):
+        return "wrong or missing cluster token"
+    return ""
+
+
 class RpcServer:
     def __init__(
         self,
@@ -120,8 +142,9 @@ class RpcServer:
         self.welcome = Welcome(protocol_version=PROTOCOL_VERSION, server_id=server_id, host_id=host_id,
                                roles=roles)
         self._server: asyncio.Server | None = None
-        self._faults = PayloadFaults(config.fault_corrupt_payload_chunks)
+        self._shared = WireState(config)
         self._conns: set[Connection] = set()
+        self._refusals = RateLimitedLog(log)
         self._tasks: set[asyncio.Task[None]] = set()
         self.address = ""
 
@@ -143,10 +166,14 @@ class RpcServer:
             await self._server.wait_closed()
 
     def _make_conn(self) -> Connection:
-        conn = Connection(self.config, self._on_frame, self._choose_sink, self._on_lost, self._faults)
-        self._conns.add(conn)
+        conn = Connection(self.config, self._on_frame, self._choose_sink, self._on_lost, self._shared)
         loop = asyncio.get_running_loop()
-        loop.call_later(self.config.handshake_timeout, self._check_handshake, conn)
+        if len(self._conns) >= self.config.max_connections:
+            self._refusals.warning("refused a connection: %d open (wire.max_connections)", len(self._conns))
+            loop.call_soon(conn.close)  # once connection_made has given it its transport
+            return conn
+        self._conns.add(conn)
+        conn.handshake_timer = loop.call_later(self.config.handshake_timeout, self._check_handshake, conn)
         return conn
 
     def _check_handshake(self, conn: Connection) -> None:
@@ -190,14 +217,12 @@ class RpcServer:
             conn.fail(InvalidArgument(
                 f"protocol version {msg.protocol_version} not supported (server speaks {PROTOCOL_VERSION})"))
             return
-        if self.token is not None and not hmac.compare_digest(
-            (msg.token or "").encode(), self.token.encode()
-        ):
-            log.warning("rejected connection from %s: bad cluster token", msg.peer_id or "?")
-            conn.fail(Unauthenticated("wrong or missing cluster token"))
+        refusal = token_refusal(self.token, msg.token)
+        if refusal:
+            self._refusals.warning("refused a connection from %s: %s", clip(msg.peer_id or "?", 64), refusal)
+            conn.fail(Unauthenticated(refusal))
             return
-        conn.authenticated = True
-        conn.peer = msg
+        conn.authenticate(msg)
         body = encode_envelope(env.request_id, RESPONSE, env.trace_id, None, self.welcome)
         self._spawn(self._send(conn, body))
 
@@ -241,8 +266,7 @@ class RpcServer:
                 reply.on_sent()
 
     def _write_error(self, conn: Connection, env: Envelope, exc: TensorCastError) -> None:
-        body = encode_envelope(env.request_id, ERROR, env.trace_id, None,
-                               ErrorReply(code=exc.code, message=exc.message, retryable=exc.retryable))
+        body = encode_envelope(env.request_id, ERROR, env.trace_id, None, error_reply(exc))
         self._spawn(self._send(conn, body))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -284,13 +308,13 @@ class RpcChannel:
         token: str | None,
         peer_id: str = "",
         host_id: str = "",
-        faults: PayloadFaults | None = None,
+        shared: WireState | None = None,
     ) -> None:
         self.address = address
         self.config = config
         self.hello = Hello(protocol_version=PROTOCOL_VERSION, token=token, peer_id=peer_id, host_id=host_id)
         self.welcome: Welcome | None = None
-        self._faults = faults
+        self._shared = shared or WireState(config)
         self._conn: Connection | None = None
         self._connecting: asyncio.Lock | None = None
         self._ids = itertools.count(1)
@@ -315,7 +339,7 @@ class RpcChannel:
                 _, conn = await asyncio.wait_for(
                     loop.create_connection(
                         lambda: Connection(self.config, self._on_frame, self._choose_sink, self._on_lost,
-                                           self._faults),
+                                           self._shared),
                         host, port),
                     left,
                 )
@@ -333,7 +357,7 @@ class RpcChannel:
             except BaseException:
                 conn.close()
                 raise
-            conn.authenticated = True
+            conn.authenticate(frame.message)
             self._conn = conn
             self.welcome = frame.message
             return frame.message

@@ -22,7 +22,7 @@ import numpy as np
 
 from tensorcast.checksums import ChunkCorrupted
 from tensorcast.config import TransportConfig
-from tensorcast.errors import NotFound, TensorCastError, Unavailable
+from tensorcast.errors import NotFound, TensorCastError, Unavailable, clip
 from tensorcast.pool.memory import BlobLoc
 from tensorcast.pool.placement import PRESETS
 from tensorcast.records import ArtifactInfo, ReplicaInfo, SliceSpec, TensorMeta
@@ -178,7 +178,7 @@ class Fetcher:
             finally:
                 release()
             return self.worker_id
-        last: TensorCastError = NotFound(f"artifact {info.id} has no live replica to slice {meta.name!r} from")
+        last: TensorCastError = NotFound(f"artifact {info.id} has no live replica to slice {clip(meta.name)} from")
         for replica in self._sources(info):
             req = DataRequest(artifact_id=info.id, name=meta.name, tier=replica.tier)
             req = msgspec.structs.replace(req, offset=rng[0], length=rng[1] - rng[0]) if rng is not None else \

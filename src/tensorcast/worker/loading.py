@@ -19,7 +19,7 @@ import blake3
 import msgspec
 
 from tensorcast.cuda import check_device
-from tensorcast.errors import InvalidArgument, TensorCastError
+from tensorcast.errors import InvalidArgument, TensorCastError, clip
 from tensorcast.records import ArtifactInfo, ReplicaInfo, TensorMeta
 from tensorcast.tensors import ARTIFACT_ID_RE, artifact_id, wrap_bytes
 from tensorcast.transport.h2d import to_device
@@ -108,7 +108,7 @@ class LoadingRole:
     async def _materialize_view(self, info: ArtifactInfo, msg: Prefetch, req: Request) -> Prefetched:
         assert msg.view is not None
         if not ARTIFACT_ID_RE.match(msg.view_id):
-            raise InvalidArgument(f"view_id {msg.view_id!r} is not an artifact id")
+            raise InvalidArgument(f"view_id {clip(msg.view_id)} is not an artifact id")
         result, tensors = await self.storage.fetcher.materialize_view(info, msg.view, msg.view_id, req.ctx.deadline,
                                                                        req.ctx.trace_id)
         if msg.pin:

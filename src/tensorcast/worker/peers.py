@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 from tensorcast.context import CallContext
-from tensorcast.errors import InternalError, NotFound, Unavailable
+from tensorcast.errors import InternalError, NotFound, Unavailable, clip
 from tensorcast.wire.caller import Caller
 from tensorcast.wire.messages import InstanceCall, InstanceReply
 from tensorcast.wire.protocol import REPLY_TO
@@ -44,7 +44,7 @@ class Peers:
             self._addresses = {w.worker_id: w.address for w in await self.gs.list_workers(ctx)}
             address = self._addresses.get(worker_id)
             if address is None:
-                raise NotFound(f"no worker {worker_id!r}")
+                raise NotFound(f"no worker {clip(worker_id)}")
         return address
 
     async def call(self, worker_id: str, msg: Any, expect: type[T], ctx: CallContext) -> T:
@@ -65,7 +65,7 @@ class Peers:
         """Run one instance operation on the instance's runtime (``Unavailable`` if it stopped heartbeating)."""
         info = next((i for i in await self.gs.list_instances(ctx) if i.instance_id == msg.instance_id), None)
         if info is None:
-            raise NotFound(f"no instance {msg.instance_id!r}")
+            raise NotFound(f"no instance {clip(msg.instance_id)}")
         if not info.alive:
-            raise Unavailable(f"instance {msg.instance_id!r} is not alive (no heartbeat)")
+            raise Unavailable(f"instance {clip(msg.instance_id)} is not alive (no heartbeat)")
         return await self.caller.call(msg, InstanceReply, ctx, address=info.address)

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tensorcast.config import WorkerConfig
-from tensorcast.errors import InvalidArgument, NotFound, Unavailable
+from tensorcast.errors import InvalidArgument, NotFound, Unavailable, clip
 from tensorcast.pool.memory import BlobLoc
 from tensorcast.pool.placement import decide_put
 from tensorcast.pool.segments import Segment
@@ -131,12 +131,12 @@ class PutManager:
             for i in [*put.memory_targets, *put.disk_targets]:
                 meta = put.tensors[i]
                 if put.stream and put.received.get(i, 0) != meta.nbytes:
-                    raise InvalidArgument(f"tensor {meta.name!r}: received {put.received.get(i, 0)} of "
+                    raise InvalidArgument(f"tensor {clip(meta.name)}: received {put.received.get(i, 0)} of "
                                           f"{meta.nbytes} bytes")
                 view = put.target_view(i)
                 assert view is not None
                 if verify and await asyncio.to_thread(digest_bytes, view) != meta.digest:
-                    raise InvalidArgument(f"tensor {meta.name!r}: content digest mismatch (bytes corrupted or "
+                    raise InvalidArgument(f"tensor {clip(meta.name)}: content digest mismatch (bytes corrupted or "
                                           "written incompletely); nothing was stored")
             for i, loc in put.memory_targets.items():
                 memory.commit_blob(put.tensors[i].digest, loc)
@@ -192,12 +192,12 @@ def validate_tensors(tensors: tuple[TensorMeta, ...]) -> tuple[TensorMeta, ...]:
     for t in tensors:
         itemsize = numpy_dtype(t.dtype).itemsize
         if any(s < 0 for s in t.shape):
-            raise InvalidArgument(f"tensor {t.name!r}: negative dimension in shape {t.shape}")
+            raise InvalidArgument(f"tensor {clip(t.name)}: negative dimension in shape {t.shape}")
         numel = 1
         for s in t.shape:
             numel *= s
         if numel * itemsize != t.nbytes:
-            raise InvalidArgument(f"tensor {t.name!r}: {t.nbytes} bytes do not match shape {t.shape} of {t.dtype}")
+            raise InvalidArgument(f"tensor {clip(t.name)}: {t.nbytes} bytes do not match shape {t.shape} of {t.dtype}")
         if len(t.digest) != 64 or any(c not in "0123456789abcdef" for c in t.digest):
-            raise InvalidArgument(f"tensor {t.name!r}: digest must be 64 lowercase hex characters")
+            raise InvalidArgument(f"tensor {clip(t.name)}: digest must be 64 lowercase hex characters")
     return tuple(sorted(tensors, key=lambda t: t.name))

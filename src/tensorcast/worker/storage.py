@@ -70,7 +70,7 @@ class StorageRole:
         self.puts = PutManager(config.worker, self.store)
         self.devices = DeviceTier(config.worker.device_capacity)
         self.transport = make_transport(config.transport.kind, config.wire, token=config.token,
-                                        max_streams=config.transport.max_streams * 2)
+                                        max_streams=config.transport.max_streams * 2, limits=config.transport)
         self.data_server = self.transport.serve(self.store.open_source,
                                                 corrupt_chunks=config.worker.fault_corrupt_chunks)
         self.fetcher = Fetcher(parts.worker_id, self.store, self.transport, config.transport)

@@ -22,7 +22,7 @@ import numpy as np
 
 from tensorcast.checksums import CHUNK_BYTES, chunk_checksums
 from tensorcast.config import WorkerConfig
-from tensorcast.errors import InvalidArgument, NotFound
+from tensorcast.errors import InvalidArgument, NotFound, clip
 from tensorcast.pool.disk import DiskTier, Manifest
 from tensorcast.pool.memory import BlobLoc, MemoryTier
 from tensorcast.pool.placement import Placement
@@ -83,7 +83,7 @@ class LocalStore:
         for t in self.tensors(artifact_id):
             if t.name == name:
                 return t
-        raise NotFound(f"artifact {artifact_id} has no tensor {name!r}")
+        raise NotFound(f"artifact {artifact_id} has no tensor {clip(name)}")
 
     def require_disk(self) -> DiskTier:
         if self.disk is None:
@@ -217,10 +217,10 @@ class LocalStore:
                 try:
                     st = os.stat(loc.file)
                 except OSError as exc:
-                    raise NotFound(f"checkpoint file {loc.file} (tensor {name!r}) is gone: {exc}") from None
+                    raise NotFound(f"checkpoint file {loc.file} (tensor {clip(name)}) is gone: {exc}") from None
                 if st.st_size != loc.file_size or st.st_mtime_ns != loc.file_mtime_ns:
                     raise InvalidArgument(f"checkpoint file {loc.file} changed since it was registered (tensor "
-                                          f"{name!r}): register it again")
+                                          f"{clip(name)}): register it again")
         return found
 
     def _file(self, path: str) -> Segment:
@@ -271,7 +271,7 @@ class LocalStore:
                     seg.readers -= 1
 
             return seg.view()[: meta.nbytes], "disk", release_disk
-        raise NotFound(f"tensor {meta.name!r} ({meta.digest[:16]}) has no {tier or 'local'} replica here")
+        raise NotFound(f"tensor {clip(meta.name)} ({meta.digest[:16]}) has no {tier or 'local'} replica here")
 
     def open_source(self, req: DataRequest) -> SourceLease:
         """Data plane: the bytes a request names, leased until sent. Called on data-plane threads."""
@@ -319,7 +319,7 @@ class LocalStore:
         where = self.external_locations(artifact_id, in_place) if in_place and tier in ("", "disk") else {}
         for name in in_place:
             if (ext := where.get(name)) is None:
-                raise NotFound(f"tensor {name!r} has no {tier or 'local'} replica here")
+                raise NotFound(f"tensor {clip(name)} has no {tier or 'local'} replica here")
             refs[name] = SegmentRef(path=ext.file, size=ext.nbytes, offset=ext.offset, tier="disk")
         return [refs[n] for n in names]
 

@@ -1,0 +1,65 @@
+"""Blocking frame I/O on data-plane sockets, shared by the TCP data server and its client.
+
+Owns: reading exactly N bytes into a buffer, reading one control frame (``DataHello``, ``DataRequest``,
+``DataReply`` or an error; they carry no payload), writing one, and the 8-byte chunk checksum prefix.
+Malformed frames raise typed errors. Does not own: what the frames mean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+from typing import Any
+
+import msgspec
+
+from tensorcast.errors import InvalidArgument, TensorCastError, Unavailable
+from tensorcast.wire.connection import encode_envelope, error_reply
+from tensorcast.wire.frames import HEADER, pack_header, parse_header
+from tensorcast.wire.protocol import ERROR, Envelope, Message
+
+__all__ = ["CHECKSUM", "decode_frame", "recv_exact", "recv_frame", "send_error", "send_frame"]
+
+CHECKSUM = struct.Struct(">Q")  # the xxh3-64 of a chunk, sent before it
+_ENV = msgspec.msgpack.Decoder(Envelope)
+_MSG = msgspec.msgpack.Decoder(Message)
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    pos, n = 0, len(view)
+    while pos < n:
+        got = sock.recv_into(view[pos:])
+        if got == 0:
+            raise Unavailable("data connection closed by peer mid-transfer")
+        pos += got
+
+
+def decode_frame(body: bytes | bytearray | memoryview) -> tuple[Envelope, Any]:
+    try:
+        env = _ENV.decode(body)
+        return env, _MSG.decode(env.body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise InvalidArgument(f"malformed data-plane frame: {exc}") from None
+
+
+def recv_frame(sock: socket.socket, max_body: int) -> tuple[Envelope, Any]:
+    hdr = bytearray(HEADER.size)
+    recv_exact(sock, memoryview(hdr))
+    _flags, body_len, payload_len = parse_header(bytes(hdr), max_body)
+    if payload_len:
+        raise InvalidArgument("data-plane control frames carry no payload")
+    body = bytearray(body_len)
+    recv_exact(sock, memoryview(body))
+    return decode_frame(body)
+
+
+def send_frame(sock: socket.socket, kind: int, message: Any, trace_id: str = "") -> None:
+    body = encode_envelope(0, kind, trace_id, None, message)
+    sock.sendall(pack_header(len(body), 0) + body)
+
+
+def send_error(sock: socket.socket, exc: TensorCastError) -> None:
+    """Best effort: tell the peer why (typed), before the connection is closed."""
+    with contextlib.suppress(OSError):
+        send_frame(sock, ERROR, error_reply(exc))
