@@ -83,8 +83,8 @@ def artifact(key_or_id: str) -> Artifact:
     return get_client().artifact(key_or_id)
 
 
-def ls(prefix: str = "") -> list[Artifact]:
-    return get_client().ls(prefix)
+def ls(prefix: str = "", *, limit: int | None = None) -> list[Artifact]:
+    return get_client().ls(prefix, limit=limit)
 
 
 def delete(key_or_id: str) -> str:

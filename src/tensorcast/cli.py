@@ -1,30 +1,61 @@
 """The ``tensorcast`` command line: run processes (``up``, ``gs``, ``worker``) and use a cluster
-(``status``, ``put``, ``get``, ``ls``, ``rm``).
+(``status``, ``put``, ``get``, ``load``, ``ls``, ``rm``).
 
-Owns: flags, their mapping onto configuration keys, process entry points (signal handling, logging) and
-human-readable output. Client commands find the cluster from ``--address``, ``TENSORCAST_ADDRESS`` or
-``DATA_DIR/cluster.json``. Errors print one line and exit non-zero; no tracebacks for user mistakes.
+Owns: flags, their mapping onto configuration keys, process entry points (signal handling, logging), watching
+the processes of ``up``, and human-readable output. Client commands find the cluster from ``--address``,
+``TENSORCAST_ADDRESS`` or ``DATA_DIR/cluster.json``, and authenticate with ``--token``/``TENSORCAST_TOKEN``.
+Errors print one line and exit non-zero; no tracebacks for user mistakes. Reading and writing files is
+``cli_files``'s job.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import json
 import os
 import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
+from rich.progress import Progress
 from rich.table import Table
+from rich.text import Text
 
+from tensorcast.cli_files import (
+    METADATA_SUFFIX,
+    PROGRESS_BYTES,
+    byte_progress,
+    check_suffix,
+    checkpoint_files,
+    download,
+    get_metadata,
+    output_file,
+    put_metadata,
+    read_tensors,
+    size,
+    upload,
+    write_tensors,
+)
 from tensorcast.config import Config
-from tensorcast.errors import InvalidArgument, TensorCastError
+from tensorcast.errors import InvalidArgument, NotFound, TensorCastError
+from tensorcast.pool.placement import PRESETS
+from tensorcast.views import TP
+
+if TYPE_CHECKING:
+    import subprocess
+
+    from tensorcast.client.sync import Artifact, Client
+    from tensorcast.cluster import LocalCluster
 
 console = Console()
 err_console = Console(stderr=True)
@@ -63,8 +94,14 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except TensorCastError as exc:
-            err_console.print(f"[red]error[/red] {exc}")
+            # A Text, not markup: messages hold paths and keys, and "[...]" in them is not a style.
+            err_console.print(Text.assemble(("error", "red"), f" {exc}"), soft_wrap=True)
             sys.exit(2)
+
+
+def _say(line: str) -> None:
+    """One plain line on stdout: never wrapped (logs and scripts read it whole), no markup in names."""
+    console.print(line, soft_wrap=True, markup=False, highlight=False)
 
 
 @click.group(cls=_Group)
@@ -134,29 +171,80 @@ def _check_bind(host: str, token: str | None) -> None:
 @click.option("--hosts", type=int, default=1, show_default=True, help="Simulated hosts (network path).")
 @click.option("--data-dir", type=click.Path(file_okay=False), default="./tc-data", show_default=True)
 @click.option("--memory", default=None, help="Memory tier per worker, e.g. 4GiB.")
+@click.option("--restart-dead", is_flag=True, help="Restart a worker (or the global store) that died.")
 @_set_option
-def up(workers: int, hosts: int, data_dir: str, memory: str | None, sets: tuple[str, ...]) -> None:
-    """Start a local cluster (global store + workers) until Ctrl-C."""
+def up(workers: int, hosts: int, data_dir: str, memory: str | None, restart_dead: bool,
+       sets: tuple[str, ...]) -> None:
+    """Start a local cluster (global store + workers) until Ctrl-C; say when one of its processes dies."""
     from tensorcast.cluster import LocalCluster
 
     cluster = LocalCluster(workers=workers, hosts=hosts, data_dir=data_dir, memory_capacity=memory,
                            config=_overrides(sets, {}), token=os.environ.get("TENSORCAST_TOKEN"))
-    stop = False
+    stop = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
-        nonlocal stop
-        stop = True
+        stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     with cluster:
-        console.print(f"TensorCast cluster up: gateway [bold]{cluster.address}[/bold], "
-                      f"global store {cluster.gs_address}")
-        console.print(f"wrote {Path(data_dir) / 'cluster.json'}; export TENSORCAST_ADDRESS={cluster.address}")
-        console.print("Ctrl-C to stop.")
-        while not stop:
-            time.sleep(0.2)
-        console.print("stopping...")
+        _say(f"TensorCast cluster up: gateway {cluster.address}, global store {cluster.gs_address}")
+        _say("processes: " + ", ".join(f"{name} pid {pid}" for name, pid in cluster.pids().items())
+             + f"; logs in {cluster.data_dir / 'logs'}")
+        _say(f"wrote {Path(data_dir) / 'cluster.json'}; export TENSORCAST_ADDRESS={cluster.address}")
+        _say("Ctrl-C to stop.")
+        watchdog = _Watchdog(cluster, restart=restart_dead)
+        # The handler sets the event, which ends the wait at once; otherwise look at the processes each second.
+        while not stop.wait(1.0):
+            watchdog.check()
+        _say("stopping...")
+
+
+class _Watchdog:
+    """Says once, in one line, when a process of ``up``'s cluster died (its exit code or signal and its log),
+    and with ``restart`` starts it again on the same port (once per death; not again if that start fails)."""
+
+    def __init__(self, cluster: LocalCluster, restart: bool) -> None:
+        self.cluster = cluster
+        self.restart = restart
+        self._reported: set[subprocess.Popen[bytes]] = set()  # already said; a restart makes a new Popen
+        self._given_up: set[str] = set()
+
+    def check(self) -> None:
+        for name, handle in [("gs", self.cluster.gs), *self.cluster.workers.items()]:
+            if handle is None or handle.popen is None or handle.alive() or handle.popen in self._reported:
+                continue
+            popen = handle.popen
+            self._reported.add(popen)
+            _say(f"{_label(name)} (pid {popen.pid}) died: {_exit_reason(popen.returncode)}; log: {handle.log_path}")
+            if self.restart and name not in self._given_up:
+                self._restart(name)
+
+    def _restart(self, name: str) -> None:
+        try:
+            if name == "gs":
+                self.cluster.restart_global_store()
+            else:
+                self.cluster.restart_worker(name)
+        except TensorCastError as exc:
+            self._given_up.add(name)
+            _say(f"could not restart {_label(name)}: {exc}; not trying again")
+            return
+        handle = self.cluster.gs if name == "gs" else self.cluster.workers[name]
+        assert handle is not None
+        _say(f"restarted {_label(name)}: pid {handle.pid}, address {handle.address}")
+
+
+def _label(name: str) -> str:
+    return "global store" if name == "gs" else f"worker {name}"
+
+
+def _exit_reason(returncode: int) -> str:
+    if returncode < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-returncode).name}"
+        return f"killed by signal {-returncode}"
+    return f"exited with code {returncode}"
 
 
 def _address(address: str | None, data_dir: str) -> str:
@@ -171,42 +259,37 @@ def _address(address: str | None, data_dir: str) -> str:
                           f"with --data-dir {data_dir}")
 
 
-_address_option = click.option("--address", default=None, help="Gateway HOST:PORT.")
-_data_dir_option = click.option("--data-dir", default="./tc-data", show_default=True,
-                                help="Where `tensorcast up` wrote cluster.json.")
+def _client_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``--address``, ``--data-dir`` and ``--token``: how every client command finds and joins the cluster."""
+    f = click.option("--token", envvar="TENSORCAST_TOKEN", default=None, show_envvar=True,
+                     help="Cluster token, when the cluster has one (the variable keeps it out of `ps`).")(f)
+    f = click.option("--data-dir", default="./tc-data", show_default=True,
+                     help="Where `tensorcast up` wrote cluster.json.")(f)
+    return click.option("--address", default=None, help="Gateway HOST:PORT.")(f)
 
 
-def _client(address: str | None, data_dir: str) -> Any:
+def _client(address: str | None, data_dir: str, token: str | None) -> Client:
     from tensorcast.client.sync import connect
 
-    return connect(_address(address, data_dir))
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
+    return connect(_address(address, data_dir), token)
 
 
 @main.command()
 @click.option("--shards", "show_shards", is_flag=True, help="List every shard lease, not just a summary.")
-@_address_option
-@_data_dir_option
-def status(show_shards: bool, address: str | None, data_dir: str) -> None:
+@_client_options
+def status(show_shards: bool, address: str | None, data_dir: str, token: str | None) -> None:
     """Show the cluster's workers, instances and KV shard leases."""
-    with _client(address, data_dir) as client:
+    with _client(address, data_dir, token) as client:
         table = Table(title="workers")
-        for col in ("id", "address", "host", "roles", "memory", "disk", "net in/out", "artifacts", "alive",
+        for col in ("id", "pid", "address", "host", "roles", "memory", "disk", "net in/out", "artifacts", "alive",
                     "last heartbeat"):
             table.add_column(col)
         now = time.time()
         for w in client.list_workers():
-            table.add_row(w.worker_id, w.address, w.host_id, ",".join(w.roles),
-                          f"{_size(w.memory_used)} / {_size(w.memory_capacity)}",
-                          f"{_size(w.disk_used)} / {_size(w.disk_capacity)}" if w.disk_capacity else "-",
-                          f"{_size(int(w.net_in_bps))}/s / {_size(int(w.net_out_bps))}/s", str(w.artifacts),
+            table.add_row(w.worker_id, str(w.pid), w.address, w.host_id, ",".join(w.roles),
+                          f"{size(w.memory_used)} / {size(w.memory_capacity)}",
+                          f"{size(w.disk_used)} / {size(w.disk_capacity)}" if w.disk_capacity else "-",
+                          f"{size(w.net_in_bps)}/s / {size(w.net_out_bps)}/s", str(w.artifacts),
                           "yes" if w.alive else "[red]no[/red]", f"{now - w.last_heartbeat:.1f}s ago")
         console.print(table)
         instances = client.list_instances()
@@ -218,153 +301,171 @@ def status(show_shards: bool, address: str | None, data_dir: str) -> None:
                 itable.add_row(i.instance_id, i.engine, i.home_worker, str(i.running), str(i.waiting),
                                f"{i.kv_tokens_used} / {i.kv_tokens_capacity}", "yes" if i.alive else "[red]no[/red]")
             console.print(itable)
-        shards = client.list_shards()
-        stable = Table(title=f"KV shards ({shards.num_shards})")
-        if show_shards:
-            for col in ("shard", "holder", "fencing token", "lease age", "expires in"):
-                stable.add_column(col)
-            for lease in shards.leases:
-                live = lease.holder and lease.expiry > shards.now
-                stable.add_row(str(lease.shard), lease.holder or "-", str(lease.token),
-                               f"{shards.now - lease.acquired_at:.1f}s" if live else "-",
-                               f"{lease.expiry - shards.now:.1f}s" if live else "[red]expired[/red]")
-        else:
-            for col in ("holder", "shards", "oldest lease", "max fencing token"):
-                stable.add_column(col)
-            by_holder: dict[str, list[Any]] = {}
-            for lease in shards.leases:
-                live = lease.holder and lease.expiry > shards.now
-                by_holder.setdefault(lease.holder if live else "(none)", []).append(lease)
-            unleased = shards.num_shards - len(shards.leases)
-            if unleased:
-                by_holder.setdefault("(none)", [])
-            for holder, leases in sorted(by_holder.items()):
-                count = len(leases) + (unleased if holder == "(none)" else 0)
-                age = max((shards.now - lease.acquired_at for lease in leases), default=0.0)
-                token = max((lease.token for lease in leases), default=0)
-                stable.add_row(holder, str(count), f"{age:.1f}s" if holder != "(none)" else "-", str(token))
-        console.print(stable)
+        console.print(_shard_table(client, show_shards))
+
+
+def _shard_table(client: Client, show_shards: bool) -> Table:
+    shards = client.list_shards()
+    stable = Table(title=f"KV shards ({shards.num_shards})")
+    if show_shards:
+        for col in ("shard", "holder", "fencing token", "lease age", "expires in"):
+            stable.add_column(col)
+        for lease in shards.leases:
+            live = lease.holder and lease.expiry > shards.now
+            stable.add_row(str(lease.shard), lease.holder or "-", str(lease.token),
+                           f"{shards.now - lease.acquired_at:.1f}s" if live else "-",
+                           f"{lease.expiry - shards.now:.1f}s" if live else "[red]expired[/red]")
+        return stable
+    for col in ("holder", "shards", "oldest lease", "max fencing token"):
+        stable.add_column(col)
+    by_holder: dict[str, list[Any]] = {}
+    for lease in shards.leases:
+        live = lease.holder and lease.expiry > shards.now
+        by_holder.setdefault(lease.holder if live else "(none)", []).append(lease)
+    unleased = shards.num_shards - len(shards.leases)
+    if unleased:
+        by_holder.setdefault("(none)", [])
+    for holder, leases in sorted(by_holder.items()):
+        count = len(leases) + (unleased if holder == "(none)" else 0)
+        age = max((shards.now - lease.acquired_at for lease in leases), default=0.0)
+        token = max((lease.token for lease in leases), default=0)
+        stable.add_row(holder, str(count), f"{age:.1f}s" if holder != "(none)" else "-", str(token))
+    return stable
+
+
+def _progress(nbytes: int) -> contextlib.AbstractContextManager[Progress | None]:
+    """Byte progress bars on stderr for transfers above ``PROGRESS_BYTES``; nothing for small ones."""
+    return byte_progress(err_console) if nbytes > PROGRESS_BYTES else contextlib.nullcontext()
 
 
 @main.command()
-@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.argument("key")
 @click.option("--ttl", type=float, default=None, help="Caller lease in seconds (default: system-owned).")
-@_address_option
-@_data_dir_option
-def put(file: str, key: str, ttl: float | None, address: str | None, data_dir: str) -> None:
-    """Store a .npy or .safetensors FILE under KEY."""
-    tensors: Any
-    if file.endswith(".npy"):
-        tensors = np.load(file, allow_pickle=False)
-    elif file.endswith(".safetensors"):
-        try:
-            from safetensors.numpy import load_file
-        except ImportError:
-            raise InvalidArgument("reading .safetensors needs the safetensors package") from None
-        try:
-            tensors = load_file(file)
-        except Exception as exc:  # safetensors raises its own types for bad files
-            raise InvalidArgument(f"{file}: not a readable safetensors file ({exc})") from None
-    else:
-        raise InvalidArgument("FILE must end in .npy or .safetensors")
-    with _client(address, data_dir) as client:
-        art = client.put(tensors, key, ttl=ttl)
-        console.print(f"{art.id} {key} ({len(art.tensor_names)} tensors, {_size(art.nbytes)})")
+@click.option("--policy", type=click.Choice(list(PRESETS)), default=None,
+              help="Placement preset (default: cache).")
+@_client_options
+def put(file: Path, key: str, ttl: float | None, policy: str | None, address: str | None, data_dir: str,
+        token: str | None) -> None:
+    """Store a .npy or .safetensors FILE under KEY.
+
+    A safetensors file's __metadata__ is kept as a companion artifact, KEY.__metadata__ (its JSON as one
+    uint8 tensor): `get` writes it back, `rm KEY` deletes it. Files over 64 MiB show progress (reading,
+    then uploading) on stderr.
+    """
+    check_suffix(file, "FILE")
+    if key.endswith(METADATA_SUFFIX):
+        raise InvalidArgument(f"keys ending in {METADATA_SUFFIX} hold safetensors metadata; choose another KEY")
+    with _client(address, data_dir, token) as client, _progress(file.stat().st_size) as progress:
+        data = read_tensors(file, progress)
+        art = upload(client, data.tensors, key, ttl, policy, progress)
+        put_metadata(client, key, data.metadata, ttl, policy)
+    _say(f"{art.id} {key} ({len(art.tensor_names)} tensors, {size(art.nbytes)}"
+         + (", with safetensors metadata)" if data.metadata else ")"))
 
 
 @main.command()
 @click.argument("key")
-@click.argument("out", type=click.Path(dir_okay=False))
-@_address_option
-@_data_dir_option
-def get(key: str, out: str, address: str | None, data_dir: str) -> None:
-    """Write artifact KEY to OUT (.npy for one tensor, .safetensors for any)."""
-    with _client(address, data_dir) as client:
-        art = client.artifact(key)
-        if out.endswith(".npy"):
-            np.save(out, np.asarray(art.tensor(like="numpy")), allow_pickle=False)
-        elif out.endswith(".safetensors"):
-            from safetensors.numpy import save_file
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@_client_options
+def get(key: str, out: Path, address: str | None, data_dir: str, token: str | None) -> None:
+    """Write artifact KEY to OUT (.npy for one tensor, .safetensors for any).
 
-            save_file({k: np.ascontiguousarray(v) for k, v in art.tensor_dict(like="numpy").items()}, out)
-        else:
-            raise InvalidArgument("OUT must end in .npy or .safetensors")
-        console.print(f"wrote {out} ({_size(art.nbytes)})")
+    A .safetensors OUT gets back the __metadata__ that `put` kept for KEY (in KEY.__metadata__). OUT is
+    written under a temporary name and renamed when complete. Artifacts over 64 MiB show download progress
+    on stderr.
+    """
+    check_suffix(out, "OUT")
+    metadata = None
+    with output_file(out) as part, _client(address, data_dir, token) as client:
+        art = client.artifact(key)
+        with _progress(art.nbytes) as progress:
+            tensors = download(art, progress)
+        if out.suffix == ".safetensors":
+            metadata = get_metadata(client, key)
+        write_tensors(out, part, tensors, metadata)
+    _say(f"wrote {out} ({size(art.nbytes)}" + (", with safetensors metadata)" if metadata else ")"))
+
+
+def _parse_tp(tp: str | None) -> TP | None:
+    if tp is None:
+        return None
+    try:
+        rank, world = (int(x) for x in tp.split("/"))
+    except ValueError:
+        raise InvalidArgument(f"--tp expects RANK/WORLD, e.g. 0/2, got {tp!r}") from None
+    return TP(rank, world)
 
 
 @main.command()
-@click.argument("path", type=click.Path(exists=True))
+@click.argument("path", type=click.Path(exists=True, path_type=Path))
 @click.argument("key")
 @click.option("--warm", "warm_on", default=None, metavar="WORKER",
               help="Also read the weights into WORKER's memory now (the warm path), with progress.")
 @click.option("--tp", default=None, metavar="RANK/WORLD", help="With --warm: only this tensor-parallel rank.")
 @click.option("--no-verify", is_flag=True, help="Do not refuse reads of files changed after registration.")
-@_address_option
-@_data_dir_option
-def load(path: str, key: str, warm_on: str | None, tp: str | None, no_verify: bool, address: str | None,
-         data_dir: str) -> None:
-    """Register a safetensors checkpoint PATH under KEY (its bytes are read on use or with --warm)."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+@_client_options
+def load(path: Path, key: str, warm_on: str | None, tp: str | None, no_verify: bool, address: str | None,
+         data_dir: str, token: str | None) -> None:
+    """Register a safetensors checkpoint PATH under KEY (its bytes are read on use or with --warm).
 
-    from tensorcast.views import TP
+    Registration reads every file's header (a spinner on stderr says how many files); --warm then shows
+    the bytes read into the worker."""
+    tp_spec = _parse_tp(tp)
+    files = checkpoint_files(path)
+    with _client(address, data_dir, token) as client:
+        with err_console.status(escape(f"registering {path}: reading the headers of {len(files)} file(s), "
+                                       f"{size(sum(f.stat().st_size for f in files))}")):
+            art = client.from_disk(path, key, verify_checksums=not no_verify)
+        _say(f"{art.id} {key}: {len(art.tensor_names)} tensors, {size(art.nbytes)}, model_type "
+             f"{art.info.meta.get('model_type') or '-'} (registered, not read)")
+        if warm_on is not None:
+            _warm(client, art, warm_on, tp_spec)
 
-    tp_spec = None
-    if tp is not None:
-        try:
-            rank, world = (int(x) for x in tp.split("/"))
-        except ValueError:
-            raise InvalidArgument(f"--tp expects RANK/WORLD, e.g. 0/2, got {tp!r}") from None
-        tp_spec = TP(rank, world)
-    with _client(address, data_dir) as client:
-        art = client.from_disk(path, key, verify_checksums=not no_verify)
-        console.print(f"{art.id} {key}: {len(art.tensor_names)} tensors, {_size(art.nbytes)}, model_type "
-                      f"{art.info.meta.get('model_type') or '-'} (registered, not read)")
-        if warm_on is None:
-            return
-        total = art.nbytes
-        if tp_spec is not None:
-            view = art.view(tp=tp_spec)
-            total = sum(int(np.prod(view.shape(n), dtype=np.int64)) * art.meta(n).nbytes
-                        // max(int(np.prod(art.meta(n).shape, dtype=np.int64)), 1) for n in view.tensor_names)
-        before = next(w.memory_used for w in client.list_workers() if w.worker_id == warm_on)
-        op = art.prefetch(to=warm_on, tp=tp_spec)
-        with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                      TransferSpeedColumn(), console=console) as progress:
-            task = progress.add_task(f"reading into {warm_on}", total=total)
-            while not op.done():
-                # Worker memory use arrives with heartbeats: coarse but real progress.
-                used = next(w.memory_used for w in client.list_workers() if w.worker_id == warm_on)
-                progress.update(task, completed=min(max(used - before, 0), total))
-                time.sleep(0.2)
-            result = op.result()
-            progress.update(task, completed=total)
-        console.print(f"warm on {warm_on}: {_size(result.bytes_moved)} in {result.seconds:.2f}s"
-                      + (" (already there)" if result.already_present else ""))
+
+def _warm(client: Client, art: Artifact, warm_on: str, tp_spec: TP | None) -> None:
+    total = art.nbytes
+    if tp_spec is not None:
+        view = art.view(tp=tp_spec)
+        total = sum(int(np.prod(view.shape(n), dtype=np.int64)) * art.meta(n).nbytes
+                    // max(int(np.prod(art.meta(n).shape, dtype=np.int64)), 1) for n in view.tensor_names)
+    before = next(w.memory_used for w in client.list_workers() if w.worker_id == warm_on)
+    op = art.prefetch(to=warm_on, tp=tp_spec)
+    with byte_progress(err_console) as progress:
+        task = progress.add_task(f"reading into {warm_on}", total=total)
+        while not op.done():
+            # Worker memory use arrives with heartbeats: coarse but real progress.
+            used = next(w.memory_used for w in client.list_workers() if w.worker_id == warm_on)
+            progress.update(task, completed=min(max(used - before, 0), total))
+            time.sleep(0.2)
+        result = op.result()
+        progress.update(task, completed=total)
+    _say(f"warm on {warm_on}: {size(result.bytes_moved)} in {result.seconds:.2f}s"
+         + (" (already there)" if result.already_present else ""))
 
 
 @main.command(name="ls")
 @click.argument("prefix", default="")
-@_address_option
-@_data_dir_option
-def ls_cmd(prefix: str, address: str | None, data_dir: str) -> None:
-    """List artifacts whose key starts with PREFIX."""
-    with _client(address, data_dir) as client:
+@_client_options
+def ls_cmd(prefix: str, address: str | None, data_dir: str, token: str | None) -> None:
+    """List artifacts whose key starts with PREFIX (KEY.__metadata__ rows: safetensors metadata of KEY)."""
+    with _client(address, data_dir, token) as client:
         table = Table()
         for col in ("key", "id", "tensors", "size", "owner", "replicas", "created"):
             table.add_column(col)
         for a in client.ls(prefix):
             created = datetime.datetime.fromtimestamp(a.info.created_at).strftime("%Y-%m-%d %H:%M:%S")
-            table.add_row(", ".join(a.keys) or "-", a.id, str(len(a.tensor_names)), _size(a.nbytes), a.owner,
-                          ",".join(r.worker_id for r in a.replicas), created)
+            table.add_row(escape(", ".join(a.keys)) or "-", a.id, str(len(a.tensor_names)), size(a.nbytes),
+                          a.owner, ",".join(r.worker_id for r in a.replicas), created)
         console.print(table)
 
 
 @main.command()
 @click.argument("key_or_id")
-@_address_option
-@_data_dir_option
-def rm(key_or_id: str, address: str | None, data_dir: str) -> None:
-    """Delete an artifact (by key or id)."""
-    with _client(address, data_dir) as client:
-        console.print(f"deleted {client.delete(key_or_id)}")
+@_client_options
+def rm(key_or_id: str, address: str | None, data_dir: str, token: str | None) -> None:
+    """Delete an artifact (by key or id), and the safetensors metadata `put` kept for that key."""
+    with _client(address, data_dir, token) as client:
+        _say(f"deleted {client.delete(key_or_id)}")
+        with contextlib.suppress(NotFound):
+            _say(f"deleted {client.delete(key_or_id + METADATA_SUFFIX)} ({key_or_id}{METADATA_SUFFIX})")

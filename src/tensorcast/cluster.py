@@ -129,11 +129,18 @@ class LocalCluster:
         except BaseException:
             self.stop()
             raise
-        (self.data_dir / "cluster.json").write_text(json.dumps({
+        self._write_manifest()
+
+    def _write_manifest(self) -> None:
+        """``DATA_DIR/cluster.json``: where client commands find the cluster (rewritten after restarts)."""
+        tmp = self.data_dir / "cluster.json.tmp"
+        tmp.write_text(json.dumps({
             "address": self.address,
             "gs_address": self.gs_address,
+            "gs_pid": self.gs.pid if self.gs is not None else 0,
             "workers": {w: {"address": h.address, "pid": h.pid} for w, h in self.workers.items()},
         }, indent=2))
+        tmp.replace(self.data_dir / "cluster.json")
 
     def stop(self) -> None:
         handles = list(self.instances.values()) + list(self.workers.values()) + ([self.gs] if self.gs else [])
@@ -241,6 +248,7 @@ class LocalCluster:
             self.kill_worker(worker_id)
         self._spawn(h)
         self._wait_ready(h)
+        self._write_manifest()
 
     def pause_worker(self, worker_id: str) -> None:
         os.kill(self._worker(worker_id).pid, signal.SIGSTOP)
@@ -260,6 +268,7 @@ class LocalCluster:
         assert self.gs is not None
         self._spawn(self.gs)
         self._wait_ready(self.gs)
+        self._write_manifest()
 
     def start_instance(self, instance_id: str, worker_id: str, args: list[str] | None = None,
                        module: str = "tensorcast.testing.hf_instance") -> ProcessHandle:

@@ -94,6 +94,11 @@ class GSConfig(msgspec.Struct, frozen=True, kw_only=True):
     worker_liveness_timeout: float = 5.0
     # How often expired caller leases are turned into deletions.
     lease_reap_interval: float = 0.5
+    # How long the store remembers a deleted artifact (why it is gone; that a restarting worker must drop
+    # its copy rather than bring it back).
+    tombstone_ttl: float = 7 * 24 * 3600.0
+    # Most artifacts one ls request returns; callers page through the rest with the cursor.
+    list_page_size: int = 1000
     # Shards of the KV-page key space (cluster-wide; every shard home and client learns it from here).
     kv_num_shards: int = 256
     # Longest shard lease a shard home may ask for.

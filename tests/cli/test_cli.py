@@ -1,62 +1,182 @@
-"""The command line against a real cluster, as a user runs it."""
+"""The command line against a real cluster, as a user runs it: client commands, file problems, safetensors
+metadata, tokens, placement presets, progress and sizes."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import json
+import os
+import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
+from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
+import tensorcast as tc
+from tensorcast.cli_files import size
 from tensorcast.cluster import LocalCluster
+from tensorcast.testing import running_cluster
 
 
-def tc_cli(*args: str, address: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tensorcast", *args, "--address", address],
-                          capture_output=True, text=True, timeout=60)
-
-
-def test_put_get_ls_status_rm(shared_cluster: LocalCluster, tmp_path: Path) -> None:
-    addr = shared_cluster.address
+def test_put_get_ls_status_rm(cli: Any, tmp_path: Path) -> None:
     arr = np.arange(12, dtype=np.int16).reshape(3, 4)
     np.save(tmp_path / "a.npy", arr)
     sd = {"w": np.ones((2, 3), np.float32), "b": np.zeros(3, np.float32)}
     save_file(sd, str(tmp_path / "m.safetensors"))
 
-    r = tc_cli("put", str(tmp_path / "a.npy"), "cli/a", address=addr)
-    assert r.returncode == 0, r.stderr
-    r = tc_cli("put", str(tmp_path / "m.safetensors"), "cli/m", address=addr)
-    assert r.returncode == 0, r.stderr
+    r = cli("put", str(tmp_path / "a.npy"), "cli/a")
+    assert r.returncode == 0 and "(1 tensors, 24 B)" in r.stdout, r.stderr
+    r = cli("put", str(tmp_path / "m.safetensors"), "cli/m")
+    assert r.returncode == 0 and r.stderr == "", r.stderr  # small files: no progress output
 
-    assert tc_cli("get", "cli/a", str(tmp_path / "out.npy"), address=addr).returncode == 0
+    assert cli("get", "cli/a", str(tmp_path / "out.npy")).returncode == 0
     assert np.array_equal(np.load(tmp_path / "out.npy"), arr)
-    assert tc_cli("get", "cli/m", str(tmp_path / "out.safetensors"), address=addr).returncode == 0
+    assert cli("get", "cli/m", str(tmp_path / "out.safetensors")).returncode == 0
     got = load_file(str(tmp_path / "out.safetensors"))
     assert set(got) == {"w", "b"} and np.array_equal(got["w"], sd["w"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "m.safetensors", "out.npy", "out.safetensors"]
 
-    ls = tc_cli("ls", "cli/", address=addr)
+    ls = cli("ls", "cli/")
     assert ls.returncode == 0 and "cli/a" in ls.stdout and "cli/m" in ls.stdout
-    status = tc_cli("status", address=addr)
+    status = cli("status")
     assert status.returncode == 0 and "w0" in status.stdout and "w1" in status.stdout
 
     for key in ("cli/a", "cli/m"):
-        assert tc_cli("rm", key, address=addr).returncode == 0
-    missing = tc_cli("get", "cli/a", str(tmp_path / "x.npy"), address=addr)
-    assert missing.returncode == 2 and "NOT_FOUND" in missing.stderr and "Traceback" not in missing.stderr
+        assert cli("rm", key).returncode == 0
+    cli.assert_one_line_error(cli("get", "cli/a", str(tmp_path / "x.npy")), "NOT_FOUND")
+    assert not (tmp_path / "x.npy").exists() and not list(tmp_path.glob(".*.part"))
 
 
-def test_load_registers_a_checkpoint_and_warms_it(shared_cluster: LocalCluster, tmp_path: Path) -> None:
+def test_an_error_message_is_printed_as_text_not_markup(cli: Any, tmp_path: Path) -> None:
+    # "[/x]" once made rich raise MarkupError (a traceback) and "[trace ...]" vanished as an unknown style.
+    cli.assert_one_line_error(cli("get", "cli/[/x] [bold]", str(tmp_path / "o.npy")), "NOT_FOUND", "cli/[/x] [bold]")
+
+
+def _npy_with_objects(path: Path) -> None:
+    np.save(path, np.array([{"a": 1}, None], dtype=object), allow_pickle=True)
+
+
+def _truncated_npy(path: Path) -> None:
+    np.save(path, np.arange(1000))
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def _corrupt_safetensors(path: Path) -> None:
+    path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+
+
+def _truncated_safetensors(path: Path) -> None:
+    save_file({"w": np.ones((64, 64), np.float32)}, str(path))
+    path.write_bytes(path.read_bytes()[:-1000])
+
+
+@pytest.mark.parametrize(("name", "make", "says"), [
+    ("objects.npy", _npy_with_objects, "Python objects"),
+    ("truncated.npy", _truncated_npy, "truncated"),
+    ("garbage.npy", lambda p: p.write_bytes(b"not an npy file"), "not a readable .npy file"),
+    ("corrupt.safetensors", _corrupt_safetensors, "not a readable safetensors file"),
+    ("truncated.safetensors", _truncated_safetensors, "not a readable safetensors file"),
+])
+def test_put_of_a_bad_file_is_a_one_line_error(cli: Any, tmp_path: Path, name: str,
+                                               make: Callable[[Path], None], says: str) -> None:
+    make(tmp_path / name)
+    cli.assert_one_line_error(cli("put", str(tmp_path / name), "cli/bad"), "INVALID_ARGUMENT", name, says)
+
+
+def test_get_into_a_missing_or_read_only_directory_is_a_one_line_error(cli: Any, client: tc.Client,
+                                                                       tmp_path: Path) -> None:
+    client.put(np.arange(4), key="cli/out")
+    missing = tmp_path / "no-such-dir" / "out.npy"
+    cli.assert_one_line_error(cli("get", "cli/out", str(missing)), "INVALID_ARGUMENT", str(missing), "does not exist")
+    # root ignores permission bits, and sysfs refuses new files even to root.
+    read_only = Path("/sys") if os.geteuid() == 0 else tmp_path / "read-only"
+    if os.geteuid() != 0:
+        read_only.mkdir()
+        read_only.chmod(0o555)
+    r = cli("get", "cli/out", str(read_only / "out.npy"))
+    cli.assert_one_line_error(r, "INVALID_ARGUMENT", str(read_only / "out.npy"), "cannot write")
+    cli.assert_one_line_error(cli("get", "cli/out", str(tmp_path / "out.txt")), "INVALID_ARGUMENT", "out.txt")
+
+
+def test_safetensors_metadata_survives_put_and_get(cli: Any, client: tc.Client, tmp_path: Path) -> None:
+    meta = {"format": "pt", "note": "[kept] as is"}
+    save_file({"w": np.ones(3, np.float32)}, str(tmp_path / "a.safetensors"), metadata=meta)
+    save_file({"w": np.zeros(3, np.float32)}, str(tmp_path / "b.safetensors"), metadata=meta)
+    for key, src in (("cli/meta-a", "a"), ("cli/meta-b", "b")):
+        r = cli("put", str(tmp_path / f"{src}.safetensors"), key)
+        assert r.returncode == 0 and "with safetensors metadata" in r.stdout, r.stderr
+
+    def metadata_of(key: str) -> dict[str, str] | None:
+        out = tmp_path / f"{key.replace('/', '_')}.safetensors"
+        assert cli("get", key, str(out)).returncode == 0
+        with safe_open(str(out), "np") as f:
+            return f.metadata()
+
+    assert metadata_of("cli/meta-a") == meta
+    # Equal metadata under two keys stays two companions: removing one key keeps the other's.
+    assert cli("rm", "cli/meta-a").returncode == 0
+    assert client.ls("cli/meta-a") == [] and metadata_of("cli/meta-b") == meta
+    # A new file without metadata under the same key drops the old metadata.
+    save_file({"w": np.zeros(3, np.float32)}, str(tmp_path / "plain.safetensors"))
+    assert cli("put", str(tmp_path / "plain.safetensors"), "cli/meta-b").returncode == 0
+    assert metadata_of("cli/meta-b") is None
+    cli.assert_one_line_error(cli("put", str(tmp_path / "a.safetensors"), "x.__metadata__"), "INVALID_ARGUMENT")
+
+
+def test_put_policy_is_the_placement_preset(cli: Any, client: tc.Client, tmp_path: Path) -> None:
+    np.save(tmp_path / "a.npy", np.arange(7))
+    assert cli("put", str(tmp_path / "a.npy"), "cli/durable", "--policy", "durable").returncode == 0
+    assert client.artifact("cli/durable").info.policy == "durable"
+    bad = cli("put", str(tmp_path / "a.npy"), "cli/x", "--policy", "forever")
+    assert bad.returncode == 2 and "'forever' is not one of" in bad.stderr
+
+
+def test_token_from_option_or_environment(cli_anywhere: Any, tmp_path: Path) -> None:
+    with running_cluster(workers=1, token="s3cret") as cluster:
+        addr = ["--address", cluster.address]
+        no_token = cli_anywhere("status", *addr, env={"TENSORCAST_TOKEN": None})
+        cli_anywhere.assert_one_line_error(no_token, "UNAUTHENTICATED")
+        assert cli_anywhere("status", *addr, "--token", "s3cret").returncode == 0
+        np.save(tmp_path / "a.npy", np.arange(3))
+        r = cli_anywhere("put", str(tmp_path / "a.npy"), "cli/t", *addr, env={"TENSORCAST_TOKEN": "s3cret"})
+        assert r.returncode == 0, r.stderr
+        for command in (["get", "cli/t", str(tmp_path / "o.npy")], ["ls"], ["rm", "cli/t"]):
+            assert cli_anywhere(*command, *addr, "--token", "s3cret").returncode == 0, command
+
+
+def test_large_files_show_progress_in_binary_units(cli: Any, tmp_path: Path) -> None:
+    big = np.arange(65 * 2**20 // 8, dtype=np.float64)  # just above the 64 MiB progress threshold
+    np.save(tmp_path / "big.npy", big)
+    r = cli("put", str(tmp_path / "big.npy"), "cli/big")
+    assert r.returncode == 0 and "(1 tensors, 65.0 MiB)" in r.stdout, r.stderr
+    assert "reading big.npy" in r.stderr and "uploading" in r.stderr and "65.0 MiB / 65.0 MiB" in r.stderr
+    r = cli("get", "cli/big", str(tmp_path / "out.npy"))
+    assert r.returncode == 0 and "downloading cli/big" in r.stderr, r.stderr
+    assert np.array_equal(np.load(tmp_path / "out.npy", mmap_mode="r"), big)
+    assert not re.search(r"\d (kB|MB|GB)\b", r.stderr + r.stdout)
+    assert cli("rm", "cli/big").returncode == 0
+
+
+def test_sizes_are_binary_units_with_one_decimal() -> None:
+    cases = {0: "0 B", 1023: "1023 B", 1024: "1.0 KiB", 1536: "1.5 KiB", 2**20 - 1: "1.0 MiB",
+             3 * 2**30: "3.0 GiB", 5 * 2**40: "5.0 TiB", 3 * 2**50: "3072.0 TiB"}
+    assert {n: size(n) for n in cases} == cases
+
+
+def test_load_registers_a_checkpoint_and_warms_it(cli: Any, shared_cluster: LocalCluster, tmp_path: Path) -> None:
     import torch
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file as save_torch
 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     weights = {"model.layers.0.self_attn.q_proj.weight": torch.randn(64, 32), "model.norm.weight": torch.ones(32)}
-    save_file(weights, str(ckpt / "model.safetensors"))
-    (ckpt / "config.json").write_text('{"model_type": "llama"}')
-    r = tc_cli("load", str(ckpt), "cli/ckpt", "--warm", "w1", "--tp", "1/2", address=shared_cluster.address)
+    save_torch(weights, str(ckpt / "model.safetensors"))
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    r = cli("load", str(ckpt), "cli/ckpt", "--warm", "w1", "--tp", "1/2")
     assert r.returncode == 0, r.stderr
     assert "registered, not read" in r.stdout and "warm on w1" in r.stdout
-    bad = tc_cli("load", str(tmp_path), "cli/bad", address=shared_cluster.address)
-    assert bad.returncode == 2 and "NOT_FOUND" in bad.stderr
+    assert "reading into w1" in r.stderr and "KiB" in r.stderr and not re.search(r"\d (kB|MB)\b", r.stderr)
+    cli.assert_one_line_error(cli("load", str(tmp_path), "cli/bad"), "NOT_FOUND")

@@ -60,8 +60,8 @@ A, B = "tc-" + "a" * 32, "tc-" + "b" * 32
 
 def test_workers_register_with_increasing_incarnations(make: Callable[[], MetadataBackend]) -> None:
     b = make()
-    assert run(b.register_worker(worker("w0"), 1.0)) == 1
-    assert run(b.register_worker(worker("w0", "127.0.0.1:2"), 2.0)) == 2
+    assert run(b.register_worker(worker("w0"), 1.0)) == (1, [])
+    assert run(b.register_worker(worker("w0", "127.0.0.1:2"), 2.0)) == (2, [])
     got = run(b.get_worker("w0"))
     assert got is not None and got.address == "127.0.0.1:2" and got.incarnation == 2
     assert run(b.get_worker("nope")) is None
@@ -71,7 +71,7 @@ def test_workers_register_with_increasing_incarnations(make: Callable[[], Metada
 
 def test_heartbeats_need_the_current_incarnation(make: Callable[[], MetadataBackend]) -> None:
     b = make()
-    inc = run(b.register_worker(worker("w0"), 1.0))
+    inc, _ = run(b.register_worker(worker("w0"), 1.0))
     assert run(b.heartbeat("w0", inc, STATS, 5.0, ())) == (True, ())
     assert run(b.get_worker("w0")).last_heartbeat == 5.0
     assert run(b.heartbeat("w0", inc + 1, STATS, 6.0, ()))[0] is False  # a stale or future incarnation
@@ -105,26 +105,53 @@ def test_leases_merge_system_ownership_wins(make: Callable[[], MetadataBackend])
     assert not run(b.set_lease("tc-" + "c" * 32, 1.0))
 
 
-def test_listing_by_key_prefix(make: Callable[[], MetadataBackend]) -> None:
+def _all_pages(b: MetadataBackend, prefix: str, limit: int) -> tuple[list[str], int]:
+    out, after, pages = [], "", 0
+    while True:
+        ids, after = run(b.list_artifacts(prefix, limit, after))
+        out += ids
+        pages += 1
+        if not after:
+            return out, pages
+
+
+def test_listing_by_key_prefix_pages_through_everything(make: Callable[[], MetadataBackend]) -> None:
     b = make()
     ids = [f"tc-{i:032x}" for i in range(5)]
     for i, aid in enumerate(ids):
         run(b.commit_artifact(artifact(aid), "w0", f"p/{i}" if i < 4 else "q/0", None, float(i)))
-    assert sorted(run(b.list_artifacts("p/", 100))) == sorted(ids[:4])
-    assert len(run(b.list_artifacts("p/", 2))) == 2
-    assert sorted(run(b.list_artifacts("", 100))) == sorted(ids)
-    assert run(b.list_artifacts("zzz", 100)) == []
+    run(b.commit_artifact(artifact(ids[0]), "w0", "p/0-alias", None, 9.0))  # two keys under the prefix
+    assert sorted(run(b.list_artifacts("p/", 100))[0]) == sorted(ids[:4])
+    page, cursor = run(b.list_artifacts("p/", 2))
+    assert page == [ids[0]] and cursor  # its two keys fill the page: listed once
+    got, pages = _all_pages(b, "p/", 2)
+    assert sorted(set(got)) == sorted(ids[:4]) and pages == 3
+    assert sorted(run(b.list_artifacts("", 100))[0]) == sorted(ids)
+    assert sorted(_all_pages(b, "", 2)[0]) == sorted(ids)
+    assert run(b.list_artifacts("zzz", 100)) == ([], "")
+
+
+def test_many_artifacts_under_one_prefix_are_all_listed(make: Callable[[], MetadataBackend]) -> None:
+    b = make()
+    n = 2500
+    for i in range(n):
+        run(b.commit_artifact(artifact(f"tc-{i:032x}"), "w0", f"big/{i:05d}", None, 1.0))
+    got, pages = _all_pages(b, "big/", 1000)
+    assert len(got) == len(set(got)) == n and pages == 3
 
 
 def test_delete_turns_replicas_into_drops_until_acknowledged(make: Callable[[], MetadataBackend]) -> None:
     b = make()
-    inc0 = run(b.register_worker(worker("w0"), 1.0))
-    inc1 = run(b.register_worker(worker("w1"), 1.0))
+    inc0, _ = run(b.register_worker(worker("w0"), 1.0))
+    inc1, _ = run(b.register_worker(worker("w1"), 1.0))
     run(b.commit_artifact(artifact(A), "w0", "k", None, 2.0))
     assert run(b.add_replica(A, "w1", ("memory",)))
-    assert sorted(run(b.delete_artifact(A))) == ["w0", "w1"]
+    assert sorted(run(b.delete_artifact(A, 2.5))) == ["w0", "w1"]
     assert run(b.get_artifact(A)) is None and run(b.resolve_key("k")) is None
+    assert run(b.tombstone(A)) == (A, "deleted") and run(b.tombstone("k")) == (A, "deleted")
     assert run(b.heartbeat("w0", inc0, STATS, 3.0, ())) == (True, (A,))  # told until it acknowledges
+    inc0, _ = run(b.register_worker(worker("w0"), 3.5))  # a restart does not forget what it must drop
+    assert run(b.heartbeat("w0", inc0, STATS, 3.6, ())) == (True, (A,))
     assert run(b.heartbeat("w0", inc0, STATS, 4.0, (A,))) == (True, ())
     assert run(b.replicas_of(A)) == [("w1", "memory")]
     # Put again before w1 acknowledged: its replica is wanted again, so the drop is withdrawn.
@@ -137,11 +164,33 @@ def test_replicas_and_restarts(make: Callable[[], MetadataBackend]) -> None:
     run(b.register_worker(worker("w0"), 1.0))
     assert not run(b.add_replica(A, "w0", ("memory",)))  # unknown artifact
     run(b.commit_artifact(artifact(A), "w0", None, None, 2.0, ("memory", "disk")))
-    run(b.remove_replica(A, "w0", "disk"))
+    assert run(b.remove_replica(A, "w0", "disk")) is False  # the memory replica remains
     assert run(b.replicas_of(A)) == [("w0", "memory")]
     run(b.add_replica(A, "w0", ("disk",)))
-    run(b.register_worker(worker("w0"), 3.0))  # a restart loses memory replicas, keeps disk ones
+    run(b.commit_artifact(artifact(B), "w0", None, None, 2.0, ("memory",)))
+    # A restart loses memory replicas, keeps disk ones; B's only copy was in memory: reported, to reap.
+    assert run(b.register_worker(worker("w0"), 3.0)) == (2, [B])
     assert run(b.replicas_of(A)) == [("w0", "disk")]
+    assert run(b.remove_replica(A, "w0", "disk")) is True  # the last one
+
+
+def test_a_copy_deleted_while_its_holder_was_away_is_not_restored(make: Callable[[], MetadataBackend]) -> None:
+    b = make()
+    run(b.register_worker(worker("w0"), 1.0))
+    run(b.commit_artifact(artifact(A), "w0", "k", None, 1.0, ("disk",)))
+    run(b.delete_artifact(A, 2.0, "its lease expired"))  # w0 is down: its drop stays pending
+    inc, _ = run(b.register_worker(worker("w0"), 3.0))  # w0 restarts and announces its disk copy
+    assert not run(b.add_replica(A, "w0", ("disk",), restored=True))
+    assert not run(b.commit_artifact(artifact(A), "w0", None, None, 3.0, ("disk",), restored=True))
+    assert run(b.get_artifact(A)) is None and run(b.tombstone(A)) == (A, "its lease expired")
+    assert run(b.heartbeat("w0", inc, STATS, 4.0, ())) == (True, (A,))  # and it is told to drop it
+    # Without any trace of it (a replaced database), a restored copy is recorded again.
+    run(b.commit_artifact(artifact(B), "w0", None, None, 5.0, ("disk",), restored=True))
+    assert run(b.get_artifact(B)) is not None
+    # Put again by anyone: the tombstone goes.
+    run(b.commit_artifact(artifact(A), "w1", "k", None, 6.0))
+    assert run(b.tombstone(A)) is None and run(b.tombstone("k")) is None
+    assert run(b.prune_tombstones(100.0)) == 0
 
 
 def test_instances(make: Callable[[], MetadataBackend]) -> None:
@@ -168,7 +217,7 @@ def test_shard_leases_and_page_index(make: Callable[[], MetadataBackend]) -> Non
 
 def test_everything_acknowledged_survives_a_reopen(make: Callable[[], MetadataBackend]) -> None:
     b = make()
-    inc = run(b.register_worker(worker("w0"), 1.0))
+    inc, _ = run(b.register_worker(worker("w0"), 1.0))
     run(b.commit_artifact(artifact(A), "w0", "k", 99.0, 2.0, ("disk",)))
     run(b.save_leases([LeaseRecord(0, "w0", 3, 10.0, 1.0)]))
     run(b.close())
@@ -176,4 +225,4 @@ def test_everything_acknowledged_survives_a_reopen(make: Callable[[], MetadataBa
     assert run(again.resolve_key("k")) == A and run(again.get_artifact(A)).lease_expiry == 99.0
     assert run(again.replicas_of(A)) == [("w0", "disk")]
     assert run(again.load_leases())[0].token == 3
-    assert run(again.register_worker(worker("w0"), 3.0)) == inc + 1
+    assert run(again.register_worker(worker("w0"), 3.0))[0] == inc + 1

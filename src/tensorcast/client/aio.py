@@ -63,6 +63,8 @@ from tensorcast.wire.messages import (
 __all__ = ["AsyncArtifact", "AsyncClient", "AsyncView", "connect"]
 
 T = TypeVar("T")
+# Artifacts asked for per ls request (at most the store's gs.list_page_size, 1000 by default).
+_LS_PAGE = 1000
 
 
 class AsyncView:
@@ -322,9 +324,25 @@ class AsyncClient:
         reply = await self.caller.call(GetArtifact(key_or_id=key_or_id), ArtifactReply, self.caller.context(timeout))
         return AsyncArtifact(self, reply.artifact)
 
-    async def ls(self, prefix: str = "", *, limit: int = 10_000) -> list[AsyncArtifact]:
-        reply = await self.caller.call(ListArtifacts(prefix=prefix, limit=limit), ArtifactList)
-        return [AsyncArtifact(self, a) for a in reply.artifacts]
+    async def ls(self, prefix: str = "", *, limit: int | None = None) -> list[AsyncArtifact]:
+        """Every artifact with a key under ``prefix`` (every artifact when empty), or the first ``limit``;
+        fetched a page at a time (``gs.list_page_size`` per request), so nothing is silently cut off."""
+        if limit is not None and limit < 0:
+            raise InvalidArgument(f"limit must be >= 0, got {limit}")
+        out: list[AsyncArtifact] = []
+        seen: set[str] = set()  # an artifact with several keys under the prefix is listed once
+        after = ""
+        while limit is None or len(out) < limit:
+            page = min(_LS_PAGE, _LS_PAGE if limit is None else limit - len(out))
+            reply = await self.caller.call(ListArtifacts(prefix=prefix, limit=page, after=after), ArtifactList)
+            for info in reply.artifacts:
+                if info.id not in seen and (limit is None or len(out) < limit):
+                    seen.add(info.id)
+                    out.append(AsyncArtifact(self, info))
+            if not reply.next:
+                break
+            after = reply.next
+        return out
 
     async def delete(self, key_or_id: str) -> str:
         """Delete the artifact (and every key pointing at it); returns its id."""

@@ -188,7 +188,8 @@ class Client:
     def artifact(self, key_or_id: str, *, timeout: float | None = None) -> Artifact:
         return self._wrap(self._run(self.aio.artifact(key_or_id, timeout=timeout)))
 
-    def ls(self, prefix: str = "", *, limit: int = 10_000) -> list[Artifact]:
+    def ls(self, prefix: str = "", *, limit: int | None = None) -> list[Artifact]:
+        """Every artifact with a key under ``prefix`` (or the first ``limit``), paged through."""
         return [self._wrap(a) for a in self._run(self.aio.ls(prefix, limit=limit))]
 
     def delete(self, key_or_id: str) -> str:

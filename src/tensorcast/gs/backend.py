@@ -49,9 +49,10 @@ class MetadataBackend(abc.ABC):
 
     # ----------------------------------------------------------------- workers
     @abc.abstractmethod
-    async def register_worker(self, worker: WorkerInfo, now: float) -> int:
-        """Insert or replace a worker; bump and return its incarnation. Its memory replicas (from a
-        previous incarnation) are removed: memory does not survive a restart."""
+    async def register_worker(self, worker: WorkerInfo, now: float) -> tuple[int, list[str]]:
+        """Insert or replace a worker; bump and return its incarnation, and the artifacts left with no
+        replica at all. Its memory replicas (from a previous incarnation) are removed: memory does not
+        survive a restart. Its pending drops stay (it still holds the disk copies it must drop)."""
 
     @abc.abstractmethod
     async def heartbeat(self, worker_id: str, incarnation: int, stats: dict[str, float], now: float,
@@ -93,9 +94,12 @@ class MetadataBackend(abc.ABC):
     # ----------------------------------------------------------------- artifacts
     @abc.abstractmethod
     async def commit_artifact(self, info: ArtifactInfo, worker_id: str, key: str | None,
-                              lease_expiry: float | None, now: float, tiers: tuple[str, ...] = ("memory",)) -> None:
-        """Atomically: record the artifact if new (ownership merged with ``merge_lease``), point ``key``
-        at it (moving the key if it existed), and record ``worker_id``'s replicas in ``tiers``."""
+                              lease_expiry: float | None, now: float, tiers: tuple[str, ...] = ("memory",),
+                              restored: bool = False) -> bool:
+        """Atomically: record the artifact if new (ownership merged with ``merge_lease``; a tombstone of it is
+        cleared), point ``key`` at it (moving the key if it existed), and record ``worker_id``'s replicas in
+        ``tiers``. ``restored``: a copy announced after the worker restarted — refused (False, nothing
+        changes) when the artifact was deleted meanwhile (a tombstone, or a drop this worker owes)."""
 
     @abc.abstractmethod
     async def resolve_key(self, key: str) -> str | None: ...
@@ -111,22 +115,35 @@ class MetadataBackend(abc.ABC):
         """(worker_id, tier) pairs."""
 
     @abc.abstractmethod
-    async def list_artifacts(self, prefix: str, limit: int) -> list[str]:
-        """Ids of artifacts with a key starting with ``prefix`` (all artifacts when it is empty)."""
+    async def list_artifacts(self, prefix: str, limit: int, after: str = "") -> tuple[list[str], str]:
+        """One page: ids of artifacts with a key starting with ``prefix`` (all artifacts, by id, when it is
+        empty), after the cursor ``after``; and the cursor of the next page ("" after the last)."""
 
     @abc.abstractmethod
     async def set_lease(self, artifact_id: str, lease_expiry: float | None) -> bool: ...
 
     @abc.abstractmethod
-    async def delete_artifact(self, artifact_id: str) -> list[str]:
-        """Remove the record and its keys; its replicas become pending drops. Returns holder ids."""
+    async def delete_artifact(self, artifact_id: str, now: float, reason: str = "deleted") -> list[str]:
+        """Remove the record and its keys; its replicas become pending drops; a tombstone (of the id and of
+        its keys) remembers why. Returns holder ids."""
+
+    @abc.abstractmethod
+    async def tombstone(self, key_or_id: str) -> tuple[str, str] | None:
+        """(artifact id, reason) of a deleted artifact, by id or by a key it had; None if there is none."""
+
+    @abc.abstractmethod
+    async def prune_tombstones(self, before: float) -> int:
+        """Forget tombstones older than ``before``; returns how many."""
 
     @abc.abstractmethod
     async def expired_artifacts(self, now: float) -> list[str]: ...
 
     @abc.abstractmethod
-    async def add_replica(self, artifact_id: str, worker_id: str, tiers: tuple[str, ...]) -> bool:
-        """Record replicas of an existing artifact; False if the artifact is unknown."""
+    async def add_replica(self, artifact_id: str, worker_id: str, tiers: tuple[str, ...],
+                          restored: bool = False) -> bool:
+        """Record replicas of an existing artifact; False if the artifact is unknown, or (``restored``: a
+        copy announced after a restart) if this worker owes a drop of it."""
 
     @abc.abstractmethod
-    async def remove_replica(self, artifact_id: str, worker_id: str, tier: str) -> None: ...
+    async def remove_replica(self, artifact_id: str, worker_id: str, tier: str) -> bool:
+        """Forget a replica; True when the artifact (still recorded) has no replica left."""

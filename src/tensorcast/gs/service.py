@@ -76,6 +76,7 @@ class GlobalStore:
         # Requests served, by message type: lets tests prove which paths touch the GS.
         self.request_counts: collections.Counter[str] = collections.Counter()
         self._lease_cache: dict[int, LeaseRecord] | None = None
+        self._pruned = 0.0  # when tombstones were last pruned
         self.registry = HandlerRegistry()
         for msg_type, handler in (
             (RegisterWorker, self.register_worker),
@@ -125,13 +126,28 @@ class GlobalStore:
             return key_or_id
         aid = await self.backend.resolve_key(key_or_id)
         if aid is None:
-            raise NotFound(f"no artifact with key {clip(key_or_id)}")
+            raise await self._gone(key_or_id, f"no artifact with key {clip(key_or_id)}")
         return aid
+
+    async def _gone(self, key_or_id: str, plain: str) -> NotFound:
+        """The NotFound for a key or id: saying why when the artifact existed (deleted, lease expired,
+        evicted from the cache, lost with a worker's memory)."""
+        tomb = await self.backend.tombstone(key_or_id)
+        if tomb is None:
+            return NotFound(plain)
+        what = clip(key_or_id) if tomb[0] != key_or_id else tomb[0]
+        return NotFound(f"artifact {what} is gone: {tomb[1]}")
+
+    async def reap(self, artifact_id: str, reason: str) -> None:
+        """An artifact whose bytes are gone (its last replica evicted or lost): a miss from now on, not an
+        entry that lists without a replica."""
+        await self.backend.delete_artifact(artifact_id, time.time(), reason)
+        log.info("artifact %s is gone: %s", artifact_id, reason)
 
     async def info(self, artifact_id: str, workers: dict[str, WorkerInfo] | None = None) -> ArtifactInfo:
         row = await self.backend.get_artifact(artifact_id)
         if row is None or (row.lease_expiry is not None and row.lease_expiry <= time.time()):
-            raise NotFound(f"no artifact {artifact_id}")
+            raise await self._gone(artifact_id, f"no artifact {artifact_id}")
         workers = workers if workers is not None else await self._workers()
         replicas = []
         for wid, tier in await self.backend.replicas_of(artifact_id):
@@ -149,9 +165,12 @@ class GlobalStore:
 
     # ----------------------------------------------------------------- handlers
     async def register_worker(self, msg: RegisterWorker, req: Request) -> Registered:
-        incarnation = await self.backend.register_worker(msg.worker, time.time())
+        incarnation, orphans = await self.backend.register_worker(msg.worker, time.time())
         log.info("worker %s registered at %s (incarnation %d)", msg.worker.worker_id, msg.worker.address,
                  incarnation)
+        for aid in orphans:  # their only copies were in the memory of this worker's previous incarnation
+            await self.reap(aid, f"lost: its only copy was in the memory of worker {msg.worker.worker_id}, "
+                                 "which restarted")
         return Registered(incarnation=incarnation)
 
     async def heartbeat(self, msg: Heartbeat, req: Request) -> HeartbeatReply:
@@ -172,28 +191,35 @@ class GlobalStore:
             validate_key(msg.key)
         now = time.time()
         lease = None if msg.ttl is None else now + msg.ttl
-        await self.backend.commit_artifact(msg.artifact, msg.worker_id, msg.key, lease, now, msg.tiers)
+        if not await self.backend.commit_artifact(msg.artifact, msg.worker_id, msg.key, lease, now, msg.tiers,
+                                                  restored=msg.restored):
+            raise await self._gone(msg.artifact.id, f"artifact {msg.artifact.id} was deleted")
         return ArtifactReply(artifact=await self.info(msg.artifact.id))
 
     async def get_artifact(self, msg: GetArtifact, req: Request) -> ArtifactReply:
         return ArtifactReply(artifact=await self.info(await self.resolve(msg.key_or_id)))
 
     async def list_artifacts(self, msg: ListArtifacts, req: Request) -> ArtifactList:
+        if msg.limit < 1:
+            raise InvalidArgument(f"limit must be >= 1, got {msg.limit}")
         workers = await self._workers()
+        # A page is at most gs.list_page_size: the caller continues from the cursor.
+        ids, cursor = await self.backend.list_artifacts(msg.prefix, min(msg.limit, self.config.gs.list_page_size),
+                                                        msg.after)
         out = []
-        for aid in await self.backend.list_artifacts(msg.prefix, msg.limit):
+        for aid in ids:
             try:
                 out.append(await self.info(aid, workers))
             except NotFound:
                 continue  # expired, not reaped yet
-        return ArtifactList(artifacts=tuple(out))
+        return ArtifactList(artifacts=tuple(out), next=cursor)
 
     async def delete_artifact(self, msg: DeleteArtifact, req: Request) -> Deleted:
         aid = await self.resolve(msg.key_or_id)
         if await self.backend.get_artifact(aid) is None:
             raise NotFound(f"no artifact {msg.key_or_id}")
         workers = await self._workers()
-        holders = await self.backend.delete_artifact(aid)
+        holders = await self.backend.delete_artifact(aid, time.time(), "deleted")
         log.info("deleted artifact %s", aid)
         return Deleted(artifact_id=aid, replicas=tuple(
             ReplicaInfo(worker_id=w, address=workers[w].address if w in workers else "") for w in holders))
@@ -299,12 +325,14 @@ class GlobalStore:
         return PageIndexReply(holders=tuple(await self.backend.page_index_get(msg.keys)))
 
     async def add_replica(self, msg: AddReplica, req: Request) -> Ack:
-        if not await self.backend.add_replica(msg.artifact_id, msg.worker_id, msg.tiers):
-            raise NotFound(f"no artifact {msg.artifact_id}")
+        if not await self.backend.add_replica(msg.artifact_id, msg.worker_id, msg.tiers, msg.restored):
+            raise await self._gone(msg.artifact_id, f"no artifact {msg.artifact_id}")
         return Ack()
 
     async def remove_replica(self, msg: RemoveReplica, req: Request) -> Ack:
-        await self.backend.remove_replica(msg.artifact_id, msg.worker_id, msg.tier)
+        if await self.backend.remove_replica(msg.artifact_id, msg.worker_id, msg.tier):
+            await self.reap(msg.artifact_id, f"evicted: its last copy was dropped from the {msg.tier} of worker "
+                                             f"{msg.worker_id} (a cache miss: put it again)")
         return Ack()
 
     # ----------------------------------------------------------------- background
@@ -313,9 +341,13 @@ class GlobalStore:
         while True:
             await asyncio.sleep(self.config.gs.lease_reap_interval)
             try:
-                for aid in await self.backend.expired_artifacts(time.time()):
-                    await self.backend.delete_artifact(aid)
+                now = time.time()
+                for aid in await self.backend.expired_artifacts(now):
+                    await self.backend.delete_artifact(aid, now, "its lease expired")
                     log.info("lease of artifact %s expired", aid)
+                if now - self._pruned > 60.0:
+                    self._pruned = now
+                    await self.backend.prune_tombstones(now - self.config.gs.tombstone_ttl)
             except Exception:
                 log.exception("lease reaper failed")
 

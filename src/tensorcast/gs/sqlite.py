@@ -87,6 +87,19 @@ CREATE TABLE IF NOT EXISTS drops (
     worker_id TEXT NOT NULL,
     PRIMARY KEY (artifact_id, worker_id)
 );
+CREATE TABLE IF NOT EXISTS tombstones (
+    artifact_id TEXT PRIMARY KEY,
+    reason TEXT NOT NULL,
+    at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS tombstones_at ON tombstones(at);
+CREATE TABLE IF NOT EXISTS key_tombstones (
+    key TEXT PRIMARY KEY,
+    artifact_id TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS key_tombstones_at ON key_tombstones(at);
 """
 
 _TENSORS = msgspec.msgpack.Encoder()
@@ -154,7 +167,7 @@ class SqliteBackend(MetadataBackend):
                 db.execute(f"PRAGMA synchronous={self.synchronous}")
 
     # ----------------------------------------------------------------- workers
-    async def register_worker(self, worker: WorkerInfo, now: float) -> int:
+    async def register_worker(self, worker: WorkerInfo, now: float) -> tuple[int, list[str]]:
         with self._tx() as db:
             row = db.execute("SELECT incarnation FROM workers WHERE worker_id=?", (worker.worker_id,)).fetchone()
             incarnation = (row[0] if row else 0) + 1
@@ -164,9 +177,18 @@ class SqliteBackend(MetadataBackend):
                  incarnation, now, now, worker.memory_used, worker.memory_capacity, worker.artifacts,
                  worker.data_address, worker.disk_used, worker.disk_capacity),
             )
+            lost = [r[0] for r in db.execute(
+                "SELECT artifact_id FROM replicas WHERE worker_id=? AND tier='memory'", (worker.worker_id,))]
             db.execute("DELETE FROM replicas WHERE worker_id=? AND tier='memory'", (worker.worker_id,))
-            db.execute("DELETE FROM drops WHERE worker_id=?", (worker.worker_id,))
-        return incarnation
+            # Pending drops stay: a holder that was down when an artifact was deleted must still drop it.
+            orphans = [aid for aid in lost if self._unreplicated(db, aid)]
+        return incarnation, orphans
+
+    @staticmethod
+    def _unreplicated(db: sqlite3.Connection, artifact_id: str) -> bool:
+        """The artifact exists and no replica of it is recorded any more."""
+        return db.execute("SELECT 1 FROM artifacts WHERE artifact_id=?", (artifact_id,)).fetchone() is not None \
+            and db.execute("SELECT 1 FROM replicas WHERE artifact_id=? LIMIT 1", (artifact_id,)).fetchone() is None
 
     async def heartbeat(self, worker_id: str, incarnation: int, stats: dict[str, float], now: float,
                         dropped: tuple[str, ...]) -> tuple[bool, tuple[str, ...]]:
@@ -251,9 +273,13 @@ class SqliteBackend(MetadataBackend):
 
     # ----------------------------------------------------------------- artifacts
     async def commit_artifact(self, info: ArtifactInfo, worker_id: str, key: str | None,
-                              lease_expiry: float | None, now: float, tiers: tuple[str, ...] = ("memory",)) -> None:
+                              lease_expiry: float | None, now: float, tiers: tuple[str, ...] = ("memory",),
+                              restored: bool = False) -> bool:
         with self._tx() as db:
             row = db.execute("SELECT lease_expiry FROM artifacts WHERE artifact_id=?", (info.id,)).fetchone()
+            if restored and self._deleted_here(db, info.id, worker_id):
+                return False
+            db.execute("DELETE FROM tombstones WHERE artifact_id=?", (info.id,))
             lease = merge_lease(False if row is None else row[0], lease_expiry)
             if row is None:
                 db.execute("INSERT INTO artifacts VALUES (?,?,?,?,?,?,?)",
@@ -263,9 +289,18 @@ class SqliteBackend(MetadataBackend):
                 db.execute("UPDATE artifacts SET lease_expiry=? WHERE artifact_id=?", (lease, info.id))
             if key is not None:
                 db.execute("INSERT OR REPLACE INTO keys VALUES (?,?)", (key, info.id))
+                db.execute("DELETE FROM key_tombstones WHERE key=?", (key,))
             for tier in tiers:
                 db.execute("INSERT OR IGNORE INTO replicas VALUES (?,?,?)", (info.id, worker_id, tier))
             db.execute("DELETE FROM drops WHERE artifact_id=? AND worker_id=?", (info.id, worker_id))
+        return True
+
+    @staticmethod
+    def _deleted_here(db: sqlite3.Connection, artifact_id: str, worker_id: str) -> bool:
+        """The artifact was deleted (tombstone), or this worker still owes a drop of it."""
+        return db.execute("SELECT 1 FROM tombstones WHERE artifact_id=?", (artifact_id,)).fetchone() is not None \
+            or db.execute("SELECT 1 FROM drops WHERE artifact_id=? AND worker_id=?",
+                          (artifact_id, worker_id)).fetchone() is not None
 
     async def resolve_key(self, key: str) -> str | None:
         row = self.db.execute("SELECT artifact_id FROM keys WHERE key=?", (key,)).fetchone()
@@ -289,45 +324,67 @@ class SqliteBackend(MetadataBackend):
         return [(r[0], r[1]) for r in self.db.execute(
             "SELECT worker_id, tier FROM replicas WHERE artifact_id=? ORDER BY worker_id", (artifact_id,))]
 
-    async def list_artifacts(self, prefix: str, limit: int) -> list[str]:
+    async def list_artifacts(self, prefix: str, limit: int, after: str = "") -> tuple[list[str], str]:
         if not prefix:
-            rows = self.db.execute("SELECT artifact_id FROM artifacts ORDER BY created_at LIMIT ?", (limit,))
-        else:
-            # Range scan on the key index: [prefix, prefix + U+10FFFF).
-            rows = self.db.execute(
-                "SELECT DISTINCT artifact_id FROM keys WHERE key >= ? AND key < ? ORDER BY key LIMIT ?",
-                (prefix, prefix + "\U0010ffff", limit))
-        return [r[0] for r in rows]
+            rows = [r[0] for r in self.db.execute(
+                "SELECT artifact_id FROM artifacts WHERE artifact_id > ? ORDER BY artifact_id LIMIT ?", (after, limit))]
+            return rows, rows[-1] if len(rows) == limit else ""
+        # Range scan on the key index: [prefix, prefix + U+10FFFF), after the cursor (the last key seen).
+        pairs = self.db.execute(
+            "SELECT key, artifact_id FROM keys WHERE key >= ? AND key > ? AND key < ? ORDER BY key LIMIT ?",
+            (prefix, after, prefix + "\U0010ffff", limit)).fetchall()
+        ids = list(dict.fromkeys(aid for _, aid in pairs))  # an artifact with two keys here: listed once
+        return ids, pairs[-1][0] if len(pairs) == limit else ""
 
     async def set_lease(self, artifact_id: str, lease_expiry: float | None) -> bool:
         with self._tx() as db:
             cur = db.execute("UPDATE artifacts SET lease_expiry=? WHERE artifact_id=?", (lease_expiry, artifact_id))
         return cur.rowcount > 0
 
-    async def delete_artifact(self, artifact_id: str) -> list[str]:
+    async def delete_artifact(self, artifact_id: str, now: float, reason: str = "deleted") -> list[str]:
         with self._tx() as db:
             holders = [r[0] for r in db.execute(
                 "SELECT DISTINCT worker_id FROM replicas WHERE artifact_id=?", (artifact_id,))]
+            keys = [r[0] for r in db.execute("SELECT key FROM keys WHERE artifact_id=?", (artifact_id,))]
             db.execute("DELETE FROM artifacts WHERE artifact_id=?", (artifact_id,))
             db.execute("DELETE FROM keys WHERE artifact_id=?", (artifact_id,))
             for wid in holders:
                 db.execute("INSERT OR IGNORE INTO drops VALUES (?,?)", (artifact_id, wid))
+            db.execute("INSERT OR REPLACE INTO tombstones VALUES (?,?,?)", (artifact_id, reason, now))
+            db.executemany("INSERT OR REPLACE INTO key_tombstones VALUES (?,?,?,?)",
+                           [(k, artifact_id, reason, now) for k in keys])
         return holders
+
+    async def tombstone(self, key_or_id: str) -> tuple[str, str] | None:
+        row = self.db.execute("SELECT artifact_id, reason FROM tombstones WHERE artifact_id=?", (key_or_id,)).fetchone()
+        if row is None:
+            row = self.db.execute("SELECT artifact_id, reason FROM key_tombstones WHERE key=?", (key_or_id,)).fetchone()
+        return None if row is None else (str(row[0]), str(row[1]))
+
+    async def prune_tombstones(self, before: float) -> int:
+        with self._tx(durable=False) as db:
+            n = db.execute("DELETE FROM tombstones WHERE at < ?", (before,)).rowcount
+            n += db.execute("DELETE FROM key_tombstones WHERE at < ?", (before,)).rowcount
+        return n
 
     async def expired_artifacts(self, now: float) -> list[str]:
         return [r[0] for r in self.db.execute(
             "SELECT artifact_id FROM artifacts WHERE lease_expiry IS NOT NULL AND lease_expiry <= ?", (now,))]
 
-    async def add_replica(self, artifact_id: str, worker_id: str, tiers: tuple[str, ...]) -> bool:
+    async def add_replica(self, artifact_id: str, worker_id: str, tiers: tuple[str, ...],
+                          restored: bool = False) -> bool:
         with self._tx(durable=set(tiers) != {"memory"}) as db:
             if db.execute("SELECT 1 FROM artifacts WHERE artifact_id=?", (artifact_id,)).fetchone() is None:
                 return False
+            if restored and self._deleted_here(db, artifact_id, worker_id):
+                return False  # put again while this holder was down, but its copy was to be dropped
             for tier in tiers:
                 db.execute("INSERT OR IGNORE INTO replicas VALUES (?,?,?)", (artifact_id, worker_id, tier))
             db.execute("DELETE FROM drops WHERE artifact_id=? AND worker_id=?", (artifact_id, worker_id))
         return True
 
-    async def remove_replica(self, artifact_id: str, worker_id: str, tier: str) -> None:
+    async def remove_replica(self, artifact_id: str, worker_id: str, tier: str) -> bool:
         with self._tx(durable=tier != "memory") as db:
             db.execute("DELETE FROM replicas WHERE artifact_id=? AND worker_id=? AND tier=?",
                        (artifact_id, worker_id, tier))
+            return self._unreplicated(db, artifact_id)

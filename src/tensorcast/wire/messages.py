@@ -227,12 +227,16 @@ class GetArtifact(Msg):
 
 
 class ListArtifacts(Msg):
+    """One page of artifacts with a key under ``prefix`` (all artifacts when empty), after the cursor."""
+
     prefix: str = ""
-    limit: int = 10_000
+    limit: int = 1000
+    after: str = ""  # ArtifactList.next of the previous page
 
 
 class ArtifactList(Msg):
     artifacts: tuple[ArtifactInfo, ...]
+    next: str = ""  # the cursor of the next page; "" after the last
 
 
 class DeleteArtifact(Msg):
@@ -360,6 +364,8 @@ class CommitArtifact(Msg):
     key: str | None = None
     ttl: float | None = None
     tiers: tuple[str, ...] = ("memory",)
+    # Announced after the worker restarted: refused (NotFound) if the artifact was deleted meanwhile.
+    restored: bool = False
 
 
 class AddReplica(Msg):
@@ -368,6 +374,7 @@ class AddReplica(Msg):
     artifact_id: str
     worker_id: str
     tiers: tuple[str, ...] = ("memory",)
+    restored: bool = False  # announced after a restart: refused if this worker owes a drop of it
 
 
 class RemoveReplica(Msg):

@@ -111,14 +111,18 @@ class GlobalStoreLink:
         return (await self.caller.call(GetArtifact(key_or_id=key_or_id), ArtifactReply, ctx)).artifact
 
     async def commit_artifact(self, info: ArtifactInfo, ctx: CallContext, *, key: str | None = None,
-                              ttl: float | None = None, tiers: tuple[str, ...] = ("memory",)) -> ArtifactInfo:
-        msg = CommitArtifact(artifact=info, worker_id=self.worker_id, key=key, ttl=ttl, tiers=tiers)
+                              ttl: float | None = None, tiers: tuple[str, ...] = ("memory",),
+                              restored: bool = False) -> ArtifactInfo:
+        msg = CommitArtifact(artifact=info, worker_id=self.worker_id, key=key, ttl=ttl, tiers=tiers,
+                             restored=restored)
         return (await self.caller.call(msg, ArtifactReply, ctx)).artifact
 
-    async def add_replica(self, artifact_id: str, tiers: tuple[str, ...], ctx: CallContext | None = None) -> None:
-        """Record another tier/replica of an artifact the store knows (``NotFound`` if it does not)."""
-        await self.caller.call(AddReplica(artifact_id=artifact_id, worker_id=self.worker_id, tiers=tiers), Ack,
-                               ctx or self._ctx())
+    async def add_replica(self, artifact_id: str, tiers: tuple[str, ...], ctx: CallContext | None = None, *,
+                          restored: bool = False) -> None:
+        """Record another tier/replica of an artifact the store knows (``NotFound`` if it does not, or if
+        ``restored`` and the copy was to be dropped)."""
+        msg = AddReplica(artifact_id=artifact_id, worker_id=self.worker_id, tiers=tiers, restored=restored)
+        await self.caller.call(msg, Ack, ctx or self._ctx())
 
     async def remove_replica(self, artifact_id: str, tier: str) -> None:
         """Best effort: a replica that went without the store asking (eviction, a cold TTL)."""

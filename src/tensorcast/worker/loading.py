@@ -19,7 +19,7 @@ import blake3
 import msgspec
 
 from tensorcast.cuda import check_device
-from tensorcast.errors import InvalidArgument, TensorCastError, clip
+from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, clip
 from tensorcast.records import ArtifactInfo, ReplicaInfo, TensorMeta
 from tensorcast.tensors import ARTIFACT_ID_RE, artifact_id, wrap_bytes
 from tensorcast.transport.h2d import to_device
@@ -68,7 +68,11 @@ class LoadingRole:
             self.store.pin(info.id, msg.pin_ttl)
         self.storage.bytes_in += result.bytes_moved
         if not result.already_present:
-            await self.parts.gs.add_replica(info.id, ("memory",), req.ctx)
+            try:
+                await self.parts.gs.add_replica(info.id, ("memory",), req.ctx)
+            except NotFound:
+                self.storage.drop(info.id)  # deleted (or evicted everywhere) while it was being copied
+                raise
             log.info("prefetched %s from %s (%d bytes, %.3fs, %d retries)", info.id, result.source or "local disk",
                      result.bytes_moved, result.seconds, result.retries)
         return msgspec.structs.replace(result, artifact=self._with_my_replica(info))

@@ -128,20 +128,30 @@ class StorageRole:
                 "transfers_in_flight": self.fetcher.in_flight + self.data_server.active}
 
     async def announce(self) -> None:
-        """Tell the global store which replicas this worker holds (disk replicas survive restarts)."""
+        """Tell the global store which replicas this worker holds (disk replicas survive restarts). A copy
+        of an artifact deleted (or whose lease expired) while this worker was away is dropped here, never
+        brought back; an artifact the store has no trace of (its database was replaced) is recorded again."""
         store, gs = self.store, self.parts.gs
         ids = set(store.memory.replica_ids()) | set(store.disk.manifests if store.disk is not None else ())
+        dropped = 0
         for aid in ids:
             tiers = store.tiers(aid)
             try:
-                await gs.add_replica(aid, tiers)
+                await gs.add_replica(aid, tiers, restored=True)
+                continue
             except NotFound:
-                tensors = store.tensors(aid)
-                policy = store.disk.manifests[aid].policy if "disk" in tiers and store.disk else "cache"
-                info = ArtifactInfo(id=aid, tensors=tensors, nbytes=nbytes_of(tensors), policy=policy)
-                await gs.commit_artifact(info, CallContext(deadline=time.time() + 5), tiers=tiers)
+                pass
+            tensors = store.tensors(aid)
+            policy = store.disk.manifests[aid].policy if "disk" in tiers and store.disk else "cache"
+            info = ArtifactInfo(id=aid, tensors=tensors, nbytes=nbytes_of(tensors), policy=policy)
+            try:
+                await gs.commit_artifact(info, CallContext(deadline=time.time() + 5), tiers=tiers, restored=True)
+            except NotFound as exc:
+                log.info("dropping %s, deleted while this worker was away: %s", aid, exc.message)
+                self.drop(aid)
+                dropped += 1
         if ids:
-            log.info("announced %d replicas to the global store", len(ids))
+            log.info("announced %d replicas to the global store (%d dropped)", len(ids) - dropped, dropped)
 
     # ----------------------------------------------------------------- housekeeping
     async def _housekeeping_loop(self) -> None:
