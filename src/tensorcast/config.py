@@ -185,6 +185,10 @@ class KVConfig(msgspec.Struct, frozen=True, kw_only=True):
     candidates: int = 3
     # A client splits a batch so that one request carries at most this many page bytes.
     max_batch_bytes: int = 32 * 1024**2
+    # How long a KV call waits for its shards to settle on live homes (at start-up, after a home died)
+    # before writes raise Unavailable (reads return misses); and how long one request to a home may take.
+    handover_timeout: float = 10.0
+    request_timeout: float = 5.0
 
 
 class ClientConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 
 from tensorcast.errors import DeadlineExceeded
+from tensorcast.limits import check_deadline, check_timeout
 
 __all__ = ["CallContext", "context", "current_trace_id", "new_trace_id"]
 
@@ -38,6 +39,9 @@ class CallContext:
     idempotency_key: str | None = None
     tags: tuple[tuple[str, str], ...] = ()
 
+    def __post_init__(self) -> None:
+        check_deadline(self.deadline)  # a NaN or infinite deadline is refused, never silently "no deadline"
+
     def remaining(self) -> float | None:
         """Seconds left before the deadline (may be negative), or None without a deadline."""
         return None if self.deadline is None else self.deadline - time.time()
@@ -52,9 +56,10 @@ class CallContext:
 
     def with_timeout(self, timeout: float | None) -> CallContext:
         """A context whose deadline is the earlier of this one's and ``now + timeout``."""
-        if timeout is None:
+        seconds = check_timeout(timeout)
+        if seconds is None:
             return self
-        deadline = time.time() + timeout
+        deadline = time.time() + seconds
         if self.deadline is not None:
             deadline = min(deadline, self.deadline)
         return replace(self, deadline=deadline)
@@ -67,6 +72,7 @@ def context(
     tags: dict[str, str] | None = None,
 ) -> CallContext:
     """Make a CallContext; ``timeout`` seconds from now becomes the absolute deadline."""
+    check_timeout(timeout)
     return CallContext(
         trace_id=trace_id or new_trace_id(),
         deadline=None if timeout is None else time.time() + timeout,

@@ -9,6 +9,7 @@ message, frame or connection (``wire``), or what is done with a record.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import msgspec
@@ -210,8 +211,10 @@ class Placement(msgspec.Struct, frozen=True, kw_only=True):
             raise InvalidArgument("extra replicas are memory replicas: memory may not be 'none'")
         if self.overflow == "spill" and self.memory == "required":
             raise InvalidArgument("overflow 'spill' contradicts memory 'required'")
-        if self.memory_ttl is not None and (self.memory_ttl <= 0 or self.disk != "required"):
-            raise InvalidArgument("memory_ttl needs a positive value and disk 'required'")
+        if self.memory_ttl is not None and (not isinstance(self.memory_ttl, int | float) or
+                                            not math.isfinite(self.memory_ttl) or self.memory_ttl <= 0 or
+                                            self.disk != "required"):
+            raise InvalidArgument("memory_ttl needs a finite positive number of seconds and disk 'required'")
         return self
 
     @property

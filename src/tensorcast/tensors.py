@@ -32,6 +32,7 @@ __all__ = [
     "artifact_id",
     "digest_bytes",
     "dtype_name",
+    "import_torch",
     "normalize_tensors",
     "numpy_dtype",
     "raw_dtype",
@@ -126,6 +127,10 @@ def _torch_to_numpy(t: Any) -> np.ndarray[Any, Any]:
 
     if t.device.type != "cpu":
         raise InvalidArgument(f"only CPU tensors can be put directly, got device {t.device}")
+    if t.layout != torch.strided:
+        raise InvalidArgument(f"{t.layout} tensors are not supported: convert with .to_dense() first")
+    if t.is_quantized:
+        raise InvalidArgument("quantized tensors are not supported: store .int_repr() and the scales instead")
     name = str(t.dtype).removeprefix("torch.")
     np_dtype = numpy_dtype(name)
     t = t.detach()
@@ -187,6 +192,16 @@ def normalize_tensors(tensors: Any) -> list[TensorInput]:
     return out
 
 
+def import_torch() -> Any:
+    """torch, or ``InvalidArgument`` saying how to do without it (it is optional)."""
+    try:
+        import torch
+    except ImportError:
+        raise InvalidArgument("like='torch' needs PyTorch, which is not installed (pip install torch); "
+                              "ask for like='numpy' instead") from None
+    return torch
+
+
 def wrap_bytes(buf: Any, meta: TensorMeta, like: str) -> Any:
     """View ``buf`` (a buffer of at least ``meta.nbytes`` bytes) as a numpy array or torch tensor, no copy."""
     np_dtype = numpy_dtype(meta.dtype)
@@ -196,8 +211,7 @@ def wrap_bytes(buf: Any, meta: TensorMeta, like: str) -> Any:
             return np.empty(meta.shape, dtype=np_dtype)
         return np.frombuffer(buf, dtype=np_dtype, count=count).reshape(meta.shape)
     if like == "torch":
-        import torch
-
+        torch = import_torch()
         tdtype = getattr(torch, meta.dtype)
         if meta.nbytes == 0:
             return torch.empty(meta.shape, dtype=tdtype)

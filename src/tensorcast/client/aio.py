@@ -11,6 +11,7 @@ reading bytes back (``client.reads``), the synchronous facade (``client.sync``),
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import uuid
 from collections.abc import Mapping, Sequence
@@ -26,7 +27,8 @@ from tensorcast.client.puts import put_tensors
 from tensorcast.client.reads import Diagnostics, Reader
 from tensorcast.config import Config, check_token, default_host_id
 from tensorcast.context import CallContext
-from tensorcast.errors import InvalidArgument, NotFound, Unavailable, clip
+from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, Unavailable, clip
+from tensorcast.limits import check_ttl
 from tensorcast.plans.builder import Plan, PlanOutcome
 from tensorcast.pool.placement import resolve_placement
 from tensorcast.records import ArtifactInfo, InstanceInfo, Placement, SliceSpec, WorkerInfo
@@ -34,6 +36,7 @@ from tensorcast.tensors import ARTIFACT_ID_RE, normalize_tensors
 from tensorcast.transport.registry import make_transport
 from tensorcast.views import TP, TPRules, sliced_shape, view_artifact_id
 from tensorcast.wire.caller import Caller
+from tensorcast.wire.connection import ConnectionLost, NotSent
 from tensorcast.wire.kv_messages import ListShards, ShardTable
 from tensorcast.wire.messages import (
     Ack,
@@ -178,6 +181,8 @@ class AsyncArtifact(ArtifactBase):
         ``device="cuda:N"`` the worker also keeps a copy on that GPU, which same-host callers then open
         with CUDA IPC (``tensor_dict(device=...)``); a worker without CUDA refuses it. ``pin``: keep the
         copy resident (for ``pin_ttl`` seconds, or until unpinned); ``streams``: parallel TCP streams."""
+        if pin_ttl is not None:
+            check_ttl(pin_ttl, "pin_ttl")
         msg = Prefetch(artifact_id=self.id, worker_id=to, pin=pin, pin_ttl=pin_ttl, streams=streams, device=device)
         if tp is not None or slices is not None:
             view = self.view(slices, tp=tp, rules=rules)
@@ -203,6 +208,7 @@ class AsyncArtifact(ArtifactBase):
 
     async def renew(self, ttl: float) -> AsyncArtifact:
         """Extend a caller lease to ``ttl`` seconds from now."""
+        check_ttl(ttl)
         self.info = (await self.client.caller.call(RenewLease(artifact_id=self.id, ttl=ttl), ArtifactReply)).artifact
         return self
 
@@ -216,15 +222,23 @@ class AsyncArtifact(ArtifactBase):
 
 
 class AsyncClient:
-    def __init__(self, address: str, token: str | None = None, *, config: Config | None = None) -> None:
+    """A caller of a cluster, through one of its gateways. ``address``: a gateway's ``HOST:PORT``, or several;
+    the client also learns every live gateway when it connects, and continues through another when the one
+    in use cannot be reached (calls that may be repeated are sent again, within their deadline)."""
+
+    def __init__(self, address: str | Sequence[str], token: str | None = None, *,
+                 config: Config | None = None) -> None:
+        addresses = [address] if isinstance(address, str) else list(address)
+        if not addresses or not all(isinstance(a, str) and a for a in addresses):
+            raise InvalidArgument(f"address must be HOST:PORT or a list of them, got {clip(address)}")
         self.config = config or Config.load()
-        self.address = address
+        self.address = addresses[0]
         self.token = token if token is not None else self.config.token
         check_token(self.token)
         self.host_id = self.config.client.host_id or default_host_id()
         self.client_id = f"client-{uuid.uuid4().hex[:8]}"
         self.caller = Caller(self.config.wire, token=self.token, peer_id=self.client_id, host_id=self.host_id,
-                             address=address, timeout=self.config.client.timeout)
+                             address=addresses, timeout=self.config.client.timeout)
         self.locality = Locality(self.host_id, self.config.client.use_shared_memory)
         self.transport = make_transport(self.config.transport.kind, self.config.wire, token=self.token,
                                         max_streams=self.config.transport.max_streams * 2)
@@ -233,9 +247,13 @@ class AsyncClient:
         self._workers: dict[str, WorkerInfo] = {}
 
     async def ping(self) -> None:
-        """Connect to the gateway now (``Unavailable`` if it cannot be reached, ``Unauthenticated`` if the
-        token is refused)."""
+        """Connect to a gateway now (``Unavailable`` if none can be reached, ``Unauthenticated`` if the token
+        is refused), and learn the others (to continue through one of them if this one goes away)."""
         await self.caller.connect()
+        with contextlib.suppress(TensorCastError):
+            workers = await self.list_workers()
+            self.caller.set_defaults([w.address for w in workers if "gateway" in w.roles and w.alive])
+            self._workers = {w.worker_id: w for w in workers}
 
     async def close(self) -> None:
         await self.kv.aclose()
@@ -262,7 +280,7 @@ class AsyncClient:
         fewer than through the gateway, which routes it there too); through the gateway otherwise, or if
         that address no longer answers (the worker moved)."""
         address = self._workers[worker_id].address if worker_id in self._workers else ""
-        if address and address != self.address:
+        if address and address != self.caller.address:
             try:
                 return await self.caller.call(msg, expect, ctx, address=address)
             except Unavailable:
@@ -280,17 +298,25 @@ class AsyncClient:
         ``policy``: a placement preset (``cache``, ``durable``, ``ha``, ``cold``, ``warm``, ``pinned``) or a
         ``Placement``. ``on``: the worker that takes the first replica (default: the gateway).
         """
-        if ttl is not None and ttl <= 0:
-            raise InvalidArgument(f"ttl must be > 0 seconds, got {ttl}")
+        if ttl is not None:
+            check_ttl(ttl)
         if isinstance(policy, Placement):
             policy.validate()
         elif policy is not None:
             resolve_placement(policy)  # fail fast on an unknown preset
         inputs = await asyncio.to_thread(normalize_tensors, tensors)
-        address = self.address if on is None else await self._worker_address(on)
-        info = await put_tensors(self.caller, self.locality, address, inputs, key=key, ttl=ttl, policy=policy,
-                                 ctx=self.caller.context(timeout, ctx))
-        return AsyncArtifact(self, info)
+        ctx = self.caller.context(timeout, ctx)
+        while True:
+            address = self.caller.address if on is None else await self._worker_address(on)
+            try:
+                info = await put_tensors(self.caller, self.locality, address, inputs, key=key, ttl=ttl,
+                                         policy=policy, ctx=ctx)
+                return AsyncArtifact(self, info)
+            except (NotSent, ConnectionLost):
+                # The gateway went away mid-put: the whole put again through another one (a put is idempotent:
+                # same content, same artifact; what reached the lost worker is reclaimed or lost with it).
+                if on is not None or not self.caller.fail_over(address):
+                    raise
 
     async def from_disk(self, path: str | os.PathLike[str], key: str | None = None, *, verify_checksums: bool = True,
                         on: str | None = None, timeout: float | None = None) -> AsyncArtifact:
@@ -377,7 +403,8 @@ class AsyncClient:
         return PlanOutcome(await self.caller.call(spec, PlanResult, self.caller.context(None, ctx)))
 
 
-async def connect(address: str, token: str | None = None, *, config: Config | None = None) -> AsyncClient:
+async def connect(address: str | Sequence[str], token: str | None = None, *,
+                  config: Config | None = None) -> AsyncClient:
     client = AsyncClient(address, token, config=config)
     try:
         await client.ping()

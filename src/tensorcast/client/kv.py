@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import mmap
 import os
+import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -25,8 +26,10 @@ import numpy as np
 
 from tensorcast.client.locality import Locality
 from tensorcast.config import KVConfig
-from tensorcast.errors import InvalidArgument, StaleFencingToken, TensorCastError, Unavailable
-from tensorcast.kv.keys import shard_of
+from tensorcast.context import CallContext
+from tensorcast.errors import DeadlineExceeded, InvalidArgument, StaleFencingToken, TensorCastError, Unavailable
+from tensorcast.kv.keys import KVLayout, shard_of
+from tensorcast.limits import check_ttl
 from tensorcast.pool.segments import SegmentGone, map_shared
 from tensorcast.records import ShardLease, SlotList
 from tensorcast.wire.caller import Caller
@@ -49,7 +52,6 @@ from tensorcast.wire.messages import Ack
 
 __all__ = ["AsyncKV"]
 
-_RETRIES = 4
 _MAX_ARENA_MAPS = 256
 # Same-host pages at least this large are copied by _COPY_THREADS threads (smaller ones inline).
 _PARALLEL_COPY_MIN_PAGE = 512 << 10
@@ -139,32 +141,35 @@ class AsyncKV:
         return {s: self._by_shard[s].token for s in {shard_of(k, n) for k in keys}}
 
     async def _run(self, keys: Sequence[str], op: Any, *, need_all: bool) -> None:
-        """Apply ``op(address, indexes)`` to every holder's keys; on a rejection or an unreachable home,
-        refresh the lease table once and retry the affected keys (a bounded number of times). Writes
-        (``need_all``) fail with ``Unavailable`` if some shard stays without a home; reads leave misses."""
+        """Apply ``op(address, indexes)`` to every holder's keys. A rejected token, an unreachable or slow
+        home, or a shard without a home (start-up, a failover) is waited out: the lease table is read again
+        and the affected keys retried, with a short backoff, for up to ``kv.handover_timeout`` seconds.
+        Then writes (``need_all``) fail with ``Unavailable``; reads leave misses, never errors."""
         todo = list(range(len(keys)))
-        for attempt in range(_RETRIES):
+        give_up = time.monotonic() + self.config.handover_timeout
+        attempt = 0
+        while True:
             sub = [keys[i] for i in todo]
             groups, orphans = await self._groups(sub)
             results = await asyncio.gather(*(op(addr, [todo[j] for j in idx]) for addr, idx in groups.items()),
                                            return_exceptions=True)
             failed: list[int] = [todo[j] for j in orphans] if need_all else []
             for (_addr, idx), res in zip(groups.items(), results, strict=True):
-                if isinstance(res, StaleFencingToken | Unavailable):
+                if isinstance(res, StaleFencingToken | Unavailable | DeadlineExceeded):
                     failed.extend(todo[j] for j in idx)
                 elif isinstance(res, BaseException):
                     raise res
-            if not failed and (not orphans or not need_all):
-                return
             todo = sorted(failed)
-            if not todo:
-                return
-            await self.refresh()
-            if attempt:
-                await asyncio.sleep(0.05 * 2**attempt)
-        if need_all:
-            raise Unavailable(f"{len(todo)} pages: no shard home holds their shards (lease table refreshed "
-                              f"{_RETRIES} times); retry")
+            if not todo or time.monotonic() >= give_up:
+                break
+            await asyncio.sleep(min(0.02 * 2**attempt, 0.25))
+            attempt += 1
+            with contextlib.suppress(Unavailable, DeadlineExceeded):  # the gateway itself may be failing over
+                await self.refresh()
+        if todo and need_all:
+            raise Unavailable(f"{len(todo)} pages: no shard home has held their shards for "
+                              f"{self.config.handover_timeout:g} s (kv.handover_timeout); is a worker with the "
+                              "shard-home role running? Retry")
         # Reads: pages whose shard is between homes are misses, never errors.
 
     # ----------------------------------------------------------------- same host
@@ -231,6 +236,11 @@ class AsyncKV:
             with contextlib.suppress(TensorCastError):
                 await self.caller.call(KVRelease(leases=leases), Ack, address=address)
 
+    def _ctx(self) -> CallContext:
+        """One request to a shard home: a home that does not answer within ``kv.request_timeout`` (paused,
+        partitioned) is treated like one that rejected the request: the table is read again."""
+        return self.caller.context(self.config.request_timeout)
+
     def _local(self, address: str) -> bool:
         return self._same_host.get(address, False)
 
@@ -252,11 +262,25 @@ class AsyncKV:
         self._arenas.clear()
 
     # ----------------------------------------------------------------- operations
-    async def put(self, keys: Sequence[str], pages: Sequence[Any], *, ttl: float | None = None) -> int:
-        """Store pages under their keys (batched, one request per shard home). Returns pages newly stored."""
+    async def put(self, keys: Sequence[str], pages: Sequence[Any], *, ttl: float | None = None,
+                  layout: KVLayout | None = None) -> int:
+        """Store pages under their keys (batched, one request per shard home). Returns pages newly stored.
+
+        A page is any contiguous buffer (numpy, torch CPU, bytes) of 1..``kv.max_page_bytes`` bytes. With
+        ``layout``, each must be exactly one page of it (``layout.page_bytes``; an array of more than one
+        dimension, ``layout.page_shape``), else ``InvalidArgument``. ``ttl``: seconds the pages are kept
+        (default ``kv.page_ttl``)."""
         if len(keys) != len(pages):
             raise InvalidArgument("keys and pages differ in length")
+        if ttl is not None:
+            check_ttl(ttl)
         views = [_page_view(p) for p in pages]
+        for i, (page, view) in enumerate(zip(pages, views, strict=True)):
+            if not 0 < view.nbytes <= self.config.max_page_bytes:
+                raise InvalidArgument(f"page {i}: {view.nbytes} bytes; pages are 1..{self.config.max_page_bytes} "
+                                      "bytes (kv.max_page_bytes)")
+            if layout is not None:
+                layout.check_page(view.nbytes, getattr(page, "shape", None), f"page {i}")
         stored = 0
         limit = self.config.max_batch_bytes
 
@@ -271,16 +295,16 @@ class AsyncKV:
                     msg = KVPut(keys=ks, sizes=tuple(views[j].nbytes for j in batch), tokens=self._tokens(ks),
                                 ttl=ttl, same_host=local)
                     if local:  # reserve slots, copy straight into them, commit: no socket copy
-                        reserved: KVPutReply = await self.caller.call(msg, KVPutReply, address=address)
+                        reserved = await self.caller.call(msg, KVPutReply, self._ctx(), address=address)
                         slots = self._slots(reserved.slots, address)
                         await self._copy([(slot, views[j]) for j, slot in zip(batch, slots, strict=True)
                                           if slot is not None])
-                        reply: KVPutReply = await self.caller.call(
+                        reply = await self.caller.call(
                             KVCommit(reservation=reserved.reservation, keys=ks, tokens=msg.tokens), KVPutReply,
-                            address=address)
+                            self._ctx(), address=address)
                     else:
-                        reply = await self.caller.call(msg, KVPutReply, address=address,
-                                                        payload=[views[j] for j in batch])
+                        reply = await self.caller.call(msg, KVPutReply, self._ctx(), address=address,
+                                                       payload=[views[j] for j in batch])
                     stored += reply.stored
                     batch, size = [], 0
                 if i >= 0:
@@ -318,14 +342,19 @@ class AsyncKV:
         await self._run(keys, fetch, need_all=False)
         return out
 
-    async def get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[bool]:
+    async def get_into(self, keys: Sequence[str], buffers: Sequence[Any], *,
+                       layout: KVLayout | None = None) -> list[bool]:
         """Zero-copy variant: receive each hit straight into the caller's buffer (numpy array, torch CPU
-        tensor or writable memoryview of at least the page size). Returns hit flags."""
+        tensor or writable memoryview of at least the page size; with ``layout``, exactly one page of it).
+        Returns hit flags."""
         if len(keys) != len(buffers):
             raise InvalidArgument("keys and buffers differ in length")
         targets = [_page_view(b) for b in buffers]
         if any(t.readonly for t in targets):
             raise InvalidArgument("get_into needs writable buffers")
+        if layout is not None:
+            for i, (buf, view) in enumerate(zip(buffers, targets, strict=True)):
+                layout.check_page(view.nbytes, getattr(buf, "shape", None), f"buffer {i}")
         hits = [False] * len(keys)
 
         async def fetch(address: str, idx: list[int]) -> None:
@@ -355,10 +384,11 @@ class AsyncKV:
         the reply names the slots and this process copies from them, then hands the read lease back."""
         ks = tuple(keys)
         if not self._local(address):
-            await self.caller.call(KVGet(keys=ks, tokens=self._tokens(ks)), KVGetReply, address=address, sink=sink)
+            await self.caller.call(KVGet(keys=ks, tokens=self._tokens(ks)), KVGetReply, self._ctx(), address=address,
+                                   sink=sink)
             return
         msg = KVGet(keys=ks, tokens=self._tokens(ks), same_host=True, release=self._take_leases(address))
-        reply: KVGetReply = await self.caller.call(msg, KVGetReply, address=address)
+        reply = await self.caller.call(msg, KVGetReply, self._ctx(), address=address)
         try:
             dests = sink(reply)
             srcs = self._slots(reply.slots, address)
@@ -372,8 +402,8 @@ class AsyncKV:
 
         async def probe(address: str, idx: list[int]) -> None:
             ks = tuple(keys[j] for j in idx)
-            reply: KVExistsReply = await self.caller.call(KVExists(keys=ks, tokens=self._tokens(ks)),
-                                                           KVExistsReply, address=address)
+            reply = await self.caller.call(KVExists(keys=ks, tokens=self._tokens(ks)), KVExistsReply, self._ctx(),
+                                           address=address)
             for j, flag in zip(idx, reply.present, strict=True):
                 present[j] = bool(flag)
 

@@ -30,7 +30,7 @@ from tensorcast.cuda import cuda_available
 from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, Unavailable, clip
 from tensorcast.pool.segments import SegmentGone, map_private
 from tensorcast.records import ArtifactInfo, ReplicaInfo, SliceSpec, TensorMeta
-from tensorcast.tensors import digest_bytes, numpy_dtype, raw_dtype, wrap_bytes
+from tensorcast.tensors import digest_bytes, import_torch, numpy_dtype, raw_dtype, wrap_bytes
 from tensorcast.transport.base import Transport, stream_count
 from tensorcast.transport.cuda_ipc import import_handle
 from tensorcast.transport.h2d import to_device
@@ -95,6 +95,8 @@ class Reader:
         ctx = self.caller.context(ctx=ctx)
         if like not in ("torch", "numpy"):
             raise InvalidArgument(f"like must be 'torch' or 'numpy', got {clip(like)}")
+        if like == "torch":
+            import_torch()  # refused before anything is read when torch is missing
         if device != "cpu":
             if like != "torch":
                 raise InvalidArgument(f"device {clip(device)} needs like='torch'")

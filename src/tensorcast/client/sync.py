@@ -21,6 +21,7 @@ from tensorcast.client.reads import Diagnostics
 from tensorcast.config import Config
 from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument
+from tensorcast.kv.keys import KVLayout
 from tensorcast.plans.builder import Plan, PlanOutcome
 from tensorcast.records import InstanceInfo, Placement, WorkerInfo
 from tensorcast.views import TP, TPRules
@@ -146,10 +147,11 @@ class Artifact(ArtifactBase):
 class Client:
     """Synchronous client of a TensorCast cluster (connect to a gateway worker's address)."""
 
-    def __init__(self, address: str, token: str | None = None, *, config: Config | None = None) -> None:
+    def __init__(self, address: str | Sequence[str], token: str | None = None, *,
+                 config: Config | None = None) -> None:
         self._loop = LoopThread()
         self.aio = AsyncClient(address, token, config=config)
-        self.address = address
+        self.address = self.aio.address
         self._closed = False
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -243,8 +245,9 @@ class Client:
         self.close()
 
 
-def connect(address: str, token: str | None = None, *, config: Config | None = None) -> Client:
-    """Connect to a cluster through a gateway worker (``HOST:PORT``); raises ``Unavailable`` if unreachable."""
+def connect(address: str | Sequence[str], token: str | None = None, *, config: Config | None = None) -> Client:
+    """Connect to a cluster through a gateway worker (``HOST:PORT``, or several); raises ``Unavailable`` if
+    none can be reached. The client continues through another gateway if its own goes away."""
     client = Client(address, token, config=config)
     try:
         client.ping()
@@ -261,14 +264,16 @@ class KV:
         self._client = client
         self.inner = inner
 
-    def put(self, keys: Sequence[str], pages: Sequence[Any], *, ttl: float | None = None) -> int:
-        return self._client._run(self.inner.put(keys, pages, ttl=ttl))
+    def put(self, keys: Sequence[str], pages: Sequence[Any], *, ttl: float | None = None,
+            layout: KVLayout | None = None) -> int:
+        """Store pages under their keys; see ``AsyncKV.put`` (what a page is, ``layout`` checks)."""
+        return self._client._run(self.inner.put(keys, pages, ttl=ttl, layout=layout))
 
     def get(self, keys: Sequence[str]) -> list[Any]:
         return self._client._run(self.inner.get(keys))
 
-    def get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[bool]:
-        return self._client._run(self.inner.get_into(keys, buffers))
+    def get_into(self, keys: Sequence[str], buffers: Sequence[Any], *, layout: KVLayout | None = None) -> list[bool]:
+        return self._client._run(self.inner.get_into(keys, buffers, layout=layout))
 
     def exists(self, keys: Sequence[str]) -> int:
         return self._client._run(self.inner.exists(keys))
@@ -355,7 +360,8 @@ def init(address: str | None = None, token: str | None = None, *, config: Config
     with _default_lock:
         if _default is not None:
             _default.close()
-        _default = connect(address, token, config=config)
+        # TENSORCAST_ADDRESS may name several gateways, comma-separated.
+        _default = connect([a.strip() for a in address.split(",") if a.strip()], token, config=config)
         return _default
 
 

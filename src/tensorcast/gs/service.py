@@ -11,6 +11,7 @@ import asyncio
 import collections
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from tensorcast.errors import InvalidArgument, NotFound, clip
 from tensorcast.gs.backend import MetadataBackend
 from tensorcast.gs.sqlite import SqliteBackend
 from tensorcast.kv.leases import LeaseRecord, grant, release, renew
+from tensorcast.limits import check_ttl
 from tensorcast.records import ArtifactInfo, ReplicaInfo, ShardLease, WorkerInfo
 from tensorcast.tensors import ARTIFACT_ID_RE
 from tensorcast.wire.kv_messages import (
@@ -190,7 +192,7 @@ class GlobalStore:
         if msg.key is not None:
             validate_key(msg.key)
         now = time.time()
-        lease = None if msg.ttl is None else now + msg.ttl
+        lease = None if msg.ttl is None else now + check_ttl(msg.ttl)
         if not await self.backend.commit_artifact(msg.artifact, msg.worker_id, msg.key, lease, now, msg.tiers,
                                                   restored=msg.restored):
             raise await self._gone(msg.artifact.id, f"artifact {msg.artifact.id} was deleted")
@@ -225,8 +227,7 @@ class GlobalStore:
             ReplicaInfo(worker_id=w, address=workers[w].address if w in workers else "") for w in holders))
 
     async def renew_lease(self, msg: RenewLease, req: Request) -> ArtifactReply:
-        if msg.ttl <= 0:
-            raise InvalidArgument(f"ttl must be > 0, got {msg.ttl}")
+        check_ttl(msg.ttl)
         info = await self.info(msg.artifact_id)
         if info.owner == "system":
             raise InvalidArgument(f"artifact {msg.artifact_id} is system-owned: it has no lease to renew")
@@ -266,7 +267,7 @@ class GlobalStore:
         return self._lease_cache
 
     def _ttl(self, ttl: float) -> float:
-        if not 0 < ttl <= self.config.gs.kv_max_lease_ttl:
+        if not (math.isfinite(ttl) and 0 < ttl <= self.config.gs.kv_max_lease_ttl):
             raise InvalidArgument(f"lease ttl must be in (0, {self.config.gs.kv_max_lease_ttl}], got {ttl}")
         return ttl
 

@@ -23,6 +23,7 @@ from tensorcast.errors import InvalidArgument, NotFound, StaleFencingToken, Tens
 from tensorcast.kv.keys import shard_of
 from tensorcast.kv.leases import HomeLeases, LeaseRecord
 from tensorcast.kv.pages import Page, PageStore
+from tensorcast.limits import check_ttl
 from tensorcast.wire.caller import Caller
 from tensorcast.wire.connection import Connection, Landing
 from tensorcast.wire.kv_messages import (
@@ -178,6 +179,8 @@ class ShardHome:
     def _reserve(self, msg: KVPut) -> tuple[_PendingPut, list[memoryview]]:
         if len(msg.keys) != len(msg.sizes):
             raise InvalidArgument("keys and sizes differ in length")
+        if msg.ttl is not None:
+            check_ttl(msg.ttl)
         shards = self._check(msg.keys, msg.tokens)
         now = time.time()
         pending = _PendingPut([], time.monotonic(), msg.ttl)

@@ -50,7 +50,17 @@ class KVLayout:
 
     @property
     def page_shape(self) -> tuple[int, ...]:
+        """The shape of a page as an array: (layers, K and V, kv_heads, page_size tokens, head_dim)."""
         return (self.layers, 2, self.kv_heads, self.page_size, self.head_dim)
+
+    def check_page(self, nbytes: int, shape: tuple[int, ...] | None = None, what: str = "page") -> None:
+        """``InvalidArgument`` unless a page of ``nbytes`` bytes (and, for an array of more than one
+        dimension, of ``shape``) is one page of this layout."""
+        if nbytes != self.page_bytes:
+            raise InvalidArgument(f"{what}: {nbytes} bytes, but a page of this layout is {self.page_bytes} bytes "
+                                  f"(shape {self.page_shape}, {self.dtype})")
+        if shape is not None and len(shape) > 1 and tuple(shape) != self.page_shape:
+            raise InvalidArgument(f"{what}: shape {tuple(shape)}, but a page of this layout is {self.page_shape}")
 
 
 def page_keys(tokens: Sequence[int], layout: KVLayout) -> list[str]:

@@ -28,10 +28,10 @@ class RawPeer:
         self.sock.sendall(data)
 
     def send(self, message: Any, request_id: int = 1, payload: bytes = b"", trace_id: str = "raw",
-             checksums: bool = True) -> None:
+             checksums: bool = True, deadline: float | None = None) -> None:
         """One request frame; a payload goes with its chunk checksums unless ``checksums=False`` (which a
         server must refuse)."""
-        body = encode_envelope(request_id, REQUEST, trace_id, None, message)
+        body = encode_envelope(request_id, REQUEST, trace_id, deadline, message)
         sums = pack_checksums(chunk_checksums(memoryview(payload))) if payload and checksums else b""
         flags = CHECKSUMS if sums else 0
         self.sock.sendall(pack_header(len(body), len(payload), flags) + body + sums + payload)

@@ -25,8 +25,8 @@ from tensorcast.wire.frames import CHECKSUMS, HEADER, pack_header, parse_header
 from tensorcast.wire.messages import ErrorReply
 from tensorcast.wire.protocol import ERROR, Envelope, Message
 
-__all__ = ["Connection", "Frame", "Landing", "PayloadFaults", "ReceiveBudget", "Sink", "WireState", "encode_envelope",
-           "error_reply", "payload_views"]
+__all__ = ["Connection", "ConnectionLost", "Frame", "Landing", "NotSent", "PayloadFaults", "ReceiveBudget", "Sink",
+           "WireState", "encode_envelope", "error_reply", "payload_views"]
 
 log = logging.getLogger("tensorcast.wire")
 
@@ -87,6 +87,14 @@ class PayloadFaults:
             return False
         self.left -= 1
         return True
+
+
+class NotSent(Unavailable):
+    """The peer could not be reached, so the request was never sent: any request may be sent elsewhere."""
+
+
+class ConnectionLost(Unavailable):
+    """The connection broke while a request was in flight: it may or may not have been carried out."""
 
 
 class ReceiveBudget:
@@ -426,7 +434,7 @@ class Connection(asyncio.BufferedProtocol):
         """Write one frame; the payload (one buffer, or several sent back to back) goes after its chunk
         checksums, in pieces, waiting on flow control between them."""
         if self.transport is None or self.closed.is_set():
-            raise Unavailable("connection is closed")
+            raise NotSent("connection is closed")
         views = payload_views(payload)
         payload_len = sum(v.nbytes for v in views)
         head = b""
@@ -440,7 +448,7 @@ class Connection(asyncio.BufferedProtocol):
                 views = [memoryview(bad), *views[1:]]
         async with self._write_lock:
             if self.closed.is_set():
-                raise Unavailable("connection is closed")
+                raise NotSent("connection is closed")
             self.transport.write(pack_header(len(body), payload_len, CHECKSUMS if payload_len else 0) + body + head)
             step = self.config.send_chunk_bytes
             pending = 0
@@ -450,7 +458,7 @@ class Connection(asyncio.BufferedProtocol):
                         await self._can_write.wait()
                         pending = 0
                     if self.closed.is_set():
-                        raise Unavailable("connection closed while sending a payload")
+                        raise ConnectionLost("connection closed while sending a payload")
                     piece = raw[start : start + step]
                     self.transport.write(piece)
                     pending += piece.nbytes

@@ -80,7 +80,7 @@ from tensorcast.wire.messages import (
     WorkerList,
 )
 
-__all__ = ["ERROR", "REPLY_TO", "REQUEST", "RESPONSE", "Envelope", "Message"]
+__all__ = ["ERROR", "IDEMPOTENT", "REPLY_TO", "REQUEST", "RESPONSE", "Envelope", "Message", "retry_safe"]
 
 Message = (
     Hello
@@ -207,3 +207,18 @@ REPLY_TO: dict[type, type] = {
     AddReplica: Ack,
     RemoveReplica: Ack,
 }
+
+
+# Requests whose effect is the same when they arrive twice: a caller may send one again (to another
+# gateway) when the connection was lost before the reply came.
+IDEMPOTENT: frozenset[type] = frozenset({
+    GetArtifact, ListArtifacts, ListWorkers, ListInstances, ListShards, GSStats, PageIndexGet, Prefetch, Unpin,
+    Evict, RenewLease, RegisterCheckpoint, RegisterInstance, InstanceHeartbeat, MapTensors, KVGet, KVExists,
+    DataRequest,
+})
+
+
+def retry_safe(message: object) -> bool:
+    """``message`` may be sent again after a lost reply. A plan is, when it carries an idempotency key (its
+    steps are idempotent and finished ones are not redone)."""
+    return type(message) in IDEMPOTENT or (isinstance(message, RunPlan) and bool(message.idempotency_key))

@@ -28,15 +28,16 @@ from tensorcast.errors import (
     InvalidArgument,
     TensorCastError,
     Unauthenticated,
-    Unavailable,
     clip,
     error_from_code,
 )
 from tensorcast.log import RateLimitedLog
 from tensorcast.wire.connection import (
     Connection,
+    ConnectionLost,
     Frame,
     Landing,
+    NotSent,
     Sink,
     WireState,
     encode_envelope,
@@ -46,7 +47,8 @@ from tensorcast.wire.connection import (
 from tensorcast.wire.messages import PROTOCOL_VERSION, ErrorReply, Hello, Welcome
 from tensorcast.wire.protocol import ERROR, REQUEST, RESPONSE, Envelope
 
-__all__ = ["HandlerRegistry", "Reply", "Request", "RpcChannel", "RpcServer", "parse_address"]
+__all__ = ["ConnectionLost", "HandlerRegistry", "NotSent", "Reply", "Request", "RpcChannel", "RpcServer",
+           "parse_address"]
 
 log = logging.getLogger("tensorcast.rpc")
 
@@ -228,11 +230,11 @@ class RpcServer:
 
     async def _handle(self, conn: Connection, frame: Frame) -> None:
         env = frame.envelope
-        ctx = CallContext(trace_id=env.trace_id, deadline=env.deadline)
         set_current_trace(env.trace_id)
         reply: Reply | None = None
         landing = frame.landing
         try:
+            ctx = CallContext(trace_id=env.trace_id, deadline=env.deadline)  # a NaN deadline: InvalidArgument
             if frame.error is not None:
                 raise frame.error
             entry = self.registry.get(type(frame.message))
@@ -347,9 +349,9 @@ class RpcChannel:
                 if limit is ctx:
                     raise DeadlineExceeded(f"connecting to {self.address}: deadline exceeded",
                                            trace_id=ctx.trace_id) from None
-                raise Unavailable(f"cannot connect to {self.address}: timed out") from None
+                raise NotSent(f"cannot connect to {self.address}: timed out") from None
             except OSError as exc:
-                raise Unavailable(f"cannot connect to {self.address}: {exc}") from None
+                raise NotSent(f"cannot connect to {self.address}: {exc}") from None
             try:
                 frame = await self._roundtrip(conn, self.hello, limit, None, None)
                 if not isinstance(frame.message, Welcome):
@@ -433,7 +435,7 @@ class RpcChannel:
     def _on_lost(self, conn: Connection, exc: Exception | None) -> None:
         for fut, _ in list(self._pending.values()):
             if not fut.done():
-                fut.set_exception(Unavailable(f"connection to {self.address} lost"))
+                fut.set_exception(ConnectionLost(f"connection to {self.address} lost"))
 
     async def close(self) -> None:
         if self._conn is not None:

@@ -20,6 +20,7 @@ import msgspec
 
 from tensorcast.cuda import check_device
 from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, clip
+from tensorcast.limits import check_ttl
 from tensorcast.records import ArtifactInfo, ReplicaInfo, TensorMeta
 from tensorcast.tensors import ARTIFACT_ID_RE, artifact_id, wrap_bytes
 from tensorcast.transport.h2d import to_device
@@ -55,6 +56,8 @@ class LoadingRole:
         if msg.worker_id not in ("", self.parts.worker_id):
             return await self.parts.peers.call(msg.worker_id, msg, Prefetched, req.ctx)
         device = check_device(msg.device) if msg.device else ""  # refused before any work
+        if msg.pin_ttl is not None:
+            check_ttl(msg.pin_ttl, "pin_ttl")
         info = await self.parts.gs.get_artifact(msg.artifact_id, req.ctx)
         if msg.view is not None:
             done = await self._materialize_view(info, msg, req)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from tensorcast.config import WorkerConfig
 from tensorcast.errors import InvalidArgument, NotFound, Unavailable, clip
+from tensorcast.limits import check_ttl
 from tensorcast.pool.memory import BlobLoc
 from tensorcast.pool.placement import decide_put
 from tensorcast.pool.segments import Segment
@@ -65,8 +66,8 @@ class PutManager:
 
     async def begin(self, msg: PutBegin, placement: Placement) -> PutPlan:
         tensors = validate_tensors(msg.tensors)
-        if msg.ttl is not None and msg.ttl <= 0:
-            raise InvalidArgument(f"ttl must be > 0 seconds, got {msg.ttl}")
+        if msg.ttl is not None:
+            check_ttl(msg.ttl)
         aid = artifact_id(tensors)
         memory = self.store.memory
         need = _distinct_bytes(t for t in tensors if not memory.has_blob(t.digest))
