@@ -33,7 +33,7 @@ def kv_loop(client: tc.Client, stop: threading.Event, errors: list[BaseException
         try:
             client.kv.put(keys, [page_for(k) for k in keys])
             got = client.kv.get(keys)
-        except BaseException as exc:  # noqa: BLE001 - the test reports any error
+        except BaseException as exc:
             errors.append(exc)
             return
         for key, page in zip(keys, got, strict=True):
