@@ -37,12 +37,13 @@ def check_ttl(value: Any, what: str = "ttl") -> float:
 
 
 def check_timeout(value: Any, what: str = "timeout") -> float | None:
-    """A timeout: None (no limit) or a finite number of seconds in (0, MAX_TIMEOUT]."""
+    """A timeout: None (no limit) or a finite number of seconds in [0, MAX_TIMEOUT] (0: the deadline is now,
+    so nothing starts)."""
     if value is None:
         return None
     seconds = _seconds(value, what)
-    if not 0 < seconds <= MAX_TIMEOUT:
-        raise InvalidArgument(f"{what} must be between 0 (excluded) and {MAX_TIMEOUT:g} seconds, got {value}")
+    if not 0 <= seconds <= MAX_TIMEOUT:
+        raise InvalidArgument(f"{what} must be between 0 and {MAX_TIMEOUT:g} seconds, got {value}")
     return seconds
 
 

@@ -112,7 +112,7 @@ def test_lease_expires_unless_renewed(client: tc.Client, shared_cluster: LocalCl
     with pytest.raises(InvalidArgument):
         system.release()
     # A lease never downgrades a system-owned artifact.
-    again = client.put(np.arange(10), key="lease/system", ttl=0.5)
+    again = client.put(np.arange(10), key="lease/system", ttl=1.0)
     assert again.owner == "system"
     client.delete(system.id)
 
@@ -121,7 +121,7 @@ def test_expired_lease_frees_worker_memory(client: tc.Client, shared_cluster: Lo
     gateway = shared_cluster.worker_ids[0]
     before = _settled_memory(client, gateway)
     big = np.random.default_rng(5).integers(0, 255, 1 << 20, dtype=np.uint8)
-    client.put(big, ttl=0.5)
+    client.put(big, ttl=1.0)  # the shortest lease there is (tensorcast.limits.MIN_TTL)
     assert _wait_memory(client, gateway, before, timeout=8.0) == before
 
 

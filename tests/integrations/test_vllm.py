@@ -22,6 +22,7 @@ import tensorcast as tc
 from tensorcast.testing import running_cluster
 
 
+@pytest.mark.timeout(900)  # three vLLM engines start in turn: minutes on a busy 2-core host
 def test_generation_matches_the_default_loader(tmp_path: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
