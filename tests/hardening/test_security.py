@@ -127,6 +127,11 @@ def test_large_frames_after_authentication_are_bounded_by_the_receive_budget() -
         finally:
             for p in peers:
                 p.close()
+        # A connection that closed mid-body keeps nothing alive (no reference cycle waiting for a full GC).
+        deadline = time.monotonic() + 5.0
+        while _rss(pid) - before > 20 * MiB and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _rss(pid) - before <= 20 * MiB, f"{(_rss(pid) - before) >> 20} MiB still held after the close"
 
 
 def test_slow_handshakes_and_idle_floods_on_the_data_port(cluster: LocalCluster) -> None:
