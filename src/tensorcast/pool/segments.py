@@ -32,7 +32,6 @@ __all__ = ["SHM_DIR", "Segment", "SegmentGone", "SegmentStock", "map_private", "
 
 SHM_DIR = "/dev/shm"
 log = logging.getLogger("tensorcast.pool")
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14; older kernels refuse it (EINVAL)
 _POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 # Pages are faulted in steps of this many bytes: each step holds the process's mmap lock only briefly, so
@@ -170,6 +169,10 @@ class Segment:
         return True
 
 
+def _size(seg: Segment) -> int:
+    return seg.size
+
+
 class SegmentStock:
     """Pre-faulted segments, ready to be filled without first-touch page faults, up to a byte budget.
 
@@ -251,7 +254,7 @@ class SegmentStock:
     def _take_recycled(self, size: int, limit: int | None = 2) -> Segment | None:
         """The smallest recycled segment of at least ``size`` bytes (and at most ``limit * size``)."""
         with self._lock:
-            at = bisect.bisect_left([s.size for s in self._recycled], size)
+            at = bisect.bisect_left(self._recycled, size, key=_size)
             if at == len(self._recycled) or (limit is not None and self._recycled[at].size > limit * size):
                 return None
             seg = self._recycled.pop(at)
@@ -271,7 +274,7 @@ class SegmentStock:
             if seg.size == self.chunk_bytes:
                 self._chunks.append(seg)
             else:
-                bisect.insort(self._recycled, seg, key=lambda s: s.size)
+                bisect.insort(self._recycled, seg, key=_size)
             self._bytes += seg.size
             return True
 

@@ -26,8 +26,6 @@ from tensorcast.errors import DeadlineExceeded, Unavailable, error_from_code
 from tensorcast.transport.base import FetchStats, SourceOpener, split_ranges
 from tensorcast.transport.tcp_frames import CHECKSUM, recv_exact, recv_frame, send_frame
 from tensorcast.transport.tcp_server import TcpDataServer
-from tensorcast.wire.connection import encode_envelope
-from tensorcast.wire.frames import pack_header
 from tensorcast.wire.messages import PROTOCOL_VERSION, DataHello, DataReply, DataRequest
 from tensorcast.wire.protocol import ERROR, REQUEST
 from tensorcast.wire.rpc import parse_address
@@ -164,8 +162,7 @@ class TcpTransport:
             if left is not None and left <= 0:
                 raise DeadlineExceeded("data transfer: deadline passed")
             sock.settimeout(left)
-            body = encode_envelope(0, REQUEST, trace_id, deadline, req)
-            sock.sendall(pack_header(len(body), 0) + body)
+            send_frame(sock, REQUEST, req, trace_id, deadline)
             env, reply = recv_frame(sock, self.config.max_frame_bytes)
             started = True
             if env.kind == ERROR:

@@ -54,8 +54,9 @@ def recv_frame(sock: socket.socket, max_body: int) -> tuple[Envelope, Any]:
     return decode_frame(body)
 
 
-def send_frame(sock: socket.socket, kind: int, message: Any, trace_id: str = "") -> None:
-    body = encode_envelope(0, kind, trace_id, None, message)
+def send_frame(sock: socket.socket, kind: int, message: Any, trace_id: str = "",
+               deadline: float | None = None) -> None:
+    body = encode_envelope(0, kind, trace_id, deadline, message)
     sock.sendall(pack_header(len(body), 0) + body)
 
 

@@ -21,20 +21,21 @@ import msgspec
 from tensorcast.checksums import chunk_checksums, chunk_count, pack_checksums, unpack_checksums
 from tensorcast.config import WireConfig
 from tensorcast.errors import InvalidArgument, ResourceExhausted, TensorCastError, Unauthenticated, Unavailable
+from tensorcast.log import RateLimitedLog
 from tensorcast.wire.frames import CHECKSUMS, HEADER, pack_header, parse_header
 from tensorcast.wire.messages import ErrorReply
 from tensorcast.wire.protocol import ERROR, Envelope, Message
 
-__all__ = ["Connection", "ConnectionLost", "Frame", "Landing", "NotSent", "PayloadFaults", "ReceiveBudget", "Sink",
-           "WireState", "encode_envelope", "error_reply", "payload_views"]
+__all__ = ["HASH_OFF_LOOP_BYTES", "Connection", "ConnectionLost", "Frame", "Landing", "NotSent", "PayloadFaults",
+           "ReceiveBudget", "Sink", "WireState", "encode_envelope", "error_reply", "payload_views"]
 
 log = logging.getLogger("tensorcast.wire")
 
 _STAGING = 256 * 1024
 _STAGING_PREAUTH = 4096  # an unauthenticated peer gets no more than this (and max_handshake_bytes)
 _DISCARD = 1024 * 1024
-# Payloads at least this large are checksummed off the event loop.
-_HASH_OFF_LOOP = 1024 * 1024
+# Payloads at least this large are checksummed (and verified) off the event loop.
+HASH_OFF_LOOP_BYTES = 1024 * 1024
 _ENVELOPE_DECODER = msgspec.msgpack.Decoder(Envelope)
 _MESSAGE_DECODER = msgspec.msgpack.Decoder(Message)
 _ENCODER = msgspec.msgpack.Encoder()
@@ -122,6 +123,11 @@ class WireState:
     def __init__(self, config: WireConfig) -> None:
         self.budget = ReceiveBudget(config.receive_budget_bytes)
         self.faults = PayloadFaults(config.fault_corrupt_payload_chunks)
+        # Warnings about what peers can do at will are rate-limited for every connection of the process at
+        # once, so that no peer can flood the log: refused connections (the RPC layer), and connections
+        # closed for a protocol violation (each kind with its own budget, so that one does not hide the other).
+        self.refusals = RateLimitedLog(log)
+        self.violations = RateLimitedLog(log)
 
 
 class Frame:
@@ -439,7 +445,7 @@ class Connection(asyncio.BufferedProtocol):
         payload_len = sum(v.nbytes for v in views)
         head = b""
         if payload_len:
-            sums = chunk_checksums(views) if payload_len < _HASH_OFF_LOOP else \
+            sums = chunk_checksums(views) if payload_len < HASH_OFF_LOOP_BYTES else \
                 await asyncio.to_thread(chunk_checksums, views)
             head = pack_checksums(sums)
             if self._shared.faults.take():
@@ -471,7 +477,7 @@ class Connection(asyncio.BufferedProtocol):
         self._failed = True
         self._drop_pending()
         if self.transport is not None and not self.closed.is_set():
-            log.warning("closing connection: %s", exc)
+            self._shared.violations.warning("closing connection: %s", exc)
             body = encode_envelope(0, ERROR, exc.trace_id or "", None, error_reply(exc))
             self.transport.write(pack_header(len(body), 0) + body)
             self.transport.close()

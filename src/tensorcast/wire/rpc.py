@@ -31,8 +31,8 @@ from tensorcast.errors import (
     clip,
     error_from_code,
 )
-from tensorcast.log import RateLimitedLog
 from tensorcast.wire.connection import (
+    HASH_OFF_LOOP_BYTES,
     Connection,
     ConnectionLost,
     Frame,
@@ -146,7 +146,6 @@ class RpcServer:
         self._server: asyncio.Server | None = None
         self._shared = WireState(config)
         self._conns: set[Connection] = set()
-        self._refusals = RateLimitedLog(log)
         self._tasks: set[asyncio.Task[None]] = set()
         self.address = ""
 
@@ -171,7 +170,7 @@ class RpcServer:
         conn = Connection(self.config, self._on_frame, self._choose_sink, self._on_lost, self._shared)
         loop = asyncio.get_running_loop()
         if len(self._conns) >= self.config.max_connections:
-            self._refusals.warning("refused a connection: %d open (wire.max_connections)", len(self._conns))
+            self._shared.refusals.warning("refused a connection: %d open (wire.max_connections)", len(self._conns))
             loop.call_soon(conn.close)  # once connection_made has given it its transport
             return conn
         self._conns.add(conn)
@@ -221,7 +220,7 @@ class RpcServer:
             return
         refusal = token_refusal(self.token, msg.token)
         if refusal:
-            self._refusals.warning("refused a connection from %s: %s", clip(msg.peer_id or "?", 64), refusal)
+            self._shared.refusals.warning("refused a connection from %s: %s", clip(msg.peer_id or "?", 64), refusal)
             conn.fail(Unauthenticated(refusal))
             return
         conn.authenticate(msg)
@@ -289,7 +288,7 @@ async def verify_payload(frame: Frame) -> None:
         return
     views = payload_views(frame.payload)
     size = sum(v.nbytes for v in views)
-    bad = first_bad_chunk(views, frame.checksums) if size < 1 << 20 else \
+    bad = first_bad_chunk(views, frame.checksums) if size < HASH_OFF_LOOP_BYTES else \
         await asyncio.to_thread(first_bad_chunk, views, frame.checksums)
     if bad is not None:
         raise ChunkCorrupted(f"{type(frame.message).__name__}: payload chunk {bad} failed its checksum",

@@ -45,7 +45,7 @@ class GatewayRole:
 
     def register(self, registry: HandlerRegistry) -> None:
         for msg_type in RELAYED:
-            registry.register(msg_type, self.relay)
+            registry.register(msg_type, self.parts.gs.relay)
         registry.register(DeleteArtifact, self.delete)
         registry.register(ReleaseLease, self.delete)
         registry.register(RunPlan, self.run_plan)
@@ -55,9 +55,6 @@ class GatewayRole:
 
     async def stop(self) -> None:
         return None
-
-    async def relay(self, msg: Any, req: Request) -> Any:
-        return await self.parts.gs.forward(msg, req.ctx)
 
     async def delete(self, msg: DeleteArtifact | ReleaseLease, req: Request) -> Deleted:
         reply = await self.parts.gs.caller.call(msg, Deleted, req.ctx)

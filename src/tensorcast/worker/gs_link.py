@@ -36,6 +36,7 @@ from tensorcast.wire.messages import (
     RemoveReplica,
     WorkerList,
 )
+from tensorcast.wire.rpc import Request
 
 __all__ = ["GlobalStoreLink"]
 
@@ -140,3 +141,7 @@ class GlobalStoreLink:
     async def forward(self, msg: Any, ctx: CallContext) -> Any:
         """Relay a caller's metadata request and return the store's reply (checked against its type)."""
         return await self.caller.forward(msg, ctx)
+
+    async def relay(self, msg: Any, req: Request) -> Any:
+        """A request handler for the roles that relay callers' metadata requests to the store as they are."""
+        return await self.forward(msg, req.ctx)

@@ -8,8 +8,6 @@ names. Does not own: the instance runtime (``instance.runtime``) or plans that c
 
 from __future__ import annotations
 
-from typing import Any
-
 from tensorcast.wire.messages import InstanceCall, InstanceHeartbeat, InstanceReply, ListInstances, RegisterInstance
 from tensorcast.wire.rpc import HandlerRegistry, Request
 from tensorcast.worker.roles import WorkerParts
@@ -23,7 +21,7 @@ class InstanceRegistry:
 
     def register(self, registry: HandlerRegistry) -> None:
         for msg_type in (RegisterInstance, InstanceHeartbeat, ListInstances):
-            registry.register(msg_type, self.relay)
+            registry.register(msg_type, self.parts.gs.relay)
         registry.register(InstanceCall, self.call_instance)
 
     async def start(self) -> None:
@@ -31,9 +29,6 @@ class InstanceRegistry:
 
     async def stop(self) -> None:
         return None
-
-    async def relay(self, msg: Any, req: Request) -> Any:
-        return await self.parts.gs.forward(msg, req.ctx)
 
     async def call_instance(self, msg: InstanceCall, req: Request) -> InstanceReply:
         return await self.parts.peers.call_instance(msg, req.ctx)
