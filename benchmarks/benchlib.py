@@ -29,3 +29,12 @@ def write_json(path: str | None, benchmark: str, quick: bool, **results: Any) ->
         with open(path, "w") as f:
             json.dump({"benchmark": benchmark, "quick": quick, "machine": platform.platform(), **results}, f,
                       indent=2)
+
+
+def metrics_switch(on: bool) -> dict[str, str]:
+    """Turn metrics recording on or off in this process; returns the cluster configuration that does the same
+    for the processes a benchmark starts."""
+    from tensorcast.obs import metrics
+
+    metrics.set_enabled(on)
+    return {"metrics.enabled": "true" if on else "false"}

@@ -12,7 +12,9 @@ Configurations:
   Debian ``libibverbs1``. Its HTTP metadata server binds all interfaces: run this only on a host with no
   other exposure; all traffic here goes to loopback.
 
-Usage: python benchmarks/kv_pages.py [--quick] [--json PATH]
+``--metrics off`` runs with metrics recording off (``benchmarks/metrics_cost.py`` compares both in one run).
+
+Usage: python benchmarks/kv_pages.py [--quick] [--json PATH] [--metrics on|off]
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 import numpy as np
 
 import tensorcast as tc
-from benchlib import best_of, write_json
+from benchlib import best_of, metrics_switch, write_json
 from tensorcast.client.kv import AsyncKV
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -50,12 +52,14 @@ def make_pages(n: int, size: int, seed: int) -> tuple[list[str], list[np.ndarray
     return keys, pages
 
 
-def bench_tensorcast(workers: int, page: int, n: int, reps: int, locations: str) -> dict[str, float]:
+def bench_tensorcast(workers: int, page: int, n: int, reps: int, locations: str,
+                     metrics_on: bool = True) -> dict[str, float]:
     keys, pages = make_pages(n, page, seed=page + workers)
     # Steady state of a page cache, like Mooncake's pre-mounted segment: the store is already full, so new
     # pages reuse evicted slots of existing (pre-faulted) arenas instead of faulting in fresh memory.
     capacity = 3 * n * page
-    with tc.LocalCluster(workers=workers, config={"kv.memory_capacity": capacity}) as cluster, \
+    config = {"kv.memory_capacity": capacity, **metrics_switch(metrics_on)}
+    with tc.LocalCluster(workers=workers, config=config) as cluster, \
             tc.connect(cluster.address) as client:
         deadline = time.time() + 20
         while time.time() < deadline:
@@ -142,7 +146,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--metrics", choices=["on", "off"], default="on", help="metrics recording (default on)")
     args = ap.parse_args()
+    on = args.metrics == "on"
     reps = 3
     cases = [(64 * KiB, 256 if args.quick else 1024), (2 * MiB, 32 if args.quick else 128)]
     worker_counts = [1, 2] if args.quick else [1, 2, 4]
@@ -159,8 +165,8 @@ def main() -> None:
 
     for page, n in cases:
         for w in worker_counts:
-            show(f"tensorcast shard homes, {w}w", page, n, bench_tensorcast(w, page, n, reps, "shard-homes"))
-        show("tensorcast GS page index, 2w", page, n, bench_tensorcast(2, page, n, reps, "global-store"))
+            show(f"tensorcast shard homes, {w}w", page, n, bench_tensorcast(w, page, n, reps, "shard-homes", on))
+        show("tensorcast GS page index, 2w", page, n, bench_tensorcast(2, page, n, reps, "global-store", on))
         mc = bench_mooncake(page, n, reps)
         if mc is not None:
             show("mooncake store (tcp)", page, n, mc)
@@ -178,7 +184,7 @@ def main() -> None:
         print(f"{page // KiB} KiB pages: index-only round trip {best['index_rtt_ms']:.3f} ms, page round trip "
               f"{best['page_rtt_ms']:.3f} ms -> keeping bytes on the writer would add ~{best['index_rtt_ms']:.3f} ms "
               f"per get")
-    write_json(args.json, "kv_pages", args.quick, rows=rows)
+    write_json(args.json, "kv_pages", args.quick, metrics=args.metrics, rows=rows)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,10 @@ Paths measured for each size:
 - tensor() (remote): streamed into a fresh buffer and digest-checked;
 - baseline: np.copyto into an already-touched buffer of the same size.
 
-Usage: python benchmarks/put_get.py [--quick] [--json PATH]
+``--metrics off`` runs the cluster and this process with metrics recording off (``benchmarks/metrics_cost.py``
+compares the two in one run).
+
+Usage: python benchmarks/put_get.py [--quick] [--json PATH] [--metrics on|off]
 """
 
 from __future__ import annotations
@@ -17,20 +20,15 @@ import argparse
 import numpy as np
 
 import tensorcast as tc
-from benchlib import best_of, fmt_size, write_json
+from benchlib import best_of, fmt_size, metrics_switch, write_json
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (about a minute)")
-    ap.add_argument("--json", default=None, help="write results to this JSON file")
-    args = ap.parse_args()
-
-    sizes = [4 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20] if args.quick else \
-        [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]
+def measure(sizes: list[int], metrics_on: bool = True) -> list[dict[str, float]]:
+    """Put and get times per size (best of a few), and memcpy's, on a fresh one-worker cluster."""
     rows = []
+    config = metrics_switch(metrics_on)
     remote_cfg = tc.Config.from_flat({"client.host_id": "bench-remote-host"})
-    with tc.LocalCluster(workers=1, memory_capacity="6GiB") as cluster, \
+    with tc.LocalCluster(workers=1, memory_capacity="6GiB", config=config) as cluster, \
             tc.connect(cluster.address) as local, tc.connect(cluster.address, config=remote_cfg) as remote:
         for size in sizes:
             reps = 5 if size <= 16 << 20 else 3 if size <= 256 << 20 else 2
@@ -62,7 +60,19 @@ def main() -> None:
                 "put_remote_GBps": gbps(t_put_remote), "get_remote_GBps": gbps(t_get_remote),
                 "put_local_vs_memcpy": t_copy / t_put_local, "get_remote_vs_memcpy": t_copy / t_get_remote,
             })
+    return rows
 
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (about a minute)")
+    ap.add_argument("--json", default=None, help="write results to this JSON file")
+    ap.add_argument("--metrics", choices=["on", "off"], default="on", help="metrics recording (default on)")
+    args = ap.parse_args()
+
+    sizes = [4 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20] if args.quick else \
+        [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]
+    rows = measure(sizes, args.metrics == "on")
     hdr = (f"{'size':>8} {'memcpy GB/s':>11} {'put shm GB/s':>12} {'(x memcpy)':>10} {'put tcp GB/s':>12} "
            f"{'get shm ms':>10} {'get tcp GB/s':>12} {'(x memcpy)':>10}")
     print(hdr)
@@ -76,7 +86,7 @@ def main() -> None:
     print(f"\nsame-host tensor(): {small['get_local_s'] * 1e3:.3f} ms at {fmt_size(small['size'])}, "
           f"{large['get_local_s'] * 1e3:.3f} ms at {fmt_size(large['size'])} "
           f"({large['size'] // small['size']}x the bytes, {flat:.1f}x the time: mapped, not copied)")
-    write_json(args.json, "put_get", args.quick, rows=rows)
+    write_json(args.json, "put_get", args.quick, metrics=args.metrics, rows=rows)
 
 
 if __name__ == "__main__":

@@ -30,3 +30,20 @@ def test_layers_and_validation(tmp_path, monkeypatch) -> None:  # type: ignore[n
         Config.from_flat({"worker.heartbeat_interval": "soon"})
     with pytest.raises(InvalidArgument, match="verify_local_puts"):
         Config.from_flat({"worker.verify_local_puts": "maybe"})
+
+
+def test_kubernetes_service_variables_are_not_configuration(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # What a pod gets for a Service named "tensorcast-gs" (and "tensorcast-worker") in its namespace.
+    for name, value in {"TENSORCAST_GS_SERVICE_HOST": "10.0.0.7", "TENSORCAST_GS_SERVICE_PORT": "7070",
+                        "TENSORCAST_GS_SERVICE_PORT_METRICS": "9400", "TENSORCAST_GS_PORT": "tcp://10.0.0.7:7070",
+                        "TENSORCAST_GS_PORT_7070_TCP": "tcp://10.0.0.7:7070",
+                        "TENSORCAST_GS_PORT_7070_TCP_ADDR": "10.0.0.7", "TENSORCAST_WORKER_PORT_7071_TCP_PORT": "7071",
+                        "TENSORCAST_WORKER_PORT": "tcp://10.0.0.8:7071"}.items():
+        monkeypatch.setenv(name, value)
+    config = Config.load()
+    assert config.gs.port == 0 and config.worker.port == 0
+    monkeypatch.setenv("TENSORCAST_GS_PORT", "7070")  # a real setting still counts
+    assert Config.load().gs.port == 7070
+    monkeypatch.setenv("TENSORCAST_GS_SERVIC_HOST", "x")  # and a typo is still an error
+    with pytest.raises(InvalidArgument, match=r"gs\.servic_host"):
+        Config.load()

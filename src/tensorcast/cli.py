@@ -192,6 +192,9 @@ def up(workers: int, hosts: int, data_dir: str, memory: str | None, restart_dead
         _say("processes: " + ", ".join(f"{name} pid {pid}" for name, pid in cluster.pids().items())
              + f"; logs in {cluster.data_dir / 'logs'}")
         _say(f"wrote {Path(data_dir) / 'cluster.json'}; export TENSORCAST_ADDRESS={cluster.address}")
+        if cluster.dashboard_url:
+            _say(f"dashboard {cluster.dashboard_url} (the same in a terminal: tensorcast status --watch); "
+                 f"metrics: tensorcast status --json")
         _say("Ctrl-C to stop.")
         watchdog = _Watchdog(cluster, restart=restart_dead)
         # The handler sets the event, which ends the wait at once; otherwise look at the processes each second.
@@ -276,61 +279,34 @@ def _client(address: str | None, data_dir: str, token: str | None) -> Client:
 
 @main.command()
 @click.option("--shards", "show_shards", is_flag=True, help="List every shard lease, not just a summary.")
+@click.option("--json", "as_json", is_flag=True, help="Print the dashboard's view (and every metrics URL) as JSON.")
+@click.option("--watch", is_flag=True, help="Redraw the dashboard's view in the terminal until interrupted.")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+              help="Seconds between redraws with --watch.")
 @_client_options
-def status(show_shards: bool, address: str | None, data_dir: str, token: str | None) -> None:
+def status(show_shards: bool, as_json: bool, watch: bool, interval: float, address: str | None, data_dir: str,
+           token: str | None) -> None:
     """Show the cluster's workers, instances and KV shard leases."""
+    from tensorcast.cli_status import cluster_state, instance_table, shard_table, view_tables, worker_table
+
     with _client(address, data_dir, token) as client:
-        table = Table(title="workers")
-        for col in ("id", "pid", "address", "host", "roles", "memory", "disk", "net in/out", "artifacts", "alive",
-                    "last heartbeat"):
-            table.add_column(col)
-        now = time.time()
-        for w in client.list_workers():
-            table.add_row(w.worker_id, str(w.pid), w.address, w.host_id, ",".join(w.roles),
-                          f"{size(w.memory_used)} / {size(w.memory_capacity)}",
-                          f"{size(w.disk_used)} / {size(w.disk_capacity)}" if w.disk_capacity else "-",
-                          f"{size(w.net_in_bps)}/s / {size(w.net_out_bps)}/s", str(w.artifacts),
-                          "yes" if w.alive else "[red]no[/red]", f"{now - w.last_heartbeat:.1f}s ago")
-        console.print(table)
-        instances = client.list_instances()
-        if instances:
-            itable = Table(title="instances")
-            for col in ("id", "engine", "home worker", "running", "waiting", "KV tokens", "alive"):
-                itable.add_column(col)
-            for i in instances:
-                itable.add_row(i.instance_id, i.engine, i.home_worker, str(i.running), str(i.waiting),
-                               f"{i.kv_tokens_used} / {i.kv_tokens_capacity}", "yes" if i.alive else "[red]no[/red]")
-            console.print(itable)
-        console.print(_shard_table(client, show_shards))
+        if as_json:
+            click.echo(json.dumps(cluster_state(client), indent=2))
+            return
+        if watch:
+            from rich.live import Live
 
-
-def _shard_table(client: Client, show_shards: bool) -> Table:
-    shards = client.list_shards()
-    stable = Table(title=f"KV shards ({shards.num_shards})")
-    if show_shards:
-        for col in ("shard", "holder", "fencing token", "lease age", "expires in"):
-            stable.add_column(col)
-        for lease in shards.leases:
-            live = lease.holder and lease.expiry > shards.now
-            stable.add_row(str(lease.shard), lease.holder or "-", str(lease.token),
-                           f"{shards.now - lease.acquired_at:.1f}s" if live else "-",
-                           f"{lease.expiry - shards.now:.1f}s" if live else "[red]expired[/red]")
-        return stable
-    for col in ("holder", "shards", "oldest lease", "max fencing token"):
-        stable.add_column(col)
-    by_holder: dict[str, list[Any]] = {}
-    for lease in shards.leases:
-        live = lease.holder and lease.expiry > shards.now
-        by_holder.setdefault(lease.holder if live else "(none)", []).append(lease)
-    unleased = shards.num_shards - len(shards.leases)
-    if unleased:
-        by_holder.setdefault("(none)", [])
-    for holder, leases in sorted(by_holder.items()):
-        count = len(leases) + (unleased if holder == "(none)" else 0)
-        age = max((shards.now - lease.acquired_at for lease in leases), default=0.0)
-        token = max((lease.token for lease in leases), default=0)
-        stable.add_row(holder, str(count), f"{age:.1f}s" if holder != "(none)" else "-", str(token))
-    return stable
+            with Live(view_tables(cluster_state(client)), console=console, auto_refresh=False) as live, \
+                    contextlib.suppress(KeyboardInterrupt):
+                while True:
+                    time.sleep(interval)
+                    live.update(view_tables(cluster_state(client)), refresh=True)
+            return
+        console.print(worker_table(client))
+        instances = instance_table(client)
+        if instances is not None:
+            console.print(instances)
+        console.print(shard_table(client, show_shards))
 
 
 def _progress(nbytes: int) -> contextlib.AbstractContextManager[Progress | None]:

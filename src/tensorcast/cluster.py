@@ -107,6 +107,19 @@ class LocalCluster:
         return self.gs.address
 
     @property
+    def metrics_urls(self) -> dict[str, str]:
+        """Where each process serves Prometheus metrics (``/metrics``), by name: "gs", the worker ids and the
+        instance ids. Processes started with ``metrics.enabled = false`` are left out."""
+        handles = [*([self.gs] if self.gs is not None else []), *self.workers.values(), *self.instances.values()]
+        return {h.name: str(h.info["metrics_url"]) for h in handles if h.info and h.info.get("metrics_url")}
+
+    @property
+    def dashboard_url(self) -> str:
+        """The dashboard, served by the global store ("" with metrics off)."""
+        url = self.metrics_urls.get("gs", "")
+        return url + "/" if url else ""
+
+    @property
     def worker_ids(self) -> list[str]:
         return list(self.workers)
 
@@ -139,6 +152,7 @@ class LocalCluster:
             "gs_address": self.gs_address,
             "gs_pid": self.gs.pid if self.gs is not None else 0,
             "workers": {w: {"address": h.address, "pid": h.pid} for w, h in self.workers.items()},
+            "metrics_urls": self.metrics_urls,
         }, indent=2))
         tmp.replace(self.data_dir / "cluster.json")
 
@@ -187,8 +201,12 @@ class LocalCluster:
 
     @staticmethod
     def _keep_port(handle: ProcessHandle) -> None:
-        """Restarts reuse the port, so that peers and callers reconnect to the same address."""
+        """Restarts reuse the port (and the metrics port), so that peers, callers and scrapers reconnect to the
+        same address."""
         handle.args[handle.args.index("--port") + 1] = handle.address.rsplit(":", 1)[1]
+        assert handle.info is not None
+        if handle.info.get("metrics_url"):
+            handle.args.append(f"--set=metrics.port={str(handle.info['metrics_url']).rsplit(':', 1)[1]}")
 
     def _worker_prefix(self, wid: str) -> str:
         return f"{self.shm_prefix}-{wid}"

@@ -21,8 +21,8 @@ import msgspec
 
 from tensorcast.errors import InvalidArgument
 
-__all__ = ["ClientConfig", "Config", "GSConfig", "KVConfig", "TransportConfig", "WireConfig", "WorkerConfig",
-           "check_token", "default_host_id", "parse_size"]
+__all__ = ["ClientConfig", "Config", "GSConfig", "KVConfig", "MetricsConfig", "TracingConfig", "TransportConfig",
+           "WireConfig", "WorkerConfig", "check_token", "default_host_id", "parse_size"]
 
 _UNITS = {
     "": 1,
@@ -202,6 +202,27 @@ class ClientConfig(msgspec.Struct, frozen=True, kw_only=True):
     use_shared_memory: bool = True
 
 
+class MetricsConfig(msgspec.Struct, frozen=True, kw_only=True):
+    # Every process (global store, workers, instances) serves Prometheus metrics at http://HOST:PORT/metrics;
+    # the global store also serves the dashboard there (``/``). With a cluster token, every HTTP request must
+    # carry it (``Authorization: Bearer TOKEN``, or basic auth with the token as password).
+    enabled: bool = True
+    # "" = the process's own bind address (loopback unless configured otherwise).
+    host: str = ""
+    # 0 = a free port, reported by list_workers(), LocalCluster.metrics_urls and `tensorcast status --json`.
+    port: int = 0
+    # How often the dashboard page refreshes, in seconds.
+    dashboard_refresh: float = 1.0
+
+
+class TracingConfig(msgspec.Struct, frozen=True, kw_only=True):
+    # OpenTelemetry spans for operations, RPCs and plan steps (needs the "tracing" extra): "" (off), "otlp"
+    # (opentelemetry-exporter-otlp, configured by the standard OTEL_EXPORTER_OTLP_* variables), "console", or
+    # "file" (one JSON object per span, appended to ``file``; for tests and offline inspection).
+    exporter: str = ""
+    file: str = ""
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True):
     token: str | None = None
     wire: WireConfig = WireConfig()
@@ -210,6 +231,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     transport: TransportConfig = TransportConfig()
     kv: KVConfig = KVConfig()
     client: ClientConfig = ClientConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    tracing: TracingConfig = TracingConfig()
 
     @classmethod
     def load(
@@ -225,7 +248,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
                 raise InvalidArgument(f"config file {path}: {exc}") from exc
         flat = _flatten(data)
         for name, value in os.environ.items():
-            if name.startswith("TENSORCAST_") and name != "TENSORCAST_CONFIG":
+            if name.startswith("TENSORCAST_") and name != "TENSORCAST_CONFIG" and not _service_link(name, value):
                 dotted = _env_to_key(name)
                 if dotted:
                     flat[dotted] = value
@@ -273,6 +296,8 @@ _SECTIONS: dict[str, type[msgspec.Struct]] = {
     "transport": TransportConfig,
     "kv": KVConfig,
     "client": ClientConfig,
+    "metrics": MetricsConfig,
+    "tracing": TracingConfig,
 }
 _SIZE_KEYS = {
     "max_frame_bytes",
@@ -291,6 +316,16 @@ _SIZE_KEYS = {
     "max_page_bytes",
     "max_batch_bytes",
 }
+
+
+# Variables Kubernetes gives every pod for each Service of its namespace: a Service named "tensorcast-gs"
+# yields TENSORCAST_GS_SERVICE_HOST, TENSORCAST_GS_PORT=tcp://10.0.0.7:7070, TENSORCAST_GS_PORT_7070_TCP_ADDR, ...
+# They are not configuration, and must not stop a process in such a pod.
+_SERVICE_LINK = re.compile(r"_SERVICE_(HOST|PORT)(_\w+)?|_PORT_\d+_(TCP|UDP|SCTP)(_PROTO|_PORT|_ADDR)?")
+
+
+def _service_link(name: str, value: str) -> bool:
+    return bool(_SERVICE_LINK.search(name) or (name.endswith("_PORT") and re.match(r"(tcp|udp|sctp)://", value)))
 
 
 def _env_to_key(name: str) -> str | None:

@@ -81,6 +81,10 @@ class WorkerInfo(_Rec):
     transfers_in_flight: int = 0
     # Pre-faulted shared memory ready for fills (beyond memory_capacity; config worker.prefault_bytes).
     memory_prefaulted: int = 0
+    # Where this worker serves Prometheus metrics ("" when metrics are off).
+    metrics_url: str = ""
+    # Plans this worker's gateway role is running now.
+    plans_in_flight: int = 0
 
 
 class InstanceInfo(_Rec):
@@ -96,6 +100,7 @@ class InstanceInfo(_Rec):
     alive: bool = True
     last_heartbeat: float = 0.0
     engine: str = ""
+    metrics_url: str = ""
 
 
 class SliceSpec(_Rec):

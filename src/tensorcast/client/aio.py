@@ -29,6 +29,7 @@ from tensorcast.config import Config, check_token, default_host_id
 from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, Unavailable, clip
 from tensorcast.limits import check_ttl
+from tensorcast.obs import tracing
 from tensorcast.plans.builder import Plan, PlanOutcome
 from tensorcast.pool.placement import resolve_placement
 from tensorcast.records import ArtifactInfo, InstanceInfo, Placement, SliceSpec, WorkerInfo
@@ -37,7 +38,7 @@ from tensorcast.transport.registry import make_transport
 from tensorcast.views import TP, TPRules, sliced_shape, view_artifact_id
 from tensorcast.wire.caller import Caller
 from tensorcast.wire.connection import ConnectionLost, NotSent
-from tensorcast.wire.kv_messages import ListShards, ShardTable
+from tensorcast.wire.kv_messages import GSStats, GSStatsReply, ListShards, ShardTable
 from tensorcast.wire.messages import (
     Ack,
     ArtifactList,
@@ -236,6 +237,8 @@ class AsyncClient:
         self.token = token if token is not None else self.config.token
         check_token(self.token)
         self.host_id = self.config.client.host_id or default_host_id()
+        if self.config.tracing.exporter and not tracing.active():
+            tracing.configure(self.config.tracing, "tensorcast-client")  # a caller's own provider comes first
         self.client_id = f"client-{uuid.uuid4().hex[:8]}"
         self.caller = Caller(self.config.wire, token=self.token, peer_id=self.client_id, host_id=self.host_id,
                              address=addresses, timeout=self.config.client.timeout)
@@ -393,6 +396,15 @@ class AsyncClient:
     async def list_shards(self) -> ShardTable:
         """Signal: the KV shard leases (holder, fencing token, expiry; ``now`` is the store's clock)."""
         return await self.caller.call(ListShards(), ShardTable)
+
+    async def metrics_urls(self) -> dict[str, str]:
+        """Where every process serves Prometheus metrics: "gs" (whose root is also the dashboard), each worker
+        and each instance, by id. Processes with metrics off are left out."""
+        stats, workers, instances = await asyncio.gather(self.caller.call(GSStats(), GSStatsReply),
+                                                         self.list_workers(), self.list_instances())
+        urls = {"gs": stats.metrics_url, **{w.worker_id: w.metrics_url for w in workers},
+                **{i.instance_id: i.metrics_url for i in instances}}
+        return {name: url for name, url in urls.items() if url}
 
     def plan(self, ctx: CallContext | None = None) -> Plan:
         """A plan builder; ``await plan.run(concurrency=k)`` submits it to the gateway."""

@@ -219,6 +219,10 @@ class Client:
     def list_shards(self) -> ShardTable:
         return self._run(self.aio.list_shards())
 
+    def metrics_urls(self) -> dict[str, str]:
+        """Where every process serves Prometheus metrics ("gs": also the dashboard), by process name."""
+        return self._run(self.aio.metrics_urls())
+
     @property
     def kv(self) -> KV:
         """Batched KV-page operations (``put``, ``get``, ``get_into``, ``exists``)."""

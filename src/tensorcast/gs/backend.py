@@ -120,6 +120,11 @@ class MetadataBackend(abc.ABC):
         empty), after the cursor ``after``; and the cursor of the next page ("" after the last)."""
 
     @abc.abstractmethod
+    async def key_sizes(self, limit: int) -> tuple[list[tuple[str, int]], int]:
+        """Up to ``limit`` (key, artifact bytes) pairs in key order, and how many artifacts exist (the
+        dashboard's artifacts by key prefix)."""
+
+    @abc.abstractmethod
     async def set_lease(self, artifact_id: str, lease_expiry: float | None) -> bool: ...
 
     @abc.abstractmethod

@@ -22,10 +22,13 @@ import msgspec
 from tensorcast.config import Config
 from tensorcast.errors import InvalidArgument, NotFound, clip
 from tensorcast.gs.backend import MetadataBackend
+from tensorcast.gs.observe import GSGauges, gs_routes
 from tensorcast.gs.sqlite import SqliteBackend
 from tensorcast.kv.leases import LeaseRecord, grant, release, renew
 from tensorcast.limits import check_ttl
-from tensorcast.records import ArtifactInfo, ReplicaInfo, ShardLease, WorkerInfo
+from tensorcast.obs import metrics, tracing
+from tensorcast.obs.http import HttpServer
+from tensorcast.records import ArtifactInfo, InstanceInfo, ReplicaInfo, ShardLease, WorkerInfo
 from tensorcast.tensors import ARTIFACT_ID_RE
 from tensorcast.wire.kv_messages import (
     AcquireShards,
@@ -79,6 +82,7 @@ class GlobalStore:
         self.request_counts: collections.Counter[str] = collections.Counter()
         self._lease_cache: dict[int, LeaseRecord] | None = None
         self._pruned = 0.0  # when tombstones were last pruned
+        self.metrics_url = ""  # where this process serves metrics and the dashboard, once it does
         self.registry = HandlerRegistry()
         for msg_type, handler in (
             (RegisterWorker, self.register_worker),
@@ -181,7 +185,7 @@ class GlobalStore:
             {"memory_used": msg.memory_used, "memory_capacity": msg.memory_capacity, "artifacts": msg.artifacts,
              "disk_used": msg.disk_used, "disk_capacity": msg.disk_capacity, "net_in_bps": msg.net_in_bps,
              "net_out_bps": msg.net_out_bps, "transfers_in_flight": msg.transfers_in_flight,
-             "memory_prefaulted": msg.memory_prefaulted},
+             "memory_prefaulted": msg.memory_prefaulted, "plans_in_flight": msg.plans_in_flight},
             time.time(), msg.dropped)
         return HeartbeatReply(drop=drop, reregister=not known)
 
@@ -254,11 +258,18 @@ class GlobalStore:
         return Ack()
 
     async def list_instances(self, msg: ListInstances, req: Request) -> InstanceList:
+        return InstanceList(instances=tuple(await self.instances()))
+
+    async def instances(self) -> list[InstanceInfo]:
+        """Every instance, with ``alive`` as of now."""
         now = time.time()
         timeout = self.config.gs.worker_liveness_timeout
-        return InstanceList(instances=tuple(
-            msgspec.structs.replace(i, alive=now - i.last_heartbeat < timeout)
-            for i in await self.backend.list_instances()))
+        return [msgspec.structs.replace(i, alive=now - i.last_heartbeat < timeout)
+                for i in await self.backend.list_instances()]
+
+    async def workers(self) -> list[WorkerInfo]:
+        """Every worker, with ``alive`` as of now."""
+        return list((await self._workers()).values())
 
     # ----------------------------------------------------------------- shard leases (touched per shard)
     async def _leases(self) -> dict[int, LeaseRecord]:
@@ -286,6 +297,9 @@ class GlobalStore:
         return ShardGrants(leases=tuple(_lease_msg(r, workers) for r in changed))
 
     async def list_shards(self, msg: ListShards, req: Request) -> ShardTable:
+        return await self.shard_table()
+
+    async def shard_table(self) -> ShardTable:
         workers = await self._workers()
         leases = await self._leases()
         return ShardTable(num_shards=self.config.gs.kv_num_shards, now=time.time(),
@@ -316,7 +330,7 @@ class GlobalStore:
         return await self._grants(changed)
 
     async def stats(self, msg: GSStats, req: Request) -> GSStatsReply:
-        return GSStatsReply(requests=dict(self.request_counts))
+        return GSStatsReply(requests=dict(self.request_counts), metrics_url=self.metrics_url)
 
     async def page_index_put(self, msg: PageIndexPut, req: Request) -> Ack:
         await self.backend.page_index_put(msg.keys, msg.worker_id)
@@ -374,15 +388,28 @@ async def run_global_store(config: Config, data_dir: Path, ready_file: Path | No
     gs = GlobalStore(backend, config)
     server = RpcServer(gs.registry, config.wire, token=config.token, server_id="gs", host_id="", roles=("gs",))
     address = await server.start(config.gs.host, config.gs.port)
+    metrics.set_enabled(config.metrics.enabled)
+    tracing.configure(config.tracing, "tensorcast-gs")
+    http, source = None, None
+    if config.metrics.enabled:
+        gauges = GSGauges(gs)
+        http = HttpServer(config.token, gs_routes(gs), before_scrape=gauges.refresh)
+        gs.metrics_url = await http.start(config.metrics.host or config.gs.host, config.metrics.port)
+        source = metrics.add_source(gauges.samples)
     reaper = asyncio.ensure_future(gs.reap_leases())
-    log.info("global store serving at %s (data %s)", address, data_dir)
+    log.info("global store serving at %s (data %s, metrics and dashboard %s)", address, data_dir,
+             gs.metrics_url or "off")
     if ready_file is not None:
         tmp = ready_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"address": address, "pid": os.getpid()}))
+        tmp.write_text(json.dumps({"address": address, "pid": os.getpid(), "metrics_url": gs.metrics_url}))
         tmp.replace(ready_file)
     try:
         await (stop.wait() if stop is not None else asyncio.Event().wait())
     finally:
         reaper.cancel()
+        if http is not None:
+            await http.close()
+        if source is not None:
+            metrics.remove_source(source)
         await server.close()
         await backend.close()

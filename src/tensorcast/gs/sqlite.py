@@ -42,7 +42,9 @@ CREATE TABLE IF NOT EXISTS workers (
     net_in_bps REAL NOT NULL DEFAULT 0,
     net_out_bps REAL NOT NULL DEFAULT 0,
     transfers_in_flight INTEGER NOT NULL DEFAULT 0,
-    memory_prefaulted INTEGER NOT NULL DEFAULT 0
+    memory_prefaulted INTEGER NOT NULL DEFAULT 0,
+    metrics_url TEXT NOT NULL DEFAULT '',
+    plans_in_flight INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS artifacts (
     artifact_id TEXT PRIMARY KEY,
@@ -138,8 +140,11 @@ class SqliteBackend(MetadataBackend):
     def _migrate(self) -> None:
         """Columns added since a database was created (all have defaults)."""
         have = {r[1] for r in self.db.execute("PRAGMA table_info(workers)")}
-        if "memory_prefaulted" not in have:
-            self.db.execute("ALTER TABLE workers ADD COLUMN memory_prefaulted INTEGER NOT NULL DEFAULT 0")
+        for column, decl in (("memory_prefaulted", "INTEGER NOT NULL DEFAULT 0"),
+                             ("metrics_url", "TEXT NOT NULL DEFAULT ''"),
+                             ("plans_in_flight", "INTEGER NOT NULL DEFAULT 0")):
+            if column not in have:
+                self.db.execute(f"ALTER TABLE workers ADD COLUMN {column} {decl}")
 
     @contextlib.contextmanager
     def _tx(self, durable: bool = True) -> Iterator[sqlite3.Connection]:
@@ -172,10 +177,10 @@ class SqliteBackend(MetadataBackend):
             row = db.execute("SELECT incarnation FROM workers WHERE worker_id=?", (worker.worker_id,)).fetchone()
             incarnation = (row[0] if row else 0) + 1
             db.execute(
-                "INSERT OR REPLACE INTO workers VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,0,0,0,0)",
+                "INSERT OR REPLACE INTO workers VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,0,0,0,0,?,0)",
                 (worker.worker_id, worker.address, worker.host_id, json.dumps(list(worker.roles)), worker.pid,
                  incarnation, now, now, worker.memory_used, worker.memory_capacity, worker.artifacts,
-                 worker.data_address, worker.disk_used, worker.disk_capacity),
+                 worker.data_address, worker.disk_used, worker.disk_capacity, worker.metrics_url),
             )
             lost = [r[0] for r in db.execute(
                 "SELECT artifact_id FROM replicas WHERE worker_id=? AND tier='memory'", (worker.worker_id,))]
@@ -195,11 +200,12 @@ class SqliteBackend(MetadataBackend):
         with self._tx(durable=False) as db:
             cur = db.execute(
                 "UPDATE workers SET last_heartbeat=?, memory_used=?, memory_capacity=?, artifacts=?, disk_used=?, "
-                "disk_capacity=?, net_in_bps=?, net_out_bps=?, transfers_in_flight=?, memory_prefaulted=? "
-                "WHERE worker_id=? AND incarnation=?",
+                "disk_capacity=?, net_in_bps=?, net_out_bps=?, transfers_in_flight=?, memory_prefaulted=?, "
+                "plans_in_flight=? WHERE worker_id=? AND incarnation=?",
                 (now, stats["memory_used"], stats["memory_capacity"], stats["artifacts"], stats.get("disk_used", 0),
                  stats.get("disk_capacity", 0), stats.get("net_in_bps", 0.0), stats.get("net_out_bps", 0.0),
-                 stats.get("transfers_in_flight", 0), stats.get("memory_prefaulted", 0), worker_id, incarnation),
+                 stats.get("transfers_in_flight", 0), stats.get("memory_prefaulted", 0),
+                 stats.get("plans_in_flight", 0), worker_id, incarnation),
             )
             if cur.rowcount == 0:
                 return False, ()
@@ -214,12 +220,13 @@ class SqliteBackend(MetadataBackend):
     @staticmethod
     def _worker(row: tuple[Any, ...]) -> WorkerInfo:
         (wid, address, host_id, roles, pid, inc, reg, hb, used, cap, arts, data_address, disk_used,
-         disk_cap, net_in, net_out, in_flight, prefaulted) = row
+         disk_cap, net_in, net_out, in_flight, prefaulted, metrics_url, plans) = row
         return WorkerInfo(
             worker_id=wid, address=address, host_id=host_id, roles=tuple(json.loads(roles)), pid=pid,
             incarnation=inc, registered_at=reg, last_heartbeat=hb, memory_used=used, memory_capacity=cap,
             artifacts=arts, data_address=data_address, disk_used=disk_used, disk_capacity=disk_cap,
             net_in_bps=net_in, net_out_bps=net_out, transfers_in_flight=in_flight, memory_prefaulted=prefaulted,
+            metrics_url=metrics_url, plans_in_flight=plans,
         )
 
     async def list_workers(self) -> list[WorkerInfo]:
@@ -335,6 +342,12 @@ class SqliteBackend(MetadataBackend):
             (prefix, after, prefix + "\U0010ffff", limit)).fetchall()
         ids = list(dict.fromkeys(aid for _, aid in pairs))  # an artifact with two keys here: listed once
         return ids, pairs[-1][0] if len(pairs) == limit else ""
+
+    async def key_sizes(self, limit: int) -> tuple[list[tuple[str, int]], int]:
+        pairs = self.db.execute("SELECT keys.key, artifacts.nbytes FROM keys JOIN artifacts USING (artifact_id) "
+                                "ORDER BY keys.key LIMIT ?", (limit,)).fetchall()
+        total = self.db.execute("SELECT COUNT(*) FROM artifacts").fetchone()[0]
+        return [(k, n) for k, n in pairs], total
 
     async def set_lease(self, artifact_id: str, lease_expiry: float | None) -> bool:
         with self._tx() as db:

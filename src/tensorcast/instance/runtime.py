@@ -15,7 +15,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from tensorcast.client.aio import AsyncClient
@@ -24,6 +24,9 @@ from tensorcast.config import Config
 from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, clip
 from tensorcast.instance.adaptor import InstanceAdaptor
+from tensorcast.obs import metrics, tracing
+from tensorcast.obs.http import HttpServer
+from tensorcast.obs.metrics import Sample
 from tensorcast.records import InstanceInfo
 from tensorcast.wire.messages import Ack, InstanceCall, InstanceHeartbeat, InstanceReply, RegisterInstance
 from tensorcast.wire.rpc import HandlerRegistry, Request, RpcServer
@@ -52,6 +55,9 @@ class InstanceRuntime:
         self._client: AsyncClient | None = None
         self._server: RpcServer | None = None
         self._heartbeat: asyncio.Task[None] | None = None
+        self._http = HttpServer(self.token) if self.config.metrics.enabled else None
+        self.metrics_url = ""
+        self._source: int | None = None
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> InstanceRuntime:
@@ -67,6 +73,11 @@ class InstanceRuntime:
         self._server = RpcServer(registry, self.config.wire, token=self.token, server_id=self.instance_id,
                                  host_id=self._client.host_id, roles=("instance",))
         self.address = await self._server.start(self.host, self.port)
+        metrics.set_enabled(self.config.metrics.enabled)
+        if self._http is not None:
+            self.metrics_url = await self._http.start(self.config.metrics.host or self.host, self.config.metrics.port)
+            self._source = metrics.add_source(self._samples)
+        tracing.configure(self.config.tracing, f"tensorcast-instance-{self.instance_id}")
         await self._register()
         self._heartbeat = asyncio.ensure_future(self._heartbeat_loop())
         log.info("instance %s (%s) serving at %s, home worker %s", self.instance_id, self.adaptor.engine,
@@ -77,7 +88,8 @@ class InstanceRuntime:
         load = self.adaptor.load()
         info = InstanceInfo(instance_id=self.instance_id, address=self.address, home_worker=self.home_worker,
                             running=load.running, waiting=load.waiting, kv_tokens_used=load.kv_tokens_used,
-                            kv_tokens_capacity=load.kv_tokens_capacity, engine=self.adaptor.engine)
+                            kv_tokens_capacity=load.kv_tokens_capacity, engine=self.adaptor.engine,
+                            metrics_url=self.metrics_url)
         await self._client.caller.call(RegisterInstance(instance=info), Ack, CallContext().with_timeout(10))
 
     async def _heartbeat_loop(self) -> None:
@@ -101,7 +113,21 @@ class InstanceRuntime:
             self._loop.run(self._stop())
         self._loop.stop()
 
+    def _samples(self) -> Iterator[Sample]:
+        load = self.adaptor.load()
+        i = {"instance": self.instance_id}
+        yield Sample("tensorcast_instance_requests", "Requests an engine instance holds, by state (the load "
+                     "signal of list_instances()).", {**i, "state": "running"}, load.running)
+        yield Sample("tensorcast_instance_requests", "", {**i, "state": "waiting"}, load.waiting)
+        yield Sample("tensorcast_instance_kv_tokens", "KV-cache tokens of an engine instance, used and capacity.",
+                     {**i, "state": "used"}, load.kv_tokens_used)
+        yield Sample("tensorcast_instance_kv_tokens", "", {**i, "state": "capacity"}, load.kv_tokens_capacity)
+
     async def _stop(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+        if self._source is not None:
+            metrics.remove_source(self._source)
         if self._heartbeat is not None:
             self._heartbeat.cancel()
         if self._server is not None:

@@ -24,6 +24,7 @@ from tensorcast.kv.keys import shard_of
 from tensorcast.kv.leases import HomeLeases, LeaseRecord
 from tensorcast.kv.pages import Page, PageStore
 from tensorcast.limits import check_ttl
+from tensorcast.obs import metrics
 from tensorcast.wire.caller import Caller
 from tensorcast.wire.connection import Connection, Landing
 from tensorcast.wire.kv_messages import (
@@ -75,6 +76,7 @@ class ShardHome:
         self._read_leases: dict[str, tuple[float, Callable[[], None]]] = {}  # same-host gets awaiting KVRelease
         self._task: asyncio.Task[None] | None = None
         self.serving = True
+        self._last_renewal = 0.0  # monotonic time the last renewal was sent (for the renewal-lag metric)
 
     def register(self, registry: HandlerRegistry) -> None:
         registry.register(KVPut, self.put, sink=self.put_sink)
@@ -132,12 +134,17 @@ class ShardHome:
             await self.gs.call(ReleaseShards(worker_id=self.worker_id, shards=tuple(give_back), tokens=tokens),
                                ShardGrants, ctx)
         mine = sorted(self.leases.held)
+        if not mine:
+            self._last_renewal = 0.0
         if mine:
             sent = time.monotonic()
             reply = await self.gs.call(RenewShards(worker_id=self.worker_id, shards=tuple(mine),
                                                    tokens=tuple(self.leases.held[s].token for s in mine), ttl=ttl),
                                        ShardGrants, ctx)
             renewed = {g.shard: g.token for g in reply.leases}
+            if self._last_renewal:
+                metrics.shard_renewal(sent - self._last_renewal - self.config.renew_interval / 2)
+            self._last_renewal = sent
             for s in mine:
                 if s in renewed and s in self.leases.held:
                     self.leases.granted(s, renewed[s], sent, ttl)
@@ -242,6 +249,7 @@ class ShardHome:
             if entry is not None:
                 self.store.commit(entry[0], entry[1], pending.ttl, now)
                 stored += 1
+        metrics.kv_pages("put", stored)
         return stored
 
     async def commit(self, msg: KVCommit, req: Request) -> KVPutReply:
@@ -262,6 +270,7 @@ class ShardHome:
         found = [self.store.get(key, now) for key in msg.keys]
         sizes = tuple(-1 if page is None else page.nbytes for page in found)
         hits = [page for page in found if page is not None]
+        metrics.kv_pages("get", len(hits), len(found) - len(hits))
         release = self.store.hold(hits)
         if msg.same_host:  # the caller copies from the slots, then releases the read lease
             lease = uuid.uuid4().hex
@@ -283,7 +292,10 @@ class ShardHome:
     async def exists(self, msg: KVExists, req: Request) -> KVExistsReply:
         self._check(msg.keys, msg.tokens)
         now = time.time()
-        return KVExistsReply(present=bytes(1 if self.store.contains(k, now) else 0 for k in msg.keys))
+        present = bytes(1 if self.store.contains(k, now) else 0 for k in msg.keys)
+        hits = present.count(1)
+        metrics.kv_pages("exists", hits, len(present) - hits)
+        return KVExistsReply(present=present)
 
     def _reap_pending(self) -> None:
         """Reservations whose bytes never arrived, and same-host leases never released (the caller died)."""

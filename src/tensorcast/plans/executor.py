@@ -21,6 +21,7 @@ from typing import Any
 
 from tensorcast.context import CallContext
 from tensorcast.errors import InternalError, InvalidArgument, TensorCastError, clip
+from tensorcast.obs import metrics, tracing
 from tensorcast.plans.ops import OPS, GatewayPort
 from tensorcast.plans.state import FAILED, SKIPPED, SUCCEEDED, PlanState
 from tensorcast.records import StepResult, StepSpec
@@ -46,6 +47,7 @@ class PlanExecutor:
         self.max_records = max_records
         self.max_attempts = max_attempts
         self._records: OrderedDict[str, _Record] = OrderedDict()
+        self.in_flight = 0  # plans running now (a dashboard and heartbeat signal)
 
     async def run(self, msg: RunPlan, ctx: CallContext) -> PlanResult:
         steps = {s.id: s for s in msg.steps}
@@ -68,14 +70,18 @@ class PlanExecutor:
             state.mark_succeeded(sid)
         fut: asyncio.Future[PlanResult] = asyncio.get_running_loop().create_future()
         record.running = fut
+        self.in_flight += 1
         try:
-            result = await self._execute(steps, state, record, ctx, reused)
+            with tracing.span("plan", ctx.trace_id, attributes={"steps": len(steps), "reused": len(reused)}):
+                result = await self._execute(steps, state, record, ctx, reused)
             fut.set_result(result)
             return result
         except BaseException as exc:
             fut.set_exception(exc)
             fut.exception()  # retrieved: nobody else may be waiting
             raise
+        finally:
+            self.in_flight -= 1
 
     def _record(self, key: str) -> _Record:
         rec = self._records.get(key)
@@ -158,7 +164,16 @@ class PlanExecutor:
                         ctx: CallContext) -> tuple[tuple[str, ...], dict[str, Any]]:
         ctx.check(f"step {spec.id}")
         args = _resolve(spec.args, results)
-        outcome = await OPS[spec.op].run(args, self.gateway, ctx)
+        started = time.perf_counter()
+        status = "succeeded"
+        try:
+            with tracing.span(f"step {spec.op}", ctx.trace_id, attributes={"step": spec.id, "op": spec.op}):
+                outcome = await OPS[spec.op].run(args, self.gateway, ctx)
+        except BaseException as exc:
+            status = "retryable_error" if isinstance(exc, TensorCastError) and exc.retryable else "failed"
+            raise
+        finally:
+            metrics.plan_step(spec.op, status, time.perf_counter() - started)
         return outcome.output, outcome.result or {}
 
 

@@ -166,6 +166,11 @@ class PoolState:
         if rep is not None:
             rep.pinned_until = None
 
+    def pinned_bytes(self, now: float) -> int:
+        """Bytes of the blobs that pinned replicas hold (a blob shared by two pinned replicas counts once)."""
+        digests = {d for r in self.replicas.values() if r.is_pinned(now) for d in r.digests}
+        return sum(self.blob_size[d] for d in digests)
+
     def expired(self, now: float) -> list[str]:
         """Memory copies whose placement TTL (cold) has passed and that are not pinned."""
         return [r.artifact_id for r in self.replicas.values()

@@ -33,7 +33,7 @@ def main() -> None:
     runtime = serve(adaptor, worker=args.worker, instance_id=args.id, token=os.environ.get("TENSORCAST_TOKEN"))
     tmp = Path(args.ready_file).with_suffix(".tmp")
     tmp.write_text(json.dumps({"instance_id": args.id, "address": runtime.address, "pid": os.getpid(),
-                               "home_worker": runtime.home_worker}))
+                               "home_worker": runtime.home_worker, "metrics_url": runtime.metrics_url}))
     tmp.replace(args.ready_file)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

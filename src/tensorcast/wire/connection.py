@@ -42,9 +42,10 @@ _ENCODER = msgspec.msgpack.Encoder()
 _HEADER, _BODY, _PAYLOAD, _SUMS = 0, 1, 2, 3
 
 
-def encode_envelope(request_id: int, kind: int, trace_id: str, deadline: float | None, body: Any) -> bytes:
+def encode_envelope(request_id: int, kind: int, trace_id: str, deadline: float | None, body: Any,
+                    span_id: int = 0) -> bytes:
     raw = msgspec.Raw(_ENCODER.encode(body))
-    return _ENCODER.encode(Envelope(request_id, kind, trace_id, deadline, raw))
+    return _ENCODER.encode(Envelope(request_id, kind, trace_id, deadline, raw, span_id))
 
 
 # The longest error message sent to a peer (callers' keys and paths are clipped where they are quoted).

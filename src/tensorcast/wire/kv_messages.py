@@ -107,6 +107,7 @@ class GSStats(Msg):
 
 class GSStatsReply(Msg):
     requests: dict[str, int]
+    metrics_url: str = ""  # where the global store serves metrics and the dashboard
 
 
 class PageIndexPut(Msg):

@@ -345,6 +345,7 @@ class Heartbeat(Msg):
     net_out_bps: float = 0.0
     transfers_in_flight: int = 0
     memory_prefaulted: int = 0
+    plans_in_flight: int = 0
     # Artifact ids this worker dropped since the last heartbeat (acknowledges HeartbeatReply.drop).
     dropped: tuple[str, ...] = ()
 

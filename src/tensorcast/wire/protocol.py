@@ -154,13 +154,15 @@ REQUEST, RESPONSE, ERROR = 0, 1, 2
 
 
 class Envelope(msgspec.Struct, frozen=True, array_like=True):
-    """Frame body: who/what/when around one message. ``deadline`` is absolute (``time.time()``)."""
+    """Frame body: who/what/when around one message. ``deadline`` is absolute (``time.time()``);
+    ``span_id`` is the sender's tracing span (0 when it traces nothing), the parent of the receiver's span."""
 
     request_id: int
     kind: int
     trace_id: str
     deadline: float | None
     body: msgspec.Raw
+    span_id: int = 0
 
 
 # The reply type of every request: a call checks the reply against it in one place (``wire.caller``).

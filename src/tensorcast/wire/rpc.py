@@ -31,6 +31,7 @@ from tensorcast.errors import (
     clip,
     error_from_code,
 )
+from tensorcast.obs import metrics, tracing
 from tensorcast.wire.connection import (
     HASH_OFF_LOOP_BYTES,
     Connection,
@@ -230,6 +231,19 @@ class RpcServer:
     async def _handle(self, conn: Connection, frame: Frame) -> None:
         env = frame.envelope
         set_current_trace(env.trace_id)
+        method = type(frame.message).__name__
+        started = time.perf_counter()
+        outcome = "ok"
+        try:
+            with tracing.span(f"serve {method}", env.trace_id, env.span_id, "server"):
+                outcome = await self._serve(conn, frame)
+        finally:
+            metrics.rpc_served(method, outcome, time.perf_counter() - started)
+
+    async def _serve(self, conn: Connection, frame: Frame) -> str:
+        """Run the request's handler and send its reply or error; returns "ok" or the error's code."""
+        env = frame.envelope
+        outcome = "ok"
         reply: Reply | None = None
         landing = frame.landing
         try:
@@ -254,17 +268,20 @@ class RpcServer:
             body = encode_envelope(env.request_id, RESPONSE, env.trace_id, None, reply.message)
             await conn.send(body, reply.payload)
         except TensorCastError as exc:
+            outcome = exc.code
             self._write_error(conn, env, exc)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             log.exception("handler for %s failed", type(frame.message).__name__)
+            outcome = InternalError.code
             self._write_error(conn, env, InternalError(f"{type(exc).__name__}: {exc}"))
         finally:
             if landing is not None and landing.discard is not None:
                 landing.discard()
             if reply is not None and reply.on_sent is not None:
                 reply.on_sent()
+        return outcome
 
     def _write_error(self, conn: Connection, env: Envelope, exc: TensorCastError) -> None:
         body = encode_envelope(env.request_id, ERROR, env.trace_id, None, error_reply(exc))
@@ -372,10 +389,25 @@ class RpcChannel:
         sink: ReplySink | None = None,
     ) -> Frame:
         """Send ``message`` and return the reply frame; raise the typed error the server reported."""
-        ctx.check(type(message).__name__)
-        await self.connect(ctx)
-        assert self._conn is not None
-        return await self._roundtrip(self._conn, message, ctx, payload, sink)
+        method = type(message).__name__
+        ctx.check(method)
+        started = time.perf_counter()
+        outcome = "ok"
+        try:
+            with tracing.span(method, ctx.trace_id, kind="client", attributes={"peer": self.address}):
+                await self.connect(ctx)
+                assert self._conn is not None
+                return await self._roundtrip(self._conn, message, ctx, payload, sink)
+        except TensorCastError as exc:
+            outcome = exc.code
+            raise
+        finally:
+            metrics.rpc_sent(method, self._peer_kind(), outcome, time.perf_counter() - started)
+
+    def _peer_kind(self) -> str:
+        """gs, instance or worker (the roles the peer announced), for metrics."""
+        roles = self.welcome.roles if self.welcome is not None else ()
+        return "gs" if "gs" in roles else "instance" if "instance" in roles else "worker" if roles else "unknown"
 
     async def _roundtrip(
         self,
@@ -389,7 +421,7 @@ class RpcChannel:
         fut: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = (fut, sink)
         try:
-            body = encode_envelope(request_id, REQUEST, ctx.trace_id, ctx.deadline, message)
+            body = encode_envelope(request_id, REQUEST, ctx.trace_id, ctx.deadline, message, tracing.current_span_id())
             left = ctx.remaining()
             try:
                 async with asyncio.timeout(left):

@@ -21,6 +21,7 @@ import msgspec
 from tensorcast.cuda import check_device
 from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, clip
 from tensorcast.limits import check_ttl
+from tensorcast.obs import metrics
 from tensorcast.records import ArtifactInfo, ReplicaInfo, TensorMeta
 from tensorcast.tensors import ARTIFACT_ID_RE, artifact_id, wrap_bytes
 from tensorcast.transport.h2d import to_device
@@ -64,12 +65,16 @@ class LoadingRole:
             if device:
                 await self._copy_to_device(msg.view_id, device)
             return done
-        result = await self.storage.fetcher.fetch(info, req.ctx.deadline, req.ctx.trace_id, msg.streams)
+        try:
+            result = await self.storage.fetcher.fetch(info, req.ctx.deadline, req.ctx.trace_id, msg.streams)
+        except TensorCastError as exc:
+            metrics.operation("transfer", "fetch", 0, 0.0, exc.code)
+            raise
         if device:
             await self._copy_to_device(info.id, device)
         if msg.pin:
             self.store.pin(info.id, msg.pin_ttl)
-        self.storage.bytes_in += result.bytes_moved
+        self.storage.fetched("fetch", result)
         if not result.already_present:
             try:
                 await self.parts.gs.add_replica(info.id, ("memory",), req.ctx)
@@ -120,7 +125,7 @@ class LoadingRole:
                                                                        req.ctx.trace_id)
         if msg.pin:
             self.store.pin(msg.view_id, msg.pin_ttl)
-        self.storage.bytes_in += result.bytes_moved
+        self.storage.fetched("view", result)
         if not result.already_present:
             view_info = ArtifactInfo(id=msg.view_id, tensors=tensors, nbytes=nbytes_of(tensors), policy="cache",
                                      meta={**msg.view_meta, "view_of": info.id})

@@ -49,6 +49,7 @@ class PendingPut:
     memory_targets: dict[int, BlobLoc] = field(default_factory=dict)  # tensor index -> upload target
     disk_targets: dict[int, Segment] = field(default_factory=dict)
     received: dict[int, int] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
 
     def target_view(self, index: int) -> memoryview | None:
         if index in self.memory_targets:

@@ -22,14 +22,20 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Any
+
+import msgspec
 
 from tensorcast.config import Config, default_host_id
 from tensorcast.errors import InvalidArgument
 from tensorcast.kv.home import ShardHome
+from tensorcast.obs import metrics, tracing
+from tensorcast.obs.http import HttpServer
 from tensorcast.records import WorkerInfo
 from tensorcast.wire.caller import Caller
 from tensorcast.wire.rpc import HandlerRegistry, RpcServer
 from tensorcast.worker.gateway import GatewayRole
+from tensorcast.worker.gauges import worker_samples
 from tensorcast.worker.gs_link import GlobalStoreLink
 from tensorcast.worker.instances import InstanceRegistry
 from tensorcast.worker.loading import LoadingRole
@@ -61,8 +67,10 @@ class Worker:
         self.storage = StorageRole(self.parts)
         self.loading = LoadingRole(self.parts, self.storage)
         self.services: list[Role] = [self.storage, self.loading, InstanceRegistry(self.parts)]
+        self.gateway: GatewayRole | None = None
         if "gateway" in roles:
-            self.services.append(GatewayRole(self.parts, self.storage))
+            self.gateway = GatewayRole(self.parts, self.storage)
+            self.services.append(self.gateway)
         self.kv_home: ShardHome | None = None
         if "shard-home" in roles:
             self.kv_home = ShardHome(worker_id, config.kv, caller, f"{config.worker.shm_prefix}-{worker_id}")
@@ -82,6 +90,11 @@ class Worker:
                                 roles=self.parts.roles, on_request=on_request)
         self.address = ""
         self._heartbeats: asyncio.Task[None] | None = None
+        metrics.set_enabled(config.metrics.enabled)
+        tracing.configure(config.tracing, f"tensorcast-worker-{worker_id}")
+        self.http = HttpServer(config.token) if config.metrics.enabled else None
+        self.metrics_url = ""
+        self._source: int | None = None
 
     @property
     def worker_id(self) -> str:
@@ -92,7 +105,11 @@ class Worker:
         return self.parts.roles
 
     def info(self) -> WorkerInfo:
-        return self.storage.info(self.address)
+        return msgspec.structs.replace(self.storage.info(self.address), metrics_url=self.metrics_url)
+
+    def _heartbeat_stats(self) -> dict[str, Any]:
+        plans = self.gateway.plans.in_flight if self.gateway is not None else 0
+        return {**self.storage.heartbeat_stats(), "plans_in_flight": plans}
 
     async def _register(self, timeout: float) -> None:
         async def announce() -> None:
@@ -104,12 +121,17 @@ class Worker:
     async def start(self) -> str:
         cfg = self.parts.config.worker
         self.address = self.parts.address = await self.server.start(cfg.host, cfg.port)
+        if self.http is not None:
+            self.metrics_url = await self.http.start(self.parts.config.metrics.host or cfg.host,
+                                                     self.parts.config.metrics.port)
+            self._source = metrics.add_source(
+                lambda: worker_samples(self.worker_id, self.storage, self.kv_home, self.gateway))
         self.storage.start_data_server()
         await self._register(_REGISTER_TIMEOUT)
         for service in self.services:
             await service.start()
         self._heartbeats = asyncio.ensure_future(self.parts.gs.heartbeat_loop(
-            self.storage.heartbeat_stats, self.storage.drop, lambda: self._register(5.0)))
+            self._heartbeat_stats, self.storage.drop, lambda: self._register(5.0)))
         log.info("worker %s serving at %s (data %s) roles=%s memory=%d disk=%s", self.worker_id, self.address,
                  self.storage.data_server.address, ",".join(self.roles), cfg.memory_capacity, cfg.disk_dir or "-")
         return self.address
@@ -118,6 +140,10 @@ class Worker:
         if self._heartbeats is not None:
             self._heartbeats.cancel()
         await self.server.close()
+        if self.http is not None:
+            await self.http.close()
+        if self._source is not None:
+            metrics.remove_source(self._source)
         for service in reversed(self.services):
             await service.stop()
         await self.parts.caller.close()
@@ -132,7 +158,8 @@ async def run_worker(config: Config, worker_id: str, gs_address: str, ready_file
             tmp = ready_file.with_suffix(".tmp")
             tmp.write_text(json.dumps({"worker_id": worker_id, "address": address, "pid": os.getpid(),
                                        "host_id": worker.parts.host_id, "roles": list(worker.roles),
-                                       "data_address": worker.storage.data_server.address}))
+                                       "data_address": worker.storage.data_server.address,
+                                       "metrics_url": worker.metrics_url}))
             tmp.replace(ready_file)
         await (stop.wait() if stop is not None else asyncio.Event().wait())
     finally:

@@ -13,6 +13,7 @@ replicas in (``worker.loading``, with this role's ``Fetcher``), the put protocol
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -23,6 +24,7 @@ from typing import Any
 
 from tensorcast.context import CallContext
 from tensorcast.errors import NotFound, TensorCastError
+from tensorcast.obs import metrics
 from tensorcast.pool.device import DeviceTier
 from tensorcast.pool.placement import replica_targets, resolve_placement
 from tensorcast.records import ArtifactInfo, TensorMeta, WorkerInfo
@@ -75,6 +77,9 @@ class StorageRole:
                                                 corrupt_chunks=config.worker.fault_corrupt_chunks)
         self.fetcher = Fetcher(parts.worker_id, self.store, self.transport, config.transport)
         self.bytes_in = 0  # payload and fetched bytes received, for the network-pressure signal
+        # Bytes by (transport, direction) for metrics: "rpc" carries put payloads from remote callers, "shm" the
+        # bytes same-host callers wrote or mapped, the data-plane transport (tcp) fetches between workers.
+        self.moved: collections.Counter[tuple[str, str]] = collections.Counter()
         self._net_mark = (time.time(), 0, 0)
         self._last_busy = 0.0  # monotonic time a put, fetch or send was last seen running
         self._tasks: list[asyncio.Task[None]] = []
@@ -118,6 +123,14 @@ class StorageRole:
             incarnation=p.gs.incarnation, data_address=self.data_server.address, memory_used=s["memory_used"],
             memory_capacity=s["memory_capacity"], artifacts=s["artifacts"], disk_used=s["disk_used"],
             disk_capacity=s["disk_capacity"])
+
+    def fetched(self, kind: str, result: Prefetched) -> None:
+        """Account for a prefetch (``kind`` fetch) or view materialization done by this worker."""
+        self.bytes_in += result.bytes_moved
+        # A copy from this worker's own disk tier has no source worker: it crossed no network.
+        self.moved["disk" if not result.source else self.parts.config.transport.kind, "received"] += \
+            result.bytes_moved
+        metrics.operation("transfer", kind, result.bytes_moved, result.seconds)
 
     def heartbeat_stats(self) -> dict[str, Any]:
         now, b_in, b_out = time.time(), self.bytes_in, self.data_server.bytes_sent
@@ -192,9 +205,19 @@ class StorageRole:
         assert isinstance(req.payload, memoryview)
         self.puts.data_received(msg, req.payload.nbytes)
         self.bytes_in += req.payload.nbytes
+        self.moved["rpc", "received"] += req.payload.nbytes
         return Ack()
 
     async def put_commit(self, msg: PutCommit, req: Request) -> PutDone:
+        pending = self.puts.pending.get(msg.put_id)
+        try:
+            return await self._put_commit(msg, req)
+        except TensorCastError as exc:
+            path = "shm" if pending is not None and not pending.stream else "network" if pending else "unknown"
+            metrics.operation("put", path, 0, 0.0, exc.code)
+            raise
+
+    async def _put_commit(self, msg: PutCommit, req: Request) -> PutDone:
         put = await self.puts.commit(msg.put_id)
         self.parts.gs.kept(put.artifact_id)
         tiers = self.store.tiers(put.artifact_id)
@@ -205,6 +228,9 @@ class StorageRole:
             done = await self._replicate(done, put.placement.replicas - 1, req.ctx)
         log.info("stored artifact %s (%d bytes, %s, tiers %s)%s", put.artifact_id, info.nbytes, put.placement.name,
                  ",".join(tiers), f" key={put.key}" if put.key else "")
+        if not put.stream:  # what the caller wrote into shared memory (blobs already held were not written)
+            self.moved["shm", "received"] += sum(put.tensors[i].nbytes for i in put.memory_targets)
+        metrics.operation("put", "network" if put.stream else "shm", info.nbytes, time.monotonic() - put.started)
         return PutDone(artifact=done)
 
     async def _replicate(self, info: ArtifactInfo, extra: int, ctx: CallContext) -> ArtifactInfo:
@@ -225,8 +251,12 @@ class StorageRole:
 
     # ----------------------------------------------------------------- replicas
     async def map_tensors(self, msg: MapTensors, req: Request) -> Mapped:
+        started = time.perf_counter()
         names = msg.names or tuple(t.name for t in self.store.tensors(msg.artifact_id))
         refs = tuple(self.store.segment_refs(msg.artifact_id, names, msg.tier))
+        nbytes = sum(r.size for r in refs if r is not None)
+        self.moved["shm", "sent"] += nbytes
+        metrics.operation("get", "map", nbytes, time.perf_counter() - started)
         if msg.device and self.devices.has(msg.artifact_id, msg.device):
             on_device = self.devices.get(msg.artifact_id, msg.device)
             if all(n in on_device for n in names):

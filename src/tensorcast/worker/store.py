@@ -46,6 +46,7 @@ ReplicaGone = Callable[[str, str], Awaitable[None]]
 class LocalStore:
     def __init__(self, config: WorkerConfig, worker_id: str, on_replica_gone: ReplicaGone) -> None:
         self.config = config
+        self.evicted_bytes = 0  # memory freed by evictions since start (a metric)
         self.memory = MemoryTier(config.memory_capacity, f"{config.shm_prefix}-{worker_id}",
                                  stock_budget=config.prefault_bytes,
                                  stock_chunk_bytes=config.prefault_chunk_bytes, arena_bytes=config.arena_bytes,
@@ -111,7 +112,9 @@ class LocalStore:
             await self.evict(aid)
 
     async def evict(self, artifact_id: str) -> None:
+        used = self.memory.state.used
         if self.memory.remove_replica(artifact_id):
+            self.evicted_bytes += used - self.memory.state.used  # what the eviction really freed
             log.info("evicted memory replica of %s", artifact_id)
             await self._on_replica_gone(artifact_id, "memory")
 

@@ -1,0 +1,68 @@
+"""What metrics cost: put/get (benchmarks/put_get.py) and KV pages (benchmarks/kv_pages.py) with metrics
+recording on and off, alternating in one run so that drift of the machine hits both alike.
+
+Each round measures every case once with metrics on and once off (the order flips each round); the table
+gives, per case, the median over rounds of on/off throughput and its range. Goal: within 3% (0.97-1.03).
+
+Usage: python benchmarks/metrics_cost.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from typing import Any
+
+from benchlib import write_json
+from kv_pages import bench_tensorcast
+from put_get import measure
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def one_round(on: bool, sizes: list[int], pages: int) -> dict[str, float]:
+    """Throughputs (higher is better) of every case, metrics ``on`` or off."""
+    out: dict[str, float] = {}
+    for r in measure(sizes, on):
+        size = r["size"]
+        label = f"{int(size) // KiB} KiB" if size < MiB else f"{int(size) // MiB} MiB"
+        out[f"put shm {label}"] = 1 / r["put_local_s"]
+        out[f"put tcp {label}"] = 1 / r["put_remote_s"]
+        out[f"get shm {label}"] = 1 / r["get_local_s"]
+        out[f"get tcp {label}"] = 1 / r["get_remote_s"]
+    kv = bench_tensorcast(1, 64 * KiB, pages, 3, "shard-homes", on)
+    out["kv put 64 KiB pages"] = kv["put_pages_s"]
+    out["kv get 64 KiB pages"] = kv["get_pages_s"]
+    out["kv exists"] = kv["exists_keys_s"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="two rounds of small cases (about a minute)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rounds = 2 if args.quick else 5
+    sizes = [4 * KiB, 1 * MiB, 16 * MiB] if args.quick else [4 * KiB, 1 * MiB, 16 * MiB, 64 * MiB]
+    pages = 256 if args.quick else 1024
+    ratios: dict[str, list[float]] = {}
+    for i in range(rounds):
+        order = (True, False) if i % 2 == 0 else (False, True)
+        results = {on: one_round(on, sizes, pages) for on in order}
+        for case, on_value in results[True].items():
+            ratios.setdefault(case, []).append(on_value / results[False][case])
+    rows: list[dict[str, Any]] = []
+    hdr = f"{'case':<24} {'on/off (median)':>16} {'range':>15}"
+    print(hdr)
+    print("-" * len(hdr))
+    for case, rs in ratios.items():
+        med = statistics.median(rs)
+        rows.append({"case": case, "on_over_off_median": med, "min": min(rs), "max": max(rs), "rounds": rs})
+        print(f"{case:<24} {med:>16.3f} {min(rs):>7.3f}-{max(rs):<7.3f}")
+    meds = [r["on_over_off_median"] for r in rows]
+    print(f"\nmedian over cases {statistics.median(meds):.3f}; worst case {min(meds):.3f} (goal: within 0.97-1.03)")
+    write_json(args.json, "metrics_cost", args.quick, rounds=rounds, rows=rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""One plan is one trace: the caller's span, the gateway's plan and steps, and the calls they make to other
+workers and the global store, across processes, linked parent to child by the ids in the envelopes."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+import tensorcast as tc
+from tensorcast.obs import tracing
+from tensorcast.testing import running_cluster
+
+
+def _file_spans(path: Path, trace: str, want: set[str], timeout: float = 20.0) -> list[dict[str, object]]:
+    """The trace's spans the cluster's processes wrote, once every name in ``want`` is there (spans are
+    exported when they end; the last ones end just after the caller has its reply)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        spans = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        mine = [s for s in spans if s["trace_id"] == trace]
+        if want <= {str(s["name"]) for s in mine} or time.monotonic() > deadline:
+            return mine
+        time.sleep(0.1)
+
+
+def test_one_plan_is_one_trace_across_processes(tmp_path: Path) -> None:
+    spans_file = tmp_path / "spans.jsonl"
+    exporter = InMemorySpanExporter()
+    tracing.use_provider(tracing.provider(exporter, "test-caller"))
+    try:
+        config = {"tracing.exporter": "file", "tracing.file": str(spans_file)}
+        with running_cluster(workers=2, config=config) as cluster, tc.connect(cluster.address) as client:
+            art = client.put({"w": np.arange(4096, dtype=np.float32)}, key="traced@v1")
+            ctx = tc.context(timeout=60)
+            plan = client.plan(ctx=ctx)
+            pre = plan.prefetch(art, to="w1")
+            plan.pin(art, on="w1", after=[pre])
+            assert plan.run().result().ok
+            trace = f"{tracing.otel_trace_id(ctx.trace_id):032x}"
+            want = {"serve RunPlan", "plan", "step prefetch", "step pin", "serve Prefetch", "serve GetArtifact"}
+            remote = _file_spans(spans_file, trace, want)
+    finally:
+        tracing.use_provider(None)
+
+    local = [s for s in exporter.get_finished_spans() if f"{s.context.trace_id:032x}" == trace]
+    assert [s.name for s in local] == ["RunPlan"] and local[0].parent is None  # the caller's span is the root
+    root = f"{local[0].context.span_id:016x}"
+    assert want <= {str(s["name"]) for s in remote}
+    services = {str(s["service"]) for s in remote}
+    assert {"tensorcast-worker-w0", "tensorcast-worker-w1", "tensorcast-gs"} <= services
+    assert len({s["pid"] for s in remote}) >= 3
+
+    by_id = {str(s["span_id"]): s for s in remote}
+    assert len(by_id) == len(remote)
+    # One tree: every span's parent is a span of this trace, and every chain ends at the caller's span.
+    for s in remote:
+        hops, node = 0, s
+        while node["parent_span_id"] != root:
+            node = by_id[str(node["parent_span_id"])]
+            hops += 1
+            assert hops < 20
+    (serve_plan,) = [s for s in remote if s["name"] == "serve RunPlan"]
+    assert serve_plan["parent_span_id"] == root and serve_plan["service"] == "tensorcast-worker-w0"
+    (step,) = [s for s in remote if s["name"] == "step prefetch"]
+    assert step["attributes"] == {"step": "prefetch-1", "op": "prefetch"}
+    def ancestors(span: dict[str, object]) -> list[str]:
+        names, node = [], span
+        while node["parent_span_id"] != root:
+            node = by_id[str(node["parent_span_id"])]
+            names.append(str(node["name"]))
+        return names
+
+    # The prefetch and the pin both reach w1 as Prefetch requests, each under its own step.
+    served = [ancestors(s) for s in remote if s["name"] == "serve Prefetch" and s["service"] == "tensorcast-worker-w1"]
+    assert sorted(next(n for n in chain if n.startswith("step ")) for chain in served) == ["step pin", "step prefetch"]
+    assert all(chain[-2:] == ["plan", "serve RunPlan"] for chain in served), served
