@@ -7,12 +7,23 @@ import pytest
 import tensorcast as tc
 from tensorcast.cluster import LocalCluster
 from tensorcast.testing import running_cluster
+from tensorcast.testing.etcd import EtcdCluster
+from tensorcast.testing.tools import require_tool
 
 
 @pytest.fixture(scope="session")
 def shared_cluster() -> Iterator[LocalCluster]:
     """One two-worker cluster for tests that do not break anything."""
     with running_cluster(workers=2, memory_capacity="1GiB") as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def etcd_cluster() -> Iterator[EtcdCluster]:
+    """A real 3-member etcd cluster on loopback (Debian etcd-server), stopped at the end of the session.
+    Tests that kill members use one of their own."""
+    require_tool("etcd", "etcd-server")
+    with EtcdCluster(3) as cluster:
         yield cluster
 
 

@@ -121,14 +121,17 @@ _config_option = click.option("--config", "config_path", type=click.Path(dir_oka
 @click.option("--host", default=None, help="Bind address (loopback unless a token is configured).")
 @click.option("--port", type=int, default=None)
 @click.option("--ready-file", type=click.Path(dir_okay=False), default=None)
+@click.option("--etcd", default=None, metavar="URL[,URL...]",
+              help="Keep the metadata on this etcd cluster (then several global stores may serve it).")
 @_config_option
 @_set_option
-def gs(data_dir: str, host: str | None, port: int | None, ready_file: str | None, config_path: str | None,
-       sets: tuple[str, ...]) -> None:
-    """Run the global store (SQLite in DATA_DIR)."""
+def gs(data_dir: str, host: str | None, port: int | None, ready_file: str | None, etcd: str | None,
+       config_path: str | None, sets: tuple[str, ...]) -> None:
+    """Run the global store (SQLite in DATA_DIR, or on etcd with --etcd)."""
     from tensorcast.gs.service import run_global_store
 
-    config = Config.load(config_path, _overrides(sets, {"gs.host": host, "gs.port": port}))
+    config = Config.load(config_path, _overrides(sets, {"gs.host": host, "gs.port": port,
+                                                         "gs.etcd_endpoints": etcd}))
     _check_bind(config.gs.host, config.token)
     Path(data_dir).mkdir(parents=True, exist_ok=True)
     _serve("gs", lambda stop: run_global_store(config, Path(data_dir), Path(ready_file) if ready_file else None,
@@ -136,7 +139,8 @@ def gs(data_dir: str, host: str | None, port: int | None, ready_file: str | None
 
 
 @main.command()
-@click.option("--gs", "gs_address", required=True, help="Global store address HOST:PORT.")
+@click.option("--gs", "gs_address", required=True,
+              help="Global store address HOST:PORT, or several (HOST:PORT,HOST:PORT) serving one etcd.")
 @click.option("--id", "worker_id", required=True, help="Stable worker id (kept across restarts).")
 @click.option("--host", default=None)
 @click.option("--port", type=int, default=None)
@@ -172,14 +176,18 @@ def _check_bind(host: str, token: str | None) -> None:
 @click.option("--data-dir", type=click.Path(file_okay=False), default="./tc-data", show_default=True)
 @click.option("--memory", default=None, help="Memory tier per worker, e.g. 4GiB.")
 @click.option("--restart-dead", is_flag=True, help="Restart a worker (or the global store) that died.")
+@click.option("--etcd", default=None, metavar="URL[,URL...]", help="Keep the metadata on this etcd cluster.")
+@click.option("--global-stores", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Global-store processes serving it at once (more than one needs --etcd).")
 @_set_option
-def up(workers: int, hosts: int, data_dir: str, memory: str | None, restart_dead: bool,
-       sets: tuple[str, ...]) -> None:
+def up(workers: int, hosts: int, data_dir: str, memory: str | None, restart_dead: bool, etcd: str | None,
+       global_stores: int, sets: tuple[str, ...]) -> None:
     """Start a local cluster (global store + workers) until Ctrl-C; say when one of its processes dies."""
     from tensorcast.cluster import LocalCluster
 
     cluster = LocalCluster(workers=workers, hosts=hosts, data_dir=data_dir, memory_capacity=memory,
-                           config=_overrides(sets, {}), token=os.environ.get("TENSORCAST_TOKEN"))
+                           config=_overrides(sets, {}), token=os.environ.get("TENSORCAST_TOKEN"), etcd=etcd,
+                           global_stores=global_stores)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -188,7 +196,8 @@ def up(workers: int, hosts: int, data_dir: str, memory: str | None, restart_dead
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     with cluster:
-        _say(f"TensorCast cluster up: gateway {cluster.address}, global store {cluster.gs_address}")
+        _say(f"TensorCast cluster up: gateway {cluster.address}, global store{'s' if global_stores > 1 else ''} "
+             f"{', '.join(cluster.gs_addresses)}" + (f" on etcd {etcd}" if etcd else ""))
         _say("processes: " + ", ".join(f"{name} pid {pid}" for name, pid in cluster.pids().items())
              + f"; logs in {cluster.data_dir / 'logs'}")
         _say(f"wrote {Path(data_dir) / 'cluster.json'}; export TENSORCAST_ADDRESS={cluster.address}")
@@ -214,7 +223,8 @@ class _Watchdog:
         self._given_up: set[str] = set()
 
     def check(self) -> None:
-        for name, handle in [("gs", self.cluster.gs), *self.cluster.workers.items()]:
+        stores = [(h.name, h) for h in self.cluster.global_stores]
+        for name, handle in [*stores, *self.cluster.workers.items()]:
             if handle is None or handle.popen is None or handle.alive() or handle.popen in self._reported:
                 continue
             popen = handle.popen
@@ -224,22 +234,22 @@ class _Watchdog:
                 self._restart(name)
 
     def _restart(self, name: str) -> None:
+        stores = [h.name for h in self.cluster.global_stores]
         try:
-            if name == "gs":
-                self.cluster.restart_global_store()
+            if name in stores:
+                self.cluster.restart_global_store(stores.index(name))
             else:
                 self.cluster.restart_worker(name)
         except TensorCastError as exc:
             self._given_up.add(name)
             _say(f"could not restart {_label(name)}: {exc}; not trying again")
             return
-        handle = self.cluster.gs if name == "gs" else self.cluster.workers[name]
-        assert handle is not None
+        handle = self.cluster.global_stores[stores.index(name)] if name in stores else self.cluster.workers[name]
         _say(f"restarted {_label(name)}: pid {handle.pid}, address {handle.address}")
 
 
 def _label(name: str) -> str:
-    return "global store" if name == "gs" else f"worker {name}"
+    return f"global store{'' if name == 'gs' else ' ' + name[2:]}" if name.startswith("gs") else f"worker {name}"
 
 
 def _exit_reason(returncode: int) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from typing import IO, Any
 
 from tensorcast.config import default_host_id
 from tensorcast.errors import InvalidArgument, Unavailable
+from tensorcast.netns import Hosts
 from tensorcast.pool.segments import remove_stale_segments
 
 __all__ = ["LocalCluster", "ProcessHandle"]
@@ -54,6 +56,16 @@ class LocalCluster:
 
     ``hosts`` > 1 gives workers distinct host ids (worker i is on host i % hosts; host 0 is this machine),
     so traffic between "hosts" takes the network path although everything runs here.
+
+    ``etcd`` (client URLs, a list or comma-separated) keeps the metadata on that etcd cluster, under a key
+    prefix of this cluster's own; then ``global_stores`` processes serve it at once ("gs", "gs1", ...), and
+    every worker knows them all and fails over between them.
+
+    ``netns=True`` makes the hosts real: each in its own network namespace with its own address
+    (``tensorcast.netns.Hosts``; needs root), the global stores on one more host of their own
+    (``gs_host``), so that processes on different hosts talk only over a network that ``cluster.net``
+    can partition, slow down or make lossy. Such a cluster needs a token (one is made when none is given):
+    it binds addresses other than loopback.
     """
 
     def __init__(
@@ -68,9 +80,20 @@ class LocalCluster:
         config: dict[str, Any] | None = None,
         roles: tuple[str, ...] = ("basic", "gateway", "shard-home"),
         startup_timeout: float = 30.0,
+        etcd: str | list[str] | None = None,
+        global_stores: int = 1,
+        netns: bool = False,
     ) -> None:
         if workers < 1 or hosts < 1 or hosts > workers:
             raise InvalidArgument("need workers >= 1 and 1 <= hosts <= workers")
+        if global_stores < 1 or (global_stores > 1 and not etcd):
+            raise InvalidArgument("need global_stores >= 1, and etcd=[...] for more than one (SQLite has one "
+                                  "writer)")
+        self.etcd = ",".join(etcd) if isinstance(etcd, list) else etcd
+        self.n_global_stores = global_stores
+        self.net: Hosts | None = Hosts(hosts + 1) if netns else None
+        if netns and token is None:
+            token = secrets.token_hex(16)
         self._tmp = None if data_dir is not None else tempfile.TemporaryDirectory(prefix="tensorcast-")
         self.data_dir = Path(data_dir if data_dir is not None else self._tmp.name).absolute()  # type: ignore[union-attr]
         self.n_workers = workers
@@ -81,7 +104,8 @@ class LocalCluster:
         self.roles = roles
         self.config = dict(config or {})
         self.startup_timeout = startup_timeout
-        self.gs: ProcessHandle | None = None
+        self.gs: ProcessHandle | None = None  # the first global store
+        self.global_stores: list[ProcessHandle] = []
         self.workers: dict[str, ProcessHandle] = {}
         self.instances: dict[str, ProcessHandle] = {}
         self._logs: list[IO[bytes]] = []
@@ -107,10 +131,15 @@ class LocalCluster:
         return self.gs.address
 
     @property
+    def gs_addresses(self) -> list[str]:
+        """Every global store's address (workers are given them all)."""
+        return [h.address for h in self.global_stores]
+
+    @property
     def metrics_urls(self) -> dict[str, str]:
         """Where each process serves Prometheus metrics (``/metrics``), by name: "gs", the worker ids and the
         instance ids. Processes started with ``metrics.enabled = false`` are left out."""
-        handles = [*([self.gs] if self.gs is not None else []), *self.workers.values(), *self.instances.values()]
+        handles = [*self.global_stores, *self.workers.values(), *self.instances.values()]
         return {h.name: str(h.info["metrics_url"]) for h in handles if h.info and h.info.get("metrics_url")}
 
     @property
@@ -125,11 +154,30 @@ class LocalCluster:
 
     def host_id_of(self, index: int) -> str:
         host = index % self.hosts
+        if self.net is not None:
+            return self.net.names[host]
         return default_host_id() if host == 0 else f"{default_host_id()}-h{host}"
+
+    @property
+    def gs_host(self) -> int:
+        """With ``netns``: the host (namespace index) the global stores run on."""
+        return self.hosts
+
+    def host_of(self, worker_id: str) -> int:
+        """The host index a worker runs on."""
+        return list(self.workers).index(self._worker(worker_id).name) % self.hosts
+
+    def _on_host(self, host: int, args: list[str]) -> list[str]:
+        """``args`` run on ``host`` (in its namespace, bound to its address), or as they are."""
+        if self.net is None:
+            return args
+        return [*self.net.exec_args(host), *args, "--host", self.net.address(host)]
 
     def start(self) -> None:
         (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
         try:
+            if self.net is not None:
+                self.net.start()
             self._start_gs()
             for i in range(self.n_workers):
                 wid = f"w{i}"
@@ -151,13 +199,14 @@ class LocalCluster:
             "address": self.address,
             "gs_address": self.gs_address,
             "gs_pid": self.gs.pid if self.gs is not None else 0,
+            "gs_addresses": self.gs_addresses,
             "workers": {w: {"address": h.address, "pid": h.pid} for w, h in self.workers.items()},
             "metrics_urls": self.metrics_urls,
         }, indent=2))
         tmp.replace(self.data_dir / "cluster.json")
 
     def stop(self) -> None:
-        handles = list(self.instances.values()) + list(self.workers.values()) + ([self.gs] if self.gs else [])
+        handles = list(self.instances.values()) + list(self.workers.values()) + self.global_stores
         for h in handles:
             if h.alive():
                 assert h.popen is not None
@@ -176,6 +225,8 @@ class LocalCluster:
         for f in self._logs:
             f.close()
         self._logs.clear()
+        if self.net is not None:
+            self.net.close()
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
@@ -191,13 +242,21 @@ class LocalCluster:
         return [f"--set={k}={v}" for k, v in self.config.items()]
 
     def _start_gs(self) -> None:
-        ready = self.data_dir / "gs.ready"
-        args = [sys.executable, "-m", "tensorcast", "gs", "--data-dir", str(self.data_dir / "gs"),
-                "--port", "0", "--ready-file", str(ready), *self._overrides()]
-        self.gs = ProcessHandle("gs", args, ready, self.data_dir / "logs" / "gs.log")
-        self._spawn(self.gs)
-        self._wait_ready(self.gs)
-        self._keep_port(self.gs)
+        store = [] if not self.etcd else [f"--set=gs.etcd_endpoints={self.etcd}",
+                                          f"--set=gs.etcd_prefix=/tensorcast/{self.shm_prefix}/"]
+        for i in range(self.n_global_stores):
+            name = "gs" if i == 0 else f"gs{i}"
+            ready = self.data_dir / f"{name}.ready"
+            args = self._on_host(self.gs_host, [
+                sys.executable, "-m", "tensorcast", "gs", "--data-dir", str(self.data_dir / name), "--port", "0",
+                "--ready-file", str(ready), *store, *self._overrides()])
+            self.global_stores.append(ProcessHandle(name, args, ready, self.data_dir / "logs" / f"{name}.log"))
+        for h in self.global_stores:
+            self._spawn(h)
+        for h in self.global_stores:
+            self._wait_ready(h)
+            self._keep_port(h)
+        self.gs = self.global_stores[0]
 
     @staticmethod
     def _keep_port(handle: ProcessHandle) -> None:
@@ -214,11 +273,11 @@ class LocalCluster:
     def _worker_handle(self, wid: str, index: int) -> ProcessHandle:
         assert self.gs is not None
         ready = self.data_dir / f"{wid}.ready"
-        args = [sys.executable, "-m", "tensorcast", "worker", "--gs", self.gs.address, "--id", wid,
-                "--port", "0", "--ready-file", str(ready), "--roles", ",".join(self.roles),
-                "--host-id", self.host_id_of(index),
-                f"--set=worker.shm_prefix={self.shm_prefix}",
-                f"--set=worker.disk_dir={self.data_dir / 'workers' / wid / 'disk'}", *self._overrides()]
+        args = self._on_host(index % self.hosts, [
+            sys.executable, "-m", "tensorcast", "worker", "--gs", ",".join(self.gs_addresses), "--id", wid,
+            "--port", "0", "--ready-file", str(ready), "--roles", ",".join(self.roles),
+            "--host-id", self.host_id_of(index), f"--set=worker.shm_prefix={self.shm_prefix}",
+            f"--set=worker.disk_dir={self.data_dir / 'workers' / wid / 'disk'}", *self._overrides()])
         if self.memory_capacity is not None:
             args += ["--memory", str(self.memory_capacity)]
         if self.disk_capacity is not None:
@@ -274,18 +333,25 @@ class LocalCluster:
     def resume_worker(self, worker_id: str) -> None:
         os.kill(self._worker(worker_id).pid, signal.SIGCONT)
 
-    def kill_global_store(self) -> None:
-        assert self.gs is not None and self.gs.popen is not None
-        if self.gs.alive():
-            self.gs.popen.kill()
-            self.gs.popen.wait()
+    def _global_store(self, index: int) -> ProcessHandle:
+        if not 0 <= index < len(self.global_stores):
+            raise InvalidArgument(f"no global store {index}; there are {len(self.global_stores)}")
+        return self.global_stores[index]
 
-    def restart_global_store(self) -> None:
-        """kill -9 the global store and start it again on the same data directory and port."""
-        self.kill_global_store()
-        assert self.gs is not None
-        self._spawn(self.gs)
-        self._wait_ready(self.gs)
+    def kill_global_store(self, index: int = 0) -> None:
+        """kill -9 a global store (the first by default)."""
+        h = self._global_store(index)
+        if h.alive():
+            assert h.popen is not None
+            h.popen.kill()
+            h.popen.wait()
+
+    def restart_global_store(self, index: int = 0) -> None:
+        """kill -9 a global store and start it again on the same data directory (or etcd) and port."""
+        self.kill_global_store(index)
+        h = self._global_store(index)
+        self._spawn(h)
+        self._wait_ready(h)
         self._write_manifest()
 
     def start_instance(self, instance_id: str, worker_id: str, args: list[str] | None = None,
@@ -310,6 +376,7 @@ class LocalCluster:
 
     def pids(self) -> dict[str, int]:
         out = {w: h.pid for w, h in [*self.workers.items(), *self.instances.items()] if h.popen is not None}
-        if self.gs is not None and self.gs.popen is not None:
-            out["gs"] = self.gs.pid
+        for h in self.global_stores:
+            if h.popen is not None:
+                out[h.name] = h.pid
         return out

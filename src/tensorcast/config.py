@@ -79,6 +79,11 @@ class WireConfig(msgspec.Struct, frozen=True, kw_only=True):
     send_chunk_bytes: int = 4 * 1024**2
     # A connection that has not completed its handshake by then is closed.
     handshake_timeout: float = 10.0
+    # A control connection whose peer stops answering (its host died, or a network partition) is closed after
+    # about this long, so that calls fail over instead of waiting out their deadlines: TCP keepalive probes
+    # while idle, TCP_USER_TIMEOUT while data is unacknowledged. The peer's kernel answers for it, so a busy
+    # peer is not mistaken for a dead one. 0 turns it off.
+    dead_peer_timeout: float = 10.0
     connect_timeout: float = 10.0
     # Fault injection for tests: corrupt one chunk of each of the next N payloads this process sends.
     fault_corrupt_payload_chunks: int = 0
@@ -103,6 +108,11 @@ class GSConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_num_shards: int = 256
     # Longest shard lease a shard home may ask for.
     kv_max_lease_ttl: float = 60.0
+    # The metadata on etcd instead of SQLite: its members' client URLs ("http://10.0.0.1:2379,..."). Then any
+    # number of global-store processes may serve the same cluster at once.
+    etcd_endpoints: str = ""
+    # Where this cluster's keys live in etcd (clusters sharing one etcd use different prefixes).
+    etcd_prefix: str = "/tensorcast/"
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -181,6 +191,10 @@ class KVConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Shard lease length and renewal period; a dead home's shards move within lease_ttl + renew_interval.
     lease_ttl: float = 3.0
     renew_interval: float = 1.0
+    # A shard home stops serving a shard this long before its lease can run out at the global store (it
+    # counts the lease from when it sent the request, which is already earlier; this covers its own clock
+    # running slow and a delayed check). Must be under lease_ttl - renew_interval.
+    lease_margin: float = 0.2
     # HRW candidates per shard that compete for its lease.
     candidates: int = 3
     # A client splits a batch so that one request carries at most this many page bytes.

@@ -1,6 +1,5 @@
 """The contract every global-store backend must pass (``gs.backend.MetadataBackend``): run against each
-backend in ``BACKENDS``. SQLite today; a replicated backend (etcd) plugs into the same suite by adding a
-factory that opens it on a fresh namespace."""
+backend in ``BACKENDS``: SQLite, and etcd (a real 3-member cluster, a fresh key prefix per test)."""
 
 from __future__ import annotations
 
@@ -12,13 +11,16 @@ from typing import Any
 import pytest
 
 from tensorcast.gs.backend import MetadataBackend
+from tensorcast.gs.etcd import EtcdBackend
 from tensorcast.gs.sqlite import SqliteBackend
 from tensorcast.kv.leases import LeaseRecord
 from tensorcast.records import ArtifactInfo, InstanceInfo, TensorMeta, WorkerInfo
 
-# name -> factory(directory) of a backend (not opened); two factories on one directory see the same data.
-BACKENDS: dict[str, Callable[[Path], MetadataBackend]] = {
-    "sqlite": lambda d: SqliteBackend(d / "gs.sqlite3", "FULL"),
+# name -> factory(directory, etcd endpoints) of a backend (not opened); two factories on one directory see the
+# same data.
+BACKENDS: dict[str, Callable[[Path, str], MetadataBackend]] = {
+    "sqlite": lambda d, _: SqliteBackend(d / "gs.sqlite3", "FULL"),
+    "etcd": lambda d, endpoints: EtcdBackend(endpoints, prefix=f"/contract/{d.name}/"),
 }
 STATS = {"memory_used": 1, "memory_capacity": 2, "artifacts": 3}
 
@@ -34,9 +36,10 @@ def run(coro: Coroutine[Any, Any, Any]) -> Any:
 @pytest.fixture(params=sorted(BACKENDS))
 def make(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[], MetadataBackend]]:
     opened: list[MetadataBackend] = []
+    endpoints = request.getfixturevalue("etcd_cluster").endpoints if request.param == "etcd" else ""
 
     def factory() -> MetadataBackend:
-        backend = BACKENDS[request.param](tmp_path)
+        backend = BACKENDS[request.param](tmp_path, endpoints)
         run(backend.open())
         opened.append(backend)
         return backend
@@ -207,8 +210,9 @@ def test_instances(make: Callable[[], MetadataBackend]) -> None:
 def test_shard_leases_and_page_index(make: Callable[[], MetadataBackend]) -> None:
     b = make()
     recs = [LeaseRecord(s, f"w{s % 2}", 1, 10.0 + s, 1.0) for s in range(4)]
-    run(b.save_leases(recs))
-    run(b.save_leases([LeaseRecord(2, "w9", 2, 30.0, 5.0)]))
+    assert run(b.update_leases(range(4), lambda s, cur: recs[s])) == recs
+    assert run(b.update_leases([2, 3], lambda s, cur: LeaseRecord(2, "w9", 2, 30.0, 5.0) if s == 2 else None)) \
+        == [LeaseRecord(2, "w9", 2, 30.0, 5.0)]
     got = run(b.load_leases())
     assert got[2] == LeaseRecord(2, "w9", 2, 30.0, 5.0) and got[3] == recs[3] and len(got) == 4
     run(b.page_index_put(("k1", "k2"), "w0"))
@@ -219,10 +223,38 @@ def test_everything_acknowledged_survives_a_reopen(make: Callable[[], MetadataBa
     b = make()
     inc, _ = run(b.register_worker(worker("w0"), 1.0))
     run(b.commit_artifact(artifact(A), "w0", "k", 99.0, 2.0, ("disk",)))
-    run(b.save_leases([LeaseRecord(0, "w0", 3, 10.0, 1.0)]))
+    run(b.update_leases([0], lambda s, cur: LeaseRecord(0, "w0", 3, 10.0, 1.0)))
     run(b.close())
     again = make()
     assert run(again.resolve_key("k")) == A and run(again.get_artifact(A)).lease_expiry == 99.0
     assert run(again.replicas_of(A)) == [("w0", "disk")]
     assert run(again.load_leases())[0].token == 3
     assert run(again.register_worker(worker("w0"), 3.0))[0] == inc + 1
+
+
+def test_two_stores_granting_one_shard_cannot_both_win(make: Callable[[], MetadataBackend]) -> None:
+    """Two global-store processes (two backends on the same data) race to grant shard 0 to different
+    workers: each grant is a compare-and-swap, so every token is handed out once and tokens only grow."""
+    first, second = make(), make()
+    won: list[tuple[str, int]] = []
+
+    def grant_to(worker: str) -> Callable[[int, LeaseRecord | None], LeaseRecord | None]:
+        def change(s: int, cur: LeaseRecord | None) -> LeaseRecord | None:
+            if cur is not None and cur.holder:
+                return None  # held: this request loses
+            return LeaseRecord(s, worker, (cur.token if cur else 0) + 1, 99.0, 1.0)
+        return change
+
+    async def race(rounds: int) -> None:
+        for i in range(rounds):
+            results = await asyncio.gather(first.update_leases([0], grant_to(f"a{i}")),
+                                           second.update_leases([0], grant_to(f"b{i}")))
+            winners = [r[0] for r in results if r]
+            assert len(winners) == 1, results
+            won.append((winners[0].holder, winners[0].token))
+            await first.update_leases([0], lambda s, cur: None if cur is None else
+                                      LeaseRecord(s, "", cur.token, 0.0, cur.acquired_at))  # released
+
+    run(race(10))
+    assert [t for _, t in won] == list(range(1, 11))
+    assert run(second.load_leases()).get(0) is not None or run(first.load_leases())[0].token == 10

@@ -68,6 +68,15 @@ def test_home_refuses_after_local_expiry_and_stale_tokens() -> None:
     assert h.expired(103.0) == [1]
 
 
+def test_home_stops_serving_a_margin_before_the_store_expiry() -> None:
+    h = HomeLeases("a", margin=0.5)
+    h.granted(1, token=4, sent_at=100.0, ttl=3.0)  # the store expires it at >= 103.0
+    h.check(1, 4, now=102.4)
+    with pytest.raises(StaleFencingToken):
+        h.check(1, 4, now=102.5)
+    assert h.expired(102.5) == [1]
+
+
 def test_home_acquisition_plan() -> None:
     homes = ["a", "b", "c", "d"]
     rank0 = {s: candidates(s, homes, 3)[0] for s in range(16)}

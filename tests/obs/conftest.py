@@ -23,18 +23,8 @@ def value(samples: dict[str, list[tuple[dict[str, str], float]]], name: str, **l
     return sum(v for lab, v in samples.get(name, []) if all(lab.get(k) == want for k, want in labels.items()))
 
 
+
 def system_tool(path: str, package: str) -> str:
-    """A Debian tool the test drives (CI installs it). Without it the test is skipped, saying how to install
-    it, except where TENSORCAST_REQUIRE_SYSTEM_TOOLS=1 (CI) makes its absence a failure."""
-    import os
-    import shutil
+    from tensorcast.testing.tools import require_tool
 
-    import pytest
-
-    found = shutil.which(path)
-    if found:
-        return found
-    why = f"{path} not found: apt-get install {package}"
-    if os.environ.get("TENSORCAST_REQUIRE_SYSTEM_TOOLS") == "1":
-        pytest.fail(why)
-    pytest.skip(why)
+    return require_tool(path, package)

@@ -87,3 +87,23 @@ def test_disabled_metrics_record_nothing() -> None:
     finally:
         metrics.set_enabled(True)
     assert metrics.exposition().count(b'method="DisabledProbe"') == before == 0
+
+
+def test_histogram_buckets_are_cumulative_and_inclusive() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tensorcast.obs.families import Histogram
+
+    h = Histogram("probe_seconds", "probe", ["op"], (0.1, 1.0))
+    for amount in (0.05, 0.1, 0.5, 1.0, 7.0):  # a value equal to a bound falls in that bucket (le)
+        h.observe(("x",), amount)
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(h)
+    samples = {(s.name, s.labels.get("le")): s.value
+               for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
+    assert samples[("probe_seconds_bucket", "0.1")] == 2
+    assert samples[("probe_seconds_bucket", "1.0")] == 4
+    assert samples[("probe_seconds_bucket", "+Inf")] == 5
+    assert samples[("probe_seconds_count", None)] == 5 and abs(samples[("probe_seconds_sum", None)] - 8.65) < 1e-9

@@ -9,6 +9,7 @@ or the RPC surface (``gs.service``). A later backend (etcd) implements the same 
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tensorcast.kv.leases import LeaseRecord
@@ -78,11 +79,17 @@ class MetadataBackend(abc.ABC):
 
     # ----------------------------------------------------------------- shard leases
     @abc.abstractmethod
-    async def load_leases(self) -> dict[int, LeaseRecord]: ...
+    async def load_leases(self) -> dict[int, LeaseRecord]:
+        """The shard lease table (as current as this process knows it: other global stores' changes arrive
+        by watch)."""
 
     @abc.abstractmethod
-    async def save_leases(self, records: list[LeaseRecord]) -> None:
-        """Persist changed leases atomically (before the grants are acknowledged)."""
+    async def update_leases(self, shards: Sequence[int],
+                            change: Callable[[int, LeaseRecord | None], LeaseRecord | None]) -> list[LeaseRecord]:
+        """For each shard, atomically: read its record, ``change(shard, record)`` it (None: leave it), and
+        write the result only if nobody changed the record meanwhile (else read it again and decide again).
+        Durable before it returns the records that changed: two global stores granting the same shard at
+        once cannot both win, and a fencing token never goes back."""
 
     @abc.abstractmethod
     async def page_index_put(self, keys: tuple[str, ...], worker_id: str) -> None:

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from tensorcast.errors import InvalidArgument, NotFound, clip
 from tensorcast.gs.backend import MetadataBackend
 from tensorcast.gs.observe import GSGauges, gs_routes
 from tensorcast.gs.sqlite import SqliteBackend
-from tensorcast.kv.leases import LeaseRecord, grant, release, renew
+from tensorcast.kv.leases import LeaseFeed, LeaseRecord, grant, release, renew
 from tensorcast.limits import check_ttl
 from tensorcast.obs import metrics, tracing
 from tensorcast.obs.http import HttpServer
@@ -80,8 +81,8 @@ class GlobalStore:
         self.config = config
         # Requests served, by message type: lets tests prove which paths touch the GS.
         self.request_counts: collections.Counter[str] = collections.Counter()
-        self._lease_cache: dict[int, LeaseRecord] | None = None
         self._pruned = 0.0  # when tombstones were last pruned
+        self._feed = LeaseFeed(uuid.uuid4().hex[:12])  # numbers lease changes for ListShards deltas
         self.metrics_url = ""  # where this process serves metrics and the dashboard, once it does
         self.registry = HandlerRegistry()
         for msg_type, handler in (
@@ -273,60 +274,63 @@ class GlobalStore:
 
     # ----------------------------------------------------------------- shard leases (touched per shard)
     async def _leases(self) -> dict[int, LeaseRecord]:
-        if self._lease_cache is None:
-            self._lease_cache = await self.backend.load_leases()
-        return self._lease_cache
+        return await self.backend.load_leases()
 
     def _ttl(self, ttl: float) -> float:
         if not (math.isfinite(ttl) and 0 < ttl <= self.config.gs.kv_max_lease_ttl):
             raise InvalidArgument(f"lease ttl must be in (0, {self.config.gs.kv_max_lease_ttl}], got {ttl}")
         return ttl
 
-    def _check_shards(self, shards: tuple[int, ...]) -> None:
+    def _check_shards(self, shards: tuple[int, ...], tokens: tuple[int, ...] | None = None) -> None:
+        if tokens is not None and len(tokens) != len(shards):
+            raise InvalidArgument(f"{len(shards)} shards but {len(tokens)} fencing tokens")
         n = self.config.gs.kv_num_shards
         bad = [s for s in shards if not 0 <= s < n]
         if bad:
             raise InvalidArgument(f"shards {bad[:5]} outside [0, {n})")
 
     async def _grants(self, changed: list[LeaseRecord]) -> ShardGrants:
-        await self.backend.save_leases(changed)  # durable before anyone is told
-        leases = await self._leases()
-        for r in changed:
-            leases[r.shard] = r
+        """The grants, once durable (``update_leases`` wrote them before returning)."""
         workers = await self._workers()
         return ShardGrants(leases=tuple(_lease_msg(r, workers) for r in changed))
 
     async def list_shards(self, msg: ListShards, req: Request) -> ShardTable:
-        return await self.shard_table()
+        return await self.shard_table(msg.since, msg.epoch)
 
-    async def shard_table(self) -> ShardTable:
-        workers = await self._workers()
+    async def shard_table(self, since: int = 0, epoch: str = "") -> ShardTable:
+        """The lease table, or what changed in it since ``since`` of this store's ``epoch``."""
         leases = await self._leases()
+        self._feed.observe(leases)
+        full, shards = self._feed.since(epoch, since)
+        workers = await self._workers() if shards else {}
         return ShardTable(num_shards=self.config.gs.kv_num_shards, now=time.time(),
-                          leases=tuple(_lease_msg(leases[s], workers) for s in sorted(leases)))
+                          leases=tuple(_lease_msg(leases[s], workers) for s in shards),
+                          revision=self._feed.revision, epoch=self._feed.epoch, full=full)
 
     async def acquire_shards(self, msg: AcquireShards, req: Request) -> ShardGrants:
         self._check_shards(msg.shards)
-        ttl, now, leases = self._ttl(msg.ttl), time.time(), await self._leases()
-        changed = [g for s in msg.shards if (g := grant(leases.get(s), s, msg.worker_id, now, ttl)) is not None]
-        for g in changed:
-            old = leases.get(g.shard)
-            if old is None or old.token != g.token:
+        ttl, now = self._ttl(msg.ttl), time.time()
+
+        def acquire(s: int, rec: LeaseRecord | None) -> LeaseRecord | None:
+            g = grant(rec, s, msg.worker_id, now, ttl)
+            if g is not None and (rec is None or rec.token != g.token):
                 log.info("shard %d leased to %s (fencing token %d)", g.shard, g.holder, g.token)
-        return await self._grants(changed)
+            return g
+
+        return await self._grants(await self.backend.update_leases(msg.shards, acquire))
 
     async def renew_shards(self, msg: RenewShards, req: Request) -> ShardGrants:
-        self._check_shards(msg.shards)
-        ttl, now, leases = self._ttl(msg.ttl), time.time(), await self._leases()
-        changed = [r for s, t in zip(msg.shards, msg.tokens, strict=True)
-                   if (r := renew(leases.get(s), msg.worker_id, t, now, ttl)) is not None]
+        self._check_shards(msg.shards, msg.tokens)
+        ttl, now = self._ttl(msg.ttl), time.time()
+        tokens = dict(zip(msg.shards, msg.tokens, strict=True))
+        changed = await self.backend.update_leases(
+            msg.shards, lambda s, rec: renew(rec, msg.worker_id, tokens[s], now, ttl))
         return await self._grants(changed)
 
     async def release_shards(self, msg: ReleaseShards, req: Request) -> ShardGrants:
-        self._check_shards(msg.shards)
-        leases = await self._leases()
-        changed = [r for s, t in zip(msg.shards, msg.tokens, strict=True)
-                   if (r := release(leases.get(s), msg.worker_id, t)) is not None]
+        self._check_shards(msg.shards, msg.tokens)
+        tokens = dict(zip(msg.shards, msg.tokens, strict=True))
+        changed = await self.backend.update_leases(msg.shards, lambda s, rec: release(rec, msg.worker_id, tokens[s]))
         return await self._grants(changed)
 
     async def stats(self, msg: GSStats, req: Request) -> GSStatsReply:
@@ -383,7 +387,13 @@ def validate_key(key: str) -> None:
 async def run_global_store(config: Config, data_dir: Path, ready_file: Path | None = None,
                            stop: asyncio.Event | None = None) -> None:
     """Serve the GS until ``stop`` is set (or forever). Writes ``{address, pid}`` to ``ready_file``."""
-    backend = SqliteBackend(data_dir / "gs.sqlite3", config.gs.sqlite_synchronous)
+    backend: MetadataBackend
+    if config.gs.etcd_endpoints:
+        from tensorcast.gs.etcd import EtcdBackend
+
+        backend = EtcdBackend(config.gs.etcd_endpoints, config.gs.etcd_prefix, config.gs.worker_liveness_timeout)
+    else:
+        backend = SqliteBackend(data_dir / "gs.sqlite3", config.gs.sqlite_synchronous)
     await backend.open()
     gs = GlobalStore(backend, config)
     server = RpcServer(gs.registry, config.wire, token=config.token, server_id="gs", host_id="", roles=("gs",))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -260,12 +260,20 @@ class SqliteBackend(MetadataBackend):
         return {r[0]: LeaseRecord(*r) for r in self.db.execute(
             "SELECT shard, holder, token, expiry, acquired_at FROM shard_leases")}
 
-    async def save_leases(self, records: list[LeaseRecord]) -> None:
-        if not records:
-            return
-        with self._tx() as db:
-            db.executemany("INSERT OR REPLACE INTO shard_leases VALUES (?,?,?,?,?)",
-                           [(r.shard, r.holder, r.token, r.expiry, r.acquired_at) for r in records])
+    async def update_leases(self, shards: Sequence[int],
+                            change: Callable[[int, LeaseRecord | None], LeaseRecord | None]) -> list[LeaseRecord]:
+        out = []
+        with self._tx() as db:  # BEGIN IMMEDIATE: the only writer while it runs
+            for s in shards:
+                row = db.execute("SELECT shard, holder, token, expiry, acquired_at FROM shard_leases WHERE shard=?",
+                                 (s,)).fetchone()
+                cur = None if row is None else LeaseRecord(*row)
+                new = change(s, cur)
+                if new is not None and new != cur:
+                    db.execute("INSERT OR REPLACE INTO shard_leases VALUES (?,?,?,?,?)",
+                               (new.shard, new.holder, new.token, new.expiry, new.acquired_at))
+                    out.append(new)
+        return out
 
     async def page_index_put(self, keys: tuple[str, ...], worker_id: str) -> None:
         with self._tx(durable=False) as db:

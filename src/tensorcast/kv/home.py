@@ -68,7 +68,10 @@ class ShardHome:
         self.worker_id = worker_id
         self.config = config
         self.gs = gs
-        self.leases = HomeLeases(worker_id, k=config.candidates)
+        if not 0 <= config.lease_margin < config.lease_ttl - config.renew_interval:
+            raise InvalidArgument(f"kv.lease_margin ({config.lease_margin}) must be under kv.lease_ttl - "
+                                  f"kv.renew_interval ({config.lease_ttl - config.renew_interval})")
+        self.leases = HomeLeases(worker_id, k=config.candidates, margin=config.lease_margin)
         self.store = PageStore(config.memory_capacity, f"{shm_prefix}-kv", arena_bytes=config.arena_bytes,
                                max_page_bytes=config.max_page_bytes, default_ttl=config.page_ttl)
         self.num_shards = 0
@@ -77,6 +80,9 @@ class ShardHome:
         self._task: asyncio.Task[None] | None = None
         self.serving = True
         self._last_renewal = 0.0  # monotonic time the last renewal was sent (for the renewal-lag metric)
+        # The lease table as followed from the global store: deltas since (epoch, revision).
+        self._table: dict[int, LeaseRecord] = {}
+        self._revision, self._epoch = 0, ""
 
     def register(self, registry: HandlerRegistry) -> None:
         registry.register(KVPut, self.put, sink=self.put_sink)
@@ -108,10 +114,16 @@ class ShardHome:
 
     async def tick(self) -> None:
         ctx = CallContext(deadline=time.time() + max(2.0, self.config.renew_interval))
-        table = await self.gs.call(ListShards(), ShardTable, ctx)
+        table = await self.gs.call(ListShards(since=self._revision, epoch=self._epoch), ShardTable, ctx)
         workers = await self.gs.call(ListWorkers(), WorkerList, ctx)
         self.num_shards = table.num_shards
-        leases = {s.shard: LeaseRecord(s.shard, s.holder, s.token, s.expiry, s.acquired_at) for s in table.leases}
+        # Deltas after the first read (the whole table again only from another global store).
+        if table.full:
+            self._table = {}
+        self._table.update({s.shard: LeaseRecord(s.shard, s.holder, s.token, s.expiry, s.acquired_at)
+                            for s in table.leases})
+        self._revision, self._epoch = table.revision, table.epoch
+        leases = self._table
         # Shard homes heartbeating within a lease TTL: a dead one drops out by the time its leases expire.
         homes = [w.worker_id for w in workers.workers
                  if "shard-home" in w.roles and table.now - w.last_heartbeat < self.config.lease_ttl]

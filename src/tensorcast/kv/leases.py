@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from tensorcast.errors import StaleFencingToken
 from tensorcast.kv.hrw import candidates
 
-__all__ = ["HeldShard", "HomeLeases", "LeaseRecord", "grant", "release", "renew"]
+__all__ = ["HeldShard", "HomeLeases", "LeaseFeed", "LeaseRecord", "grant", "release", "renew"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,8 @@ class HomeLeases:
     worker_id: str
     k: int = 3
     held: dict[int, HeldShard] = field(default_factory=dict)
+    # Seconds before the store's expiry at which this home stops serving (kv.lease_margin).
+    margin: float = 0.0
 
     def check(self, shard: int, token: int, now: float) -> None:
         """Refuse a request unless this home holds ``shard`` under ``token`` right now."""
@@ -114,10 +116,40 @@ class HomeLeases:
         return acquire, give_back
 
     def granted(self, shard: int, token: int, sent_at: float, ttl: float) -> None:
-        self.held[shard] = HeldShard(token, sent_at + ttl)
+        """The store granted or renewed ``shard`` for ``ttl`` seconds from when it received the request, which
+        was after ``sent_at``: the lease is served until ``sent_at + ttl - margin``, before it can expire there."""
+        self.held[shard] = HeldShard(token, sent_at + ttl - self.margin)
 
     def lost(self, shard: int) -> None:
         self.held.pop(shard, None)
 
     def expired(self, now: float) -> list[int]:
         return [s for s, h in self.held.items() if now >= h.local_expiry]
+
+
+class LeaseFeed:
+    """Numbers the changes of a lease table so that readers can ask what changed since they last looked.
+
+    ``observe`` takes the current table (records in, no I/O); every record that differs from the last one
+    seen gets the next revision. ``since(epoch, revision)`` answers with the shards changed after that
+    revision, or all of them (``full``) when the reader's numbering is another feed's (``epoch``)."""
+
+    def __init__(self, epoch: str) -> None:
+        self.epoch = epoch
+        self.revision = 0
+        self._records: dict[int, LeaseRecord] = {}
+        self._changed_at: dict[int, int] = {}
+
+    def observe(self, table: Mapping[int, LeaseRecord]) -> None:
+        for shard, rec in table.items():
+            if self._records.get(shard) != rec:
+                self.revision += 1
+                self._records[shard] = rec
+                self._changed_at[shard] = self.revision
+
+    def since(self, epoch: str, revision: int) -> tuple[bool, list[int]]:
+        """(full, shards): every shard when ``epoch`` is not this feed's, else those changed after
+        ``revision``."""
+        if epoch != self.epoch or revision <= 0 or revision > self.revision:
+            return True, sorted(self._records)
+        return False, sorted(s for s, r in self._changed_at.items() if r > revision)

@@ -18,9 +18,11 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from tensorcast.obs.families import Counter, Histogram
 
 __all__ = ["REGISTRY", "Sample", "add_source", "enabled", "exposition", "kv_pages", "operation", "plan_step",
            "remove_source", "rpc_sent", "rpc_served", "set_enabled", "shard_renewal"]
@@ -32,29 +34,32 @@ _SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.
             30.0, 60.0)
 
 _RPC_SERVED = Counter("tensorcast_rpc_served", "Requests this process served, by message type and outcome "
-                      "(ok or the error code).", ["method", "outcome"], registry=REGISTRY)
+                      "(ok or the error code).", ["method", "outcome"])
 _RPC_SERVED_SECONDS = Histogram("tensorcast_rpc_served_seconds", "Time to serve a request, by message type.",
-                                ["method"], buckets=_SECONDS, registry=REGISTRY)
-_RPC_SENT = Counter("tensorcast_rpc_sent", "Requests this process sent, by message type, peer kind (gs, worker) "
-                    "and outcome.", ["method", "peer", "outcome"], registry=REGISTRY)
+                                ["method"], _SECONDS)
+_RPC_SENT = Counter("tensorcast_rpc_sent", "Requests this process sent, by message type, peer kind (gs, worker, "
+                    "instance) and outcome.", ["method", "peer", "outcome"])
 _RPC_SENT_SECONDS = Histogram("tensorcast_rpc_sent_seconds", "Round-trip time of requests this process sent, by "
                               "message type and peer kind (peer=\"gs\": global-store request latency).",
-                              ["method", "peer"], buckets=_SECONDS, registry=REGISTRY)
+                              ["method", "peer"], _SECONDS)
 _OPS = Counter("tensorcast_operations", "Puts, gets and transfers a worker carried out, by kind, path and outcome.",
-               ["op", "path", "outcome"], registry=REGISTRY)
+               ["op", "path", "outcome"])
 _OP_BYTES = Counter("tensorcast_operation_bytes", "Tensor bytes of those operations (logical bytes: a put that "
-                    "deduplicated still counts its size).", ["op", "path"], registry=REGISTRY)
+                    "deduplicated still counts its size).", ["op", "path"])
 _OP_SECONDS = Histogram("tensorcast_operation_seconds", "Duration of those operations on the worker.",
-                        ["op", "path"], buckets=_SECONDS, registry=REGISTRY)
+                        ["op", "path"], _SECONDS)
 _KV_PAGES = Counter("tensorcast_kv_pages", "KV pages a shard home answered for, by operation (get, put, exists) "
-                    "and result (hit, miss, stored).", ["op", "result"], registry=REGISTRY)
+                    "and result (hit, miss, stored).", ["op", "result"])
 _KV_RENEWAL_LAG = Histogram("tensorcast_kv_lease_renewal_lag_seconds", "Time between a shard home's successive "
-                            "lease renewals beyond the configured renew interval (0 when on time).",
-                            buckets=(0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0), registry=REGISTRY)
-_PLAN_STEPS = Counter("tensorcast_plan_steps", "Plan steps a gateway ran, by operation and outcome (succeeded, "
-                      "failed, retried).", ["op", "outcome"], registry=REGISTRY)
+                            "lease renewals beyond the configured renew interval (0 when on time).", [],
+                            (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0))
+_PLAN_STEPS = Counter("tensorcast_plan_steps", "Plan step attempts a gateway ran, by operation and outcome "
+                      "(succeeded, retryable_error, failed).", ["op", "outcome"])
 _PLAN_STEP_SECONDS = Histogram("tensorcast_plan_step_seconds", "Duration of one attempt of a plan step.", ["op"],
-                               buckets=_SECONDS, registry=REGISTRY)
+                               _SECONDS)
+for _family in (_RPC_SERVED, _RPC_SERVED_SECONDS, _RPC_SENT, _RPC_SENT_SECONDS, _OPS, _OP_BYTES, _OP_SECONDS,
+                _KV_PAGES, _KV_RENEWAL_LAG, _PLAN_STEPS, _PLAN_STEP_SECONDS):
+    REGISTRY.register(_family)
 
 _enabled = True
 
@@ -71,43 +76,44 @@ def enabled() -> bool:
 
 def rpc_served(method: str, outcome: str, seconds: float) -> None:
     if _enabled:
-        _RPC_SERVED.labels(method, outcome).inc()
-        _RPC_SERVED_SECONDS.labels(method).observe(seconds)
+        _RPC_SERVED.inc((method, outcome))
+        _RPC_SERVED_SECONDS.observe((method,), seconds)
 
 
 def rpc_sent(method: str, peer: str, outcome: str, seconds: float) -> None:
     if _enabled:
-        _RPC_SENT.labels(method, peer, outcome).inc()
-        _RPC_SENT_SECONDS.labels(method, peer).observe(seconds)
+        _RPC_SENT.inc((method, peer, outcome))
+        _RPC_SENT_SECONDS.observe((method, peer), seconds)
 
 
 def operation(op: str, path: str, nbytes: int, seconds: float, outcome: str = "ok") -> None:
-    """One put (path: shm or network), get (map or stream) or transfer (fetch, view) done by a worker."""
+    """One put (path: shm or network), get (map) or transfer (fetch, view) done by a worker; failures are
+    counted under their error code, with no bytes or duration."""
     if _enabled:
-        _OPS.labels(op, path, outcome).inc()
+        _OPS.inc((op, path, outcome))
         if outcome == "ok":
-            _OP_BYTES.labels(op, path).inc(nbytes)
-            _OP_SECONDS.labels(op, path).observe(seconds)
+            _OP_BYTES.inc((op, path), nbytes)
+            _OP_SECONDS.observe((op, path), seconds)
 
 
 def kv_pages(op: str, hits: int, misses: int = 0) -> None:
     """Pages found (or stored) and missed by one KV request."""
     if _enabled:
         if hits:
-            _KV_PAGES.labels(op, "stored" if op == "put" else "hit").inc(hits)
+            _KV_PAGES.inc((op, "stored" if op == "put" else "hit"), hits)
         if misses:
-            _KV_PAGES.labels(op, "miss").inc(misses)
+            _KV_PAGES.inc((op, "miss"), misses)
 
 
 def shard_renewal(lag: float) -> None:
     if _enabled:
-        _KV_RENEWAL_LAG.observe(max(0.0, lag))
+        _KV_RENEWAL_LAG.observe((), max(0.0, lag))
 
 
 def plan_step(op: str, outcome: str, seconds: float) -> None:
     if _enabled:
-        _PLAN_STEPS.labels(op, outcome).inc()
-        _PLAN_STEP_SECONDS.labels(op).observe(seconds)
+        _PLAN_STEPS.inc((op, outcome))
+        _PLAN_STEP_SECONDS.observe((op,), seconds)
 
 
 # ----------------------------------------------------------------- state read when scraped

@@ -106,14 +106,21 @@ def configure(config: TracingConfig, service: str) -> None:
         use_provider(provider(OTLPSpanExporter(), service, batch=True))
 
 
-@contextlib.contextmanager
+_NO_SPAN = contextlib.nullcontext()
+
+
 def span(name: str, trace_id: str, parent_span_id: int = 0, kind: str = "internal",
-         attributes: dict[str, Any] | None = None) -> Iterator[None]:
-    """A span named ``name`` in the trace ``trace_id`` (nothing without a tracer)."""
-    tracer = _tracer
-    if tracer is None or not trace_id:
-        yield
-        return
+         attributes: dict[str, Any] | None = None) -> contextlib.AbstractContextManager[None]:
+    """A span named ``name`` in the trace ``trace_id`` (a shared no-op without a tracer: every request opens
+    one, so that case costs a check, not a generator)."""
+    if _tracer is None or not trace_id:
+        return _NO_SPAN
+    return _span(_tracer, name, trace_id, parent_span_id, kind, attributes)
+
+
+@contextlib.contextmanager
+def _span(tracer: Any, name: str, trace_id: str, parent_span_id: int, kind: str,
+          attributes: dict[str, Any] | None) -> Iterator[None]:
     from opentelemetry import trace
 
     tid = otel_trace_id(trace_id)

@@ -25,6 +25,7 @@ from tensorcast.log import RateLimitedLog
 from tensorcast.wire.frames import CHECKSUMS, HEADER, pack_header, parse_header
 from tensorcast.wire.messages import ErrorReply
 from tensorcast.wire.protocol import ERROR, Envelope, Message
+from tensorcast.wire.sockets import detect_dead_peer
 
 __all__ = ["HASH_OFF_LOOP_BYTES", "Connection", "ConnectionLost", "Frame", "Landing", "NotSent", "PayloadFaults",
            "ReceiveBudget", "Sink", "WireState", "encode_envelope", "error_reply", "payload_views"]
@@ -199,6 +200,9 @@ class Connection(asyncio.BufferedProtocol):
         # uvloop's transports do not subclass asyncio.Transport, hence the cast.
         self.transport = cast(asyncio.Transport, transport)
         self.transport.set_write_buffer_limits(high=2 * self.config.send_chunk_bytes)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and self.config.dead_peer_timeout > 0:
+            detect_dead_peer(sock, self.config.dead_peer_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed.set()

@@ -12,13 +12,20 @@ from tensorcast.wire.messages import Msg
 
 
 class ListShards(Msg):
-    pass
+    """The lease table; with ``since``/``epoch`` from an earlier reply of the same global store, only the
+    leases changed since (a shard home following the table every half second reads deltas, not the table)."""
+
+    since: int = 0
+    epoch: str = ""
 
 
 class ShardTable(Msg):
     num_shards: int
     leases: tuple[ShardLease, ...]
     now: float  # the global store's clock, to compare expiries with
+    revision: int = 0  # pass back as ListShards.since, with the epoch
+    epoch: str = ""  # the answering global store's numbering; another store's starts over
+    full: bool = True  # False: ``leases`` holds only those changed since ``since``
 
 
 class AcquireShards(Msg):

@@ -217,6 +217,11 @@ IDEMPOTENT: frozenset[type] = frozenset({
     GetArtifact, ListArtifacts, ListWorkers, ListInstances, ListShards, GSStats, PageIndexGet, Prefetch, Unpin,
     Evict, RenewLease, RegisterCheckpoint, RegisterInstance, InstanceHeartbeat, MapTensors, KVGet, KVExists,
     DataRequest,
+    # Global-store writes whose repetition leaves the same state (a key pointed at the same artifact, a replica
+    # or lease recorded again, a drop acknowledged twice): when a global store dies mid-request, the worker
+    # sends them to another one. A second registration only bumps the incarnation the worker then uses.
+    CommitArtifact, AddReplica, RemoveReplica, Heartbeat, RegisterWorker, AcquireShards, RenewShards,
+    ReleaseShards, PageIndexPut,
 })
 
 

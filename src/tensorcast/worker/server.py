@@ -58,7 +58,9 @@ class Worker:
         if unknown:
             raise InvalidArgument(f"unknown worker roles {sorted(unknown)}; known: {sorted(ROLES)}")
         host_id = config.worker.host_id or default_host_id()
-        caller = Caller(config.wire, token=config.token, peer_id=worker_id, host_id=host_id, address=gs_address)
+        # Several global stores (on one etcd) are equivalent: the caller moves to the next when one is unreachable.
+        stores = [a.strip() for a in gs_address.split(",") if a.strip()]
+        caller = Caller(config.wire, token=config.token, peer_id=worker_id, host_id=host_id, address=stores)
         gs = GlobalStoreLink(caller, worker_id, config.worker.heartbeat_interval)
         registry = HandlerRegistry()
         self.parts = WorkerParts(config=config, worker_id=worker_id, host_id=host_id, roles=tuple(sorted(roles)),

@@ -1,0 +1,226 @@
+"""The global store beyond one machine: metadata operations on SQLite vs etcd (1 and 3 members), shard-lease
+failover time vs the lease TTL, and worker-to-worker transfers between real hosts (network namespaces)
+against a raw socket between the same namespaces — all measured in one run.
+
+1. Metadata ops through a global-store process (the RPC a worker sends), per backend: CommitArtifact (a new
+   artifact with a key), GetArtifact, Heartbeat and RenewShards (64 shards); p50/p99 one at a time, and
+   ops/s with 32 in flight. Baseline: the same process on SQLite (FULL sync, the embedded default).
+2. Shard-lease failover: kill -9 a shard home of a 3-worker cluster and time until every shard it held is
+   held by a survivor, for several ``kv.lease_ttl`` (renew interval TTL/4); the bound is TTL + renew interval.
+3. With root: a 2-host cluster in network namespaces (no shared memory, veth + bridge): prefetch w0 -> w1 of
+   64 MiB..256 MiB vs a raw Python socket (``sendall`` / ``recv_into``) between the same two namespaces.
+
+Needs Debian ``etcd-server`` (sections 1-2 on etcd) and root for section 3 (skipped otherwise, saying so).
+
+Usage: python benchmarks/metadata.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+import tensorcast as tc
+from benchlib import fmt_size, write_json
+from tensorcast.config import Config
+from tensorcast.kv.hrw import assignment
+from tensorcast.netns import netns_available
+from tensorcast.records import ArtifactInfo, TensorMeta, WorkerInfo
+from tensorcast.testing.etcd import EtcdCluster, etcd_binary
+from tensorcast.wire.caller import Caller
+from tensorcast.wire.kv_messages import AcquireShards, RenewShards, ShardGrants
+from tensorcast.wire.messages import (
+    ArtifactReply,
+    CommitArtifact,
+    GetArtifact,
+    Heartbeat,
+    HeartbeatReply,
+    Registered,
+    RegisterWorker,
+)
+
+MiB = 1 << 20
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q))
+
+
+async def _metadata_ops(address: str, n: int) -> dict[str, float]:
+    caller = Caller(Config().wire, token=None, peer_id="bench", host_id="bench", address=address)
+    worker = WorkerInfo(worker_id="bench-w", address="127.0.0.1:1", host_id="bench", roles=("basic",))
+    inc = (await caller.call(RegisterWorker(worker=worker), Registered)).incarnation
+    shards = tuple(range(64))
+    grants = await caller.call(AcquireShards(worker_id="bench-w", shards=shards, ttl=60.0), ShardGrants)
+    tokens = tuple(g.token for g in sorted(grants.leases, key=lambda g: g.shard))
+    seq = iter(range(10**9))
+
+    def artifact() -> ArtifactInfo:
+        i = next(seq)
+        t = TensorMeta(name="t", dtype="uint8", shape=(8,), nbytes=8, digest=f"{i:064x}")
+        return ArtifactInfo(id=f"tc-{i:032x}", tensors=(t,), nbytes=8)
+
+    ops: dict[str, Any] = {
+        "commit": lambda: caller.call(CommitArtifact(artifact=artifact(), worker_id="bench-w",
+                                                     key=f"bench/{next(seq)}"), ArtifactReply),
+        "get": lambda: caller.call(GetArtifact(key_or_id="bench/1"), ArtifactReply),
+        "heartbeat": lambda: caller.call(Heartbeat(worker_id="bench-w", incarnation=inc, memory_used=0,
+                                                   memory_capacity=1, artifacts=0), HeartbeatReply),
+        "renew 64 shards": lambda: caller.call(RenewShards(worker_id="bench-w", shards=shards, tokens=tokens,
+                                                           ttl=60.0), ShardGrants),
+    }
+    out: dict[str, float] = {}
+    for name, op in ops.items():
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await op()
+            times.append(time.perf_counter() - t0)
+        out[f"{name} p50 ms"] = pct(times, 50) * 1e3
+        out[f"{name} p99 ms"] = pct(times, 99) * 1e3
+        t0 = time.perf_counter()
+        for _ in range(max(1, n // 32)):
+            await asyncio.gather(*(op() for _ in range(32)))
+        out[f"{name} ops/s"] = 32 * max(1, n // 32) / (time.perf_counter() - t0)
+    await caller.close()
+    return out
+
+
+def bench_metadata(backend: str, n: int) -> dict[str, float]:
+    """One global-store process on ``backend`` ("sqlite", "etcd-1", "etcd-3"); its ops as a worker sees them."""
+    members = 0 if backend == "sqlite" else int(backend.split("-")[1])
+    with contextlib.ExitStack() as stack:
+        kw: dict[str, Any] = {}
+        if members:
+            etcd = stack.enter_context(EtcdCluster(members))
+            kw = {"etcd": etcd.urls}
+        # No shard homes: the benchmark's own "worker" takes the shard leases it renews.
+        cluster = stack.enter_context(tc.LocalCluster(workers=1, roles=("basic", "gateway"), **kw))
+        return asyncio.run(_metadata_ops(cluster.gs_address, n))
+
+
+def bench_failover(ttl: float, etcd: str | None) -> float:
+    """Seconds from kill -9 of a shard home until all its shards are held by the survivors."""
+    config = {"kv.lease_ttl": ttl, "kv.renew_interval": ttl / 4, "kv.lease_margin": min(0.2, ttl / 8)}
+    with tc.LocalCluster(workers=3, config=config, etcd=etcd) as cluster, tc.connect(cluster.address) as c:
+        homes = set(cluster.worker_ids)
+        _wait_assigned(c, homes, 60)
+        t0 = time.monotonic()
+        cluster.kill_worker("w2")
+        _wait_assigned(c, homes - {"w2"}, 60)
+        return time.monotonic() - t0
+
+
+def _wait_assigned(c: tc.Client, homes: set[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        t = c.list_shards()
+        want = assignment(t.num_shards, homes)
+        if sum(1 for lease in t.leases if lease.holder == want[lease.shard] and lease.expiry > t.now) \
+                == t.num_shards:
+            return
+        time.sleep(0.02)
+    raise TimeoutError(f"shards not settled on {homes}")
+
+
+_RAW = r"""
+import socket, sys, time, numpy as np
+role, addr, size, reps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+buf = np.ones(size, np.uint8)
+if role == "send":
+    srv = socket.create_server((addr, 47000)); print("ready", flush=True)
+    for _ in range(reps):
+        c, _ = srv.accept(); c.sendall(buf); c.close()
+else:
+    times = []
+    for _ in range(reps):
+        s = socket.create_connection((addr, 47000)); view = memoryview(buf); got = 0; t0 = time.perf_counter()
+        while got < size:
+            got += s.recv_into(view[got:], size - got)
+        times.append(time.perf_counter() - t0); s.close()
+    print(sorted(times)[len(times) // 2])
+"""
+
+
+def bench_netns(sizes: list[int], reps: int) -> list[dict[str, float]]:
+    rows = []
+    with tc.LocalCluster(workers=2, hosts=2, netns=True, memory_capacity="2GiB") as cluster, \
+            tc.connect(cluster.address, cluster.token) as c:
+        net = cluster.net
+        assert net is not None
+        for size in sizes:
+            sender = subprocess.Popen([*net.exec_args(0), sys.executable, "-c", _RAW, "send", net.address(0),
+                                       str(size), str(reps)], stdout=subprocess.PIPE, text=True)
+            assert sender.stdout is not None and sender.stdout.readline().strip() == "ready"
+            recv = subprocess.run([*net.exec_args(1), sys.executable, "-c", _RAW, "recv", net.address(0),
+                                   str(size), str(reps)], capture_output=True, text=True, check=True)
+            sender.wait(timeout=60)
+            t_raw = float(recv.stdout.strip())
+            art = c.put({"t": np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)}, key=f"x/{size}")
+            times = []
+            for _ in range(reps):
+                with contextlib.suppress(tc.errors.TensorCastError):
+                    art.evict(on="w1")
+                t0 = time.perf_counter()
+                art.prefetch(to="w1").result(timeout=120)
+                times.append(time.perf_counter() - t0)
+            t_ours = statistics.median(times)
+            rows.append({"size": size, "raw_GBps": size / t_raw / 1e9, "ours_GBps": size / t_ours / 1e9,
+                         "ratio": t_raw / t_ours})
+            c.delete(art.id)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer operations and sizes (about a minute)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    n = 200 if args.quick else 1000
+    backends = ["sqlite"] + (["etcd-1", "etcd-3"] if etcd_binary() else [])
+    if not etcd_binary():
+        print("etcd not installed (apt-get install etcd-server): SQLite only")
+    meta = {b: bench_metadata(b, n) for b in backends}
+    ops = list(meta["sqlite"])
+    print(f"{'metadata op (one GS process)':<28}" + "".join(f"{b:>12}" for b in backends))
+    for op in ops:
+        print(f"{op:<28}" + "".join(f"{meta[b][op]:>12.2f}" for b in backends))
+    for b in backends[1:]:
+        ratios = [meta[b][o] / meta["sqlite"][o] for o in ops if o.endswith("ops/s")]
+        print(f"{b}: ops/s {min(ratios):.2f}-{max(ratios):.2f}x SQLite")
+
+    ttls = [1.0, 2.0] if args.quick else [1.0, 2.0, 4.0]
+    stores = {"sqlite": None} | ({"etcd-3": "etcd"} if etcd_binary() else {})
+    failover: list[dict[str, float | str]] = []
+    print(f"\n{'lease TTL s':>11} {'backend':>8} {'failover s':>11} {'bound (TTL + renew) s':>22}")
+    for ttl in ttls:
+        for name, kind in stores.items():
+            with contextlib.ExitStack() as stack:
+                urls = stack.enter_context(EtcdCluster(3)).endpoints if kind else None
+                seconds = bench_failover(ttl, urls)
+            failover.append({"ttl": ttl, "backend": name, "seconds": seconds, "bound": ttl * 1.25})
+            print(f"{ttl:>11.1f} {name:>8} {seconds:>11.2f} {ttl * 1.25:>22.2f}")
+
+    netns_rows: list[dict[str, float]] = []
+    if netns_available():
+        sizes = [64 * MiB, 256 * MiB] if args.quick else [16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB]
+        netns_rows = bench_netns(sizes, 3 if args.quick else 5)
+        print(f"\n{'between namespaced hosts':<24} {'raw GB/s':>9} {'ours GB/s':>10} {'ours/raw':>9}")
+        for r in netns_rows:
+            print(f"{fmt_size(int(r['size'])):<24} {r['raw_GBps']:>9.2f} {r['ours_GBps']:>10.2f} {r['ratio']:>9.2f}")
+    else:
+        print(f"\nnetwork namespaces need root (uid {os.geteuid()}): section 3 skipped")
+    write_json(args.json, "metadata", args.quick, metadata=meta, failover=failover, netns_transfer=netns_rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""Real hosts on one machine: each in its own network namespace, with its own address on a bridge, so that
+processes on different hosts talk only over a network that tests can slow down, make lossy or cut.
+
+Owns: creating the namespaces, the bridge (in the caller's namespace, which gets the address ``.254``
+so that a test process reaches every host) and a veth pair per host; running commands in a host
+(``exec_args``); faults (``partition``/``heal``: each side's neighbor entry for the other is pinned to a
+MAC address nobody has, so packets between the two vanish silently, as in a real partition, while both
+still reach everyone else; ``netem`` for delay and loss on a host's link); and removing all of it, also for
+namespaces a crashed run left behind. Needs root (CAP_NET_ADMIN) and iproute2. Processes in different
+hosts still share the filesystem; distinct host ids keep them off each other's shared memory. Does not
+own: what runs on the hosts (``cluster.LocalCluster(netns=...)``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import random
+import re
+import subprocess
+
+from tensorcast.errors import InvalidArgument, Unavailable
+
+__all__ = ["Hosts", "ROOT", "netns_available"]
+
+ROOT = -1  # the namespace the test runs in, as a partition endpoint
+_PREFIX = "tcn"
+_NOWHERE = "02:00:00:00:00:01"  # a locally administered MAC address no interface here has
+
+
+def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+    cmd = ["ip", *(["netns", "exec", ns, "ip"] if ns else []), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, check=check, timeout=30)
+
+
+def netns_available() -> bool:
+    """Whether this process may create network namespaces (root, iproute2)."""
+    if os.geteuid() != 0:
+        return False
+    name = f"{_PREFIX}probe{os.getpid()}"
+    try:
+        ok = _ip("netns", "add", name, check=False).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    if ok:
+        _ip("netns", "del", name, check=False)
+    return ok
+
+
+def _remove_stale() -> None:
+    """Namespaces and bridges of runs whose process is gone (a crashed test run)."""
+    names = _ip("netns", "list", check=False).stdout.split()
+    links = re.findall(r"^\d+: ([^:@]+)", _ip("-o", "link", check=False).stdout, re.M)
+    for name in [*names, *links]:
+        m = re.fullmatch(rf"{_PREFIX}([0-9a-z]+)x\w*", name)
+        if m and not os.path.exists(f"/proc/{int(m.group(1), 36)}"):
+            if name in names:
+                _ip("netns", "del", name, check=False)
+            else:
+                _ip("link", "del", name, check=False)
+
+
+class Hosts:
+    def __init__(self, count: int) -> None:
+        if not 1 <= count <= 200:
+            raise InvalidArgument("1..200 hosts")
+        self.count = count
+        # Interface names have 15 characters at most: tcn + pid (base 36, at most 5) + x + 2 random + suffix.
+        self.tag = f"{_PREFIX}{_base36(os.getpid())}x{random.randrange(256):02x}"
+        self.bridge = f"{self.tag}br"
+        self.net = self._free_subnet()
+        self.names = [f"{self.tag}h{i}" for i in range(count)]
+        self._cuts: set[tuple[int, int]] = set()
+        self._up = False
+
+    @staticmethod
+    def _free_subnet() -> ipaddress.IPv4Network:
+        used = _ip("-o", "-4", "addr", check=False).stdout
+        for _ in range(100):
+            net = ipaddress.IPv4Network(f"10.{random.randrange(200, 250)}.{random.randrange(256)}.0/24")
+            if str(net.network_address)[:-1] not in used:
+                return net
+        raise Unavailable("no free 10.x.y.0/24 subnet for test hosts")
+
+    def address(self, host: int) -> str:
+        """A host's address (``ROOT``: the test process's side of the bridge)."""
+        return str(self.net.network_address + (254 if host == ROOT else host + 1))
+
+    def exec_args(self, host: int) -> list[str]:
+        """Prefix of a command that runs in ``host``."""
+        return ["ip", "netns", "exec", self.names[host]]
+
+    def _veth(self, host: int) -> tuple[str, str]:
+        return f"{self.tag}v{host}", f"{self.tag}p{host}"  # (inside the host, on the bridge)
+
+    def start(self) -> Hosts:
+        _remove_stale()
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("addr", "add", f"{self.address(ROOT)}/24", "dev", self.bridge)
+            _ip("link", "set", self.bridge, "up")
+            for i, ns in enumerate(self.names):
+                inner, outer = self._veth(i)
+                _ip("netns", "add", ns)
+                _ip("link", "add", inner, "type", "veth", "peer", "name", outer)
+                _ip("link", "set", inner, "netns", ns)
+                _ip("link", "set", outer, "master", self.bridge)
+                _ip("link", "set", outer, "up")
+                _ip("addr", "add", f"{self.address(i)}/24", "dev", inner, ns=ns)
+                _ip("link", "set", inner, "up", ns=ns)
+                _ip("link", "set", "lo", "up", ns=ns)
+            self._up = True
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __enter__(self) -> Hosts:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- faults
+    def _cut(self, op: str, src: int, dst: int) -> None:
+        """Pin (or unpin) ``src``'s neighbor entry for ``dst`` to a MAC address that no interface has: the
+        bridge floods those frames and nobody takes them."""
+        ns = None if src == ROOT else self.names[src]
+        dev = self.bridge if src == ROOT else self._veth(src)[0]
+        if op == "add":
+            _ip("neigh", "replace", self.address(dst), "dev", dev, "lladdr", _NOWHERE, "nud", "permanent", ns=ns)
+        else:
+            _ip("neigh", "del", self.address(dst), "dev", dev, ns=ns, check=False)
+
+    def partition(self, a: int, b: int) -> None:
+        """Cut ``a`` from ``b`` (``ROOT`` for the test process): packets between them vanish, both ways."""
+        if a == b:
+            raise InvalidArgument("a host cannot be cut from itself")
+        for src, dst in ((a, b), (b, a)):
+            if (src, dst) not in self._cuts:
+                self._cut("add", src, dst)
+                self._cuts.add((src, dst))
+
+    def heal(self, a: int | None = None, b: int | None = None) -> None:
+        """Undo ``partition(a, b)``, or every partition."""
+        for src, dst in sorted(self._cuts):
+            if a is None or {src, dst} == {a, b}:
+                self._cut("del", src, dst)
+                self._cuts.discard((src, dst))
+
+    def netem(self, host: int, delay_ms: float = 0.0, loss_pct: float = 0.0) -> None:
+        """Delay and drop packets leaving ``host`` (``tc netem``); zeros remove it."""
+        inner, _ = self._veth(host)
+        cmd = ["ip", "netns", "exec", self.names[host], "tc", "qdisc"]
+        if delay_ms <= 0 and loss_pct <= 0:
+            subprocess.run([*cmd, "del", "dev", inner, "root"], capture_output=True, timeout=30)
+            return
+        subprocess.run([*cmd, "replace", "dev", inner, "root", "netem", "delay", f"{delay_ms}ms", "loss",
+                        f"{loss_pct}%"], check=True, capture_output=True, timeout=30)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            self.heal()
+        for ns in self.names:
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+                _ip("netns", "del", ns, check=False)  # its veth ends go with it
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            _ip("link", "del", self.bridge, check=False)
+        self._cuts.clear()
+        self._up = False
+
+
+def _base36(n: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    while True:
+        n, r = divmod(n, 36)
+        out = digits[r] + out
+        if n == 0:
+            return out

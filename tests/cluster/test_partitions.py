@@ -1,0 +1,138 @@
+"""Hosts in real network namespaces (``LocalCluster(netns=True)``) and silent partitions between them: a
+shard home cut off from the global store steps down before its lease runs out at the store; a client cut
+off from its gateway continues through another; after healing, the cluster converges. Every byte read is
+checked."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import xxhash
+
+import tensorcast as tc
+from tensorcast.cluster import LocalCluster
+from tensorcast.errors import StaleFencingToken
+from tensorcast.kv.hrw import assignment
+from tensorcast.kv.keys import KVLayout, page_keys, shard_of
+from tensorcast.netns import ROOT, netns_available
+from tensorcast.testing import running_cluster
+from tensorcast.wire.kv_messages import KVGet, KVGetReply, KVPut, KVPutReply
+
+LAYOUT = KVLayout("netns-model", layers=1, kv_heads=2, head_dim=32, dtype="float16", page_size=16)
+TTL, RENEW, DEAD_PEER = 3.0, 0.5, 3.0
+CONFIG = {"kv.lease_ttl": TTL, "kv.renew_interval": RENEW, "wire.dead_peer_timeout": DEAD_PEER,
+          "wire.connect_timeout": 2.0, "worker.heartbeat_interval": 0.5}
+
+
+def page_for(key: str, version: int = 0) -> np.ndarray:
+    seed = xxhash.xxh3_64_intdigest(f"{key}/{version}".encode())
+    return np.random.default_rng(seed).integers(0, 255, LAYOUT.page_bytes, dtype=np.uint8)
+
+
+@pytest.fixture()
+def cluster() -> Iterator[LocalCluster]:
+    if not netns_available():
+        import os
+
+        why = "network namespaces need root and iproute2"
+        if os.environ.get("TENSORCAST_REQUIRE_SYSTEM_TOOLS") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    with running_cluster(workers=2, hosts=2, netns=True, config=CONFIG) as c:
+        yield c
+
+
+def wait_assigned(client: tc.Client, homes: set[str], timeout: float = 30.0) -> dict[int, tuple[str, int]]:
+    deadline = time.monotonic() + timeout
+    while True:
+        t = client.list_shards()
+        want = assignment(t.num_shards, homes)
+        held = {lease.shard: (lease.holder, lease.token) for lease in t.leases
+                if lease.holder == want[lease.shard] and lease.expiry > t.now}
+        if len(held) == t.num_shards:
+            return held
+        assert time.monotonic() < deadline, f"shards not settled on {homes}"
+        time.sleep(0.2)
+
+
+def test_shard_home_cut_from_global_store_steps_down_first(cluster: LocalCluster) -> None:
+    gateways = [h.address for h in cluster.workers.values()]
+    with tc.connect(gateways[0], cluster.token) as c:
+        wait_assigned(c, {"w0", "w1"})
+        table = c.list_shards()
+        mine = {lease.shard: lease for lease in table.leases if lease.holder == "w1"}
+        keys = [k for k in page_keys(list(range(400 * LAYOUT.page_size)), LAYOUT)
+                if shard_of(k, table.num_shards) in mine][:12]
+        assert len(keys) == 12
+        assert c.kv.put(keys, [page_for(k) for k in keys]) == 12
+        tokens = {shard_of(k, table.num_shards): mine[shard_of(k, table.num_shards)].token for k in keys}
+        home = mine[shard_of(keys[0], table.num_shards)].address
+
+        def ask_w1() -> KVGetReply:
+            return c._run(c.aio.caller.call(KVGet(keys=tuple(keys), tokens=tokens), KVGetReply, address=home))
+
+        assert all(s >= 0 for s in ask_w1().sizes)
+        cluster.net.partition(cluster.host_of("w1"), cluster.gs_host)  # type: ignore[union-attr]
+        cut = time.time()
+        last_served = cut  # when the last answer w1 gave with its pages arrived here (it served it earlier)
+        stepped_down = False
+        while time.time() < cut + 3 * TTL:
+            try:
+                ask_w1()
+                last_served = time.time()
+            except StaleFencingToken:
+                stepped_down = True
+                break
+            time.sleep(0.02)
+        assert stepped_down, "w1 kept serving its shards while cut off from the global store"
+        # What the store says of those leases now: w1 could not renew them after the cut.
+        at_store = {lease.shard: lease for lease in c.list_shards().leases if lease.shard in tokens}
+        expiry = min(lease.expiry for lease in at_store.values() if lease.holder == "w1")
+        assert last_served < expiry, (last_served - cut, expiry - cut)
+        # A write sent to it now is refused: nothing it took after stepping down can be read.
+        page = page_for(keys[0], 1)
+        with pytest.raises(StaleFencingToken):
+            c._run(c.aio.caller.call(KVPut(keys=(keys[0],), sizes=(page.nbytes,), tokens=tokens), KVPutReply,
+                                     address=home, payload=memoryview(page)))
+        # Its shards move to w0 once they expire at the store; new pages go there.
+        deadline = time.monotonic() + TTL + 10
+        while any(lease.holder != "w0" for lease in c.list_shards().leases if lease.shard in tokens):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert c.kv.put(keys, [page_for(k, 1) for k in keys]) == 12
+        got = c.kv.get(keys)
+        assert all(g is not None and np.array_equal(g, page_for(k, 1)) for k, g in zip(keys, got, strict=True))
+
+        cluster.net.heal()  # type: ignore[union-attr]
+        wait_assigned(c, {"w0", "w1"})  # w1 competes again and gets its shards back, with new tokens
+        after = {lease.shard: lease.token for lease in c.list_shards().leases if lease.shard in tokens}
+        assert all(after[s] > tokens[s] for s in tokens)
+        for k, g in zip(keys, c.kv.get(keys), strict=True):  # a miss (moved homes) or the new bytes, never old
+            assert g is None or np.array_equal(g, page_for(k, 1))
+
+
+def test_client_cut_from_its_gateway_fails_over(cluster: LocalCluster) -> None:
+    gateways = [h.address for h in cluster.workers.values()]
+    with tc.connect(gateways, cluster.token, config=tc.Config.from_flat(CONFIG | {"client.timeout": 60})) as c:
+        data = {"w": np.random.default_rng(7).random((256, 256), dtype=np.float32)}
+        art = c.put(data, key="net/a", policy="ha")  # a replica on each host
+        assert c.aio.caller.address == gateways[0]
+        cluster.net.partition(ROOT, cluster.host_of("w0"))  # type: ignore[union-attr]
+        t0 = time.monotonic()
+        assert c.artifact("net/a").id == art.id  # through w1 now
+        failover = time.monotonic() - t0
+        assert c.aio.caller.address == gateways[1]
+        got = c.artifact("net/a").tensor("w", like="numpy")  # from w1's replica: w0's data plane is cut too
+        assert np.array_equal(got, data["w"])
+        more = c.put({"x": np.arange(100)}, key="net/b")
+        assert failover < 2 * DEAD_PEER + 5, failover
+        cluster.net.heal()  # type: ignore[union-attr]
+        deadline = time.monotonic() + 20
+        while not all(w.alive for w in c.list_workers()):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert np.array_equal(c.artifact(more.id).tensor("x", like="numpy"), np.arange(100))
+        assert np.array_equal(c.artifact("net/a").tensor("w", like="numpy"), data["w"])
