@@ -156,8 +156,19 @@ class Hosts:
         if delay_ms <= 0 and loss_pct <= 0:
             subprocess.run([*cmd, "del", "dev", inner, "root"], capture_output=True, timeout=30)
             return
-        subprocess.run([*cmd, "replace", "dev", inner, "root", "netem", "delay", f"{delay_ms}ms", "loss",
-                        f"{loss_pct}%"], check=True, capture_output=True, timeout=30)
+        done = subprocess.run([*cmd, "replace", "dev", inner, "root", "netem", "delay", f"{delay_ms}ms", "loss",
+                               f"{loss_pct}%"], capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            raise Unavailable(f"tc netem failed ({done.stderr.strip()}): this kernel may lack sch_netem")
+
+    def netem_available(self) -> bool:
+        """Whether this kernel has ``tc netem`` (a module some container hosts do not load)."""
+        try:
+            self.netem(0, delay_ms=1)
+        except Unavailable:
+            return False
+        self.netem(0)
+        return True
 
     def close(self) -> None:
         with contextlib.suppress(OSError, subprocess.TimeoutExpired):

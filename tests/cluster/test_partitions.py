@@ -136,3 +136,45 @@ def test_client_cut_from_its_gateway_fails_over(cluster: LocalCluster) -> None:
             time.sleep(0.2)
         assert np.array_equal(c.artifact(more.id).tensor("x", like="numpy"), np.arange(100))
         assert np.array_equal(c.artifact("net/a").tensor("w", like="numpy"), data["w"])
+
+
+def test_latency_and_loss_slow_calls_down_without_breaking_them(cluster: LocalCluster) -> None:
+    gateways = [h.address for h in cluster.workers.values()]
+    net = cluster.net
+    assert net is not None
+    if not net.netem_available():
+        pytest.skip("this kernel has no tc netem (sch_netem): delay and loss cannot be injected here")
+    with tc.connect(gateways[1], cluster.token) as c:  # the gateway on w1's host
+        data = np.random.default_rng(3).random(1 << 16)
+
+        def round_trip() -> float:
+            t0 = time.perf_counter()
+            c.list_workers()
+            return time.perf_counter() - t0
+
+        before = sorted(round_trip() for _ in range(9))[4]
+        net.netem(cluster.host_of("w1"), delay_ms=40, loss_pct=2)
+        try:
+            slow = sorted(round_trip() for _ in range(9))[4]
+            art = c.put({"d": data}, key="slow/a")  # streamed over the lossy link: every chunk checked
+            assert np.array_equal(c.artifact(art.id).tensor("d", like="numpy"), data)
+        finally:
+            net.netem(cluster.host_of("w1"))
+        assert slow >= 0.040 > before, (before, slow)
+        assert sorted(round_trip() for _ in range(9))[4] < 0.040
+
+
+def test_hosts_are_removed_even_when_the_test_fails() -> None:
+    if not netns_available():
+        pytest.skip("network namespaces need root and iproute2")
+    import subprocess
+
+    from tensorcast.netns import Hosts
+
+    with pytest.raises(RuntimeError), Hosts(2) as hosts:
+        names = list(hosts.names)
+        assert all(n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout for n in names)
+        raise RuntimeError("a failing test")
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert not any(n in listed for n in names) and hosts.bridge not in links

@@ -103,9 +103,14 @@ class AsyncKV:
 
     # ----------------------------------------------------------------- lease table
     async def refresh(self) -> ShardTable:
-        table = await self.caller.call(ListShards(), ShardTable)
+        """Catch up with the lease table: the changes since the last refresh (the whole table the first time,
+        or when the answering global store is another one)."""
+        since, epoch = (self._table.revision, self._table.epoch) if self._table is not None else (0, "")
+        table = await self.caller.call(ListShards(since=since, epoch=epoch), ShardTable)
         self._table = table
-        self._by_shard = {lease.shard: lease for lease in table.leases}
+        if table.full:
+            self._by_shard = {}
+        self._by_shard.update({lease.shard: lease for lease in table.leases})
         for lease in table.leases:
             if lease.address not in self._same_host:
                 self._same_host[lease.address] = self.locality.same_host(lease.host_id)

@@ -26,17 +26,14 @@ Layout (``P`` = the prefix)::
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import msgspec
 
 from tensorcast.gs import etcd_records as codec
 from tensorcast.gs.backend import ArtifactRow, MetadataBackend, merge_lease
-from tensorcast.gs.etcd_client import EtcdClient, Txn, prefix_end
+from tensorcast.gs.etcd_client import EtcdClient, PrefixMirror, Txn, prefix_end
 from tensorcast.kv.leases import LeaseRecord
 from tensorcast.records import ArtifactInfo, InstanceInfo, WorkerInfo
 
@@ -54,38 +51,47 @@ class EtcdBackend(MetadataBackend):
         self.etcd = EtcdClient(endpoints)
         self.p = prefix.encode()
         self.liveness_ttl = liveness_ttl
-        self._leases: dict[int, tuple[int, LeaseRecord]] = {}  # shard -> (mod revision, record)
-        self._watch: asyncio.Task[None] | None = None
-        self._synced = asyncio.Event()
+        # What every request reads, followed by watches instead of read per request: shard leases, workers
+        # and their heartbeats, instances and theirs.
+        self._mirrors = {name: PrefixMirror(self.etcd, self._k(name, "")) for name in ("s", "w", "hb", "i", "ih")}
 
     def _k(self, *parts: str) -> bytes:
         return self.p + "/".join(parts).encode()
 
     async def open(self) -> None:
         await self.etcd.open()
-        await self._load_lease_table()
-        self._watch = asyncio.ensure_future(self._follow_leases())
+        for mirror in self._mirrors.values():
+            await mirror.start()
 
     async def close(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._watch
+        for mirror in self._mirrors.values():
+            await mirror.close()
         await self.etcd.close()
+
+    def _noted(self, revision: int, writes: dict[tuple[str, str], bytes | None]) -> None:
+        """This process's own writes to mirrored prefixes, seen at once."""
+        for (name, key), value in writes.items():
+            self._mirrors[name].note(key.encode(), revision, value)
 
     # ----------------------------------------------------------------- workers
     async def register_worker(self, worker: WorkerInfo, now: float) -> tuple[int, list[str]]:
         lease = await self.etcd.grant(self.liveness_ttl)
 
+        wid = worker.worker_id
+        written: dict[tuple[str, str], bytes | None] = {}
+
         async def decide(tx: Txn) -> int:
-            raw = await tx.get(self._k("w", worker.worker_id))
+            raw = await tx.get(self._k("w", wid))
             incarnation = (codec.W.decode(raw).info.incarnation if raw else 0) + 1
             info = msgspec.structs.replace(worker, incarnation=incarnation, registered_at=now, last_heartbeat=now)
-            tx.put(self._k("w", worker.worker_id), codec.ENC.encode(codec.Worker(info, lease)))
-            tx.put(self._k("hb", worker.worker_id), codec.ENC.encode({"last_heartbeat": now}), lease)
+            record, beat = codec.ENC.encode(codec.Worker(info, lease)), codec.ENC.encode({"last_heartbeat": now})
+            written.update({("w", wid): record, ("hb", wid): beat})
+            tx.put(self._k("w", wid), record)
+            tx.put(self._k("hb", wid), beat, lease)
             return incarnation
 
         incarnation = await self.etcd.atomically(decide)
+        self._noted(self.etcd.last_revision, written)
         # Memory does not survive a restart: its memory replicas go (pending drops stay).
         orphans = []
         for kv in await self.etcd.prefix(self._k("rw", worker.worker_id, "")):
@@ -115,7 +121,8 @@ class EtcdBackend(MetadataBackend):
 
             if not await self.etcd.atomically(relink):
                 return False, ()
-        await self.etcd.put(self._k("hb", worker_id), codec.ENC.encode({**stats, "last_heartbeat": now}), lease)
+        beat = codec.ENC.encode({**stats, "last_heartbeat": now})
+        self._noted(await self.etcd.put(self._k("hb", worker_id), beat, lease), {("hb", worker_id): beat})
         for aid in dropped:
             await self._acknowledge_drop(aid, worker_id)
         todo = tuple(kv.key[len(self._k("dw", worker_id, "")):].decode()
@@ -133,27 +140,27 @@ class EtcdBackend(MetadataBackend):
         await self.etcd.atomically(decide)
 
     async def list_workers(self) -> list[WorkerInfo]:
-        beats = {kv.key[len(self._k("hb", "")):].decode(): codec.STATS.decode(kv.value)
-                 for kv in await self.etcd.prefix(self._k("hb", ""))}
-        out = []
-        for kv in await self.etcd.prefix(self._k("w", "")):
-            info = codec.W.decode(kv.value).info
-            out.append(codec.with_stats(info, beats.get(info.worker_id)))
-        return out
+        return [w for key in sorted(self._mirrors["w"].items) if (w := self._worker(key)) is not None]
 
     async def get_worker(self, worker_id: str) -> WorkerInfo | None:
-        raw = await self.etcd.get(self._k("w", worker_id))
-        if raw is None:
+        return self._worker(worker_id.encode())
+
+    def _worker(self, key: bytes) -> WorkerInfo | None:
+        """A worker's record with its latest heartbeat, as this process follows them."""
+        rec = self._mirrors["w"].items.get(key)
+        if rec is None:
             return None
-        beat = await self.etcd.get(self._k("hb", worker_id))
-        return codec.with_stats(codec.W.decode(raw).info, codec.STATS.decode(beat) if beat else None)
+        beat = self._mirrors["hb"].items.get(key)
+        return codec.with_stats(codec.W.decode(rec[1]).info, codec.STATS.decode(beat[1]) if beat else None)
 
     # ----------------------------------------------------------------- instances
     async def upsert_instance(self, info: InstanceInfo, now: float) -> None:
         lease = await self.etcd.grant(self.liveness_ttl)
         rec = msgspec.structs.replace(info, last_heartbeat=now)
-        await self.etcd.put(self._k("i", info.instance_id), codec.ENC.encode(codec.Instance(rec, lease)))
-        await self.etcd.put(self._k("ih", info.instance_id), codec.ENC.encode(rec), lease)
+        iid = info.instance_id
+        record, beat = codec.ENC.encode(codec.Instance(rec, lease)), codec.ENC.encode(rec)
+        self._noted(await self.etcd.put(self._k("i", iid), record), {("i", iid): record})
+        self._noted(await self.etcd.put(self._k("ih", iid), beat, lease), {("ih", iid): beat})
 
     async def instance_heartbeat(self, instance_id: str, load: dict[str, int], now: float) -> bool:
         raw = await self.etcd.get(self._k("i", instance_id))
@@ -164,59 +171,24 @@ class EtcdBackend(MetadataBackend):
         if beat is None or not await self.etcd.keepalive(lease):
             return False  # its liveness lease expired: it registers again
         info = msgspec.structs.replace(codec.INSTANCE.decode(beat), **load, last_heartbeat=now)
-        await self.etcd.put(self._k("ih", instance_id), codec.ENC.encode(info), lease)
+        value = codec.ENC.encode(info)
+        self._noted(await self.etcd.put(self._k("ih", instance_id), value, lease), {("ih", instance_id): value})
         return True
 
     async def list_instances(self) -> list[InstanceInfo]:
-        beats = {kv.key[len(self._k("ih", "")):].decode(): codec.INSTANCE.decode(kv.value)
-                 for kv in await self.etcd.prefix(self._k("ih", ""))}
+        beats = self._mirrors["ih"].items
         out = []
-        for kv in await self.etcd.prefix(self._k("i", "")):
-            iid = kv.key[len(self._k("i", "")):].decode()
+        for key, (_rev, value) in sorted(self._mirrors["i"].items.items()):
+            beat = beats.get(key)
             # Its liveness lease expired: listed as registered, with no recent heartbeat (not alive).
-            out.append(beats.get(iid) or msgspec.structs.replace(codec.IR.decode(kv.value).info, last_heartbeat=0.0))
+            out.append(codec.INSTANCE.decode(beat[1]) if beat else
+                       msgspec.structs.replace(codec.IR.decode(value).info, last_heartbeat=0.0))
         return out
 
     # ----------------------------------------------------------------- shard leases
-    async def _load_lease_table(self) -> int:
-        kvs, _count, revision = await self.etcd.range(self._k("s", ""), prefix_end(self._k("s", "")))
-        self._leases = {}
-        for kv in kvs:
-            self._apply_lease(kv)
-        self._synced.set()
-        return revision
-
-    def _apply_lease(self, kv: Any, deleted: bool = False) -> None:
-        shard = int(kv.key[len(self._k("s", "")):])
-        cur = self._leases.get(shard)
-        if cur is not None and cur[0] >= kv.mod_revision:
-            return  # an older event than what this process already saw
-        if deleted:
-            self._leases.pop(shard, None)
-            return
-        r = codec.L.decode(kv.value)
-        self._leases[shard] = (kv.mod_revision, LeaseRecord(shard, r.holder, r.token, r.expiry, r.acquired_at))
-
-    async def _follow_leases(self) -> None:
-        """Keep the lease table current from etcd's watch (changes other global stores make)."""
-        revision = 0
-        while True:
-            try:
-                if revision == 0:
-                    revision = await self._load_lease_table() + 1
-                async for rev, events in self.etcd.watch_prefix(self._k("s", ""), revision):
-                    for ev in events:
-                        self._apply_lease(ev.kv, deleted=ev.type == 1)
-                    revision = rev + 1
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # compacted, or etcd unreachable past the budget: read it all again
-                log.warning("following shard leases: %s; reloading", exc)
-                revision = 0
-                await asyncio.sleep(0.5)
-
     async def load_leases(self) -> dict[int, LeaseRecord]:
-        return {s: rec for s, (_rev, rec) in self._leases.items()}
+        return {int(key): LeaseRecord(int(key), *msgspec.structs.astuple(codec.L.decode(value)))
+                for key, (_rev, value) in self._mirrors["s"].items.items()}
 
     async def update_leases(self, shards: Sequence[int],
                             change: Callable[[int, LeaseRecord | None], LeaseRecord | None]) -> list[LeaseRecord]:
@@ -229,11 +201,11 @@ class EtcdBackend(MetadataBackend):
                 return await self._cas(tx, batch, change)
 
             # First try on the table this process follows (one round trip when it is current).
-            known = {self._shard_key(s): (self._leases[s][0], codec.encode_lease(self._leases[s][1]))
-                     for s in batch if s in self._leases}
+            followed = self._mirrors["s"].items
+            known = {self._shard_key(s): followed[f"{s:06d}".encode()] for s in batch
+                     if f"{s:06d}".encode() in followed}
             done = await self.etcd.atomically(decide, known=known)
-            for r in done:  # seen here before the watch brings it back
-                self._leases[r.shard] = (self.etcd.last_revision, r)
+            self._noted(self.etcd.last_revision, {("s", f"{r.shard:06d}"): codec.encode_lease(r) for r in done})
             changed += done
         return changed
 

@@ -26,7 +26,7 @@ from aetcd import rpc
 
 from tensorcast.errors import InvalidArgument, Unavailable
 
-__all__ = ["EtcdClient", "Txn", "parse_endpoints", "prefix_end"]
+__all__ = ["EtcdClient", "PrefixMirror", "Txn", "parse_endpoints", "prefix_end"]
 
 log = logging.getLogger("tensorcast.etcd")
 T = TypeVar("T")
@@ -192,9 +192,11 @@ class EtcdClient:
     async def prefix(self, prefix: bytes, limit: int = 0) -> list[Any]:
         return (await self.range(prefix, prefix_end(prefix), limit))[0]
 
-    async def put(self, key: bytes, value: bytes, lease: int = 0) -> None:
-        await self._call("put", lambda: self._kv.Put(rpc.PutRequest(key=key, value=value, lease=lease),
-                                                     timeout=self.call_timeout))
+    async def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
+        """Write a key; returns the revision it was written at."""
+        reply = await self._call("put", lambda: self._kv.Put(rpc.PutRequest(key=key, value=value, lease=lease),
+                                                             timeout=self.call_timeout))
+        return int(reply.header.revision)
 
     async def delete_prefix(self, prefix: bytes) -> None:
         req = rpc.DeleteRangeRequest(key=prefix, range_end=prefix_end(prefix))
@@ -284,3 +286,61 @@ class EtcdClient:
                 await asyncio.sleep(0.1)
             finally:
                 call.cancel()
+
+
+class PrefixMirror:
+    """The keys under a prefix, kept in this process's memory by an etcd watch: reading them costs no round
+    trip. Changes other processes make arrive within a watch round trip; this process's own writes are
+    ``note``d at once (with the revision they were committed at, so that an older event never undoes them).
+    After a compaction or a long outage the prefix is read again."""
+
+    def __init__(self, client: EtcdClient, prefix: bytes) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.items: dict[bytes, tuple[int, bytes]] = {}  # key without the prefix -> (mod revision, value)
+        self._deleted: dict[bytes, int] = {}  # key -> revision it was deleted at (an older put is stale)
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        revision = await self._load()
+        self._task = asyncio.ensure_future(self._follow(revision + 1))
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    async def _load(self) -> int:
+        kvs, _count, revision = await self.client.range(self.prefix, prefix_end(self.prefix))
+        self.items = {bytes(kv.key[len(self.prefix):]): (int(kv.mod_revision), bytes(kv.value)) for kv in kvs}
+        self._deleted.clear()
+        return revision
+
+    def note(self, key: bytes, revision: int, value: bytes | None) -> None:
+        """``key`` (without the prefix) was written (``value``) or deleted (None) at ``revision``."""
+        cur = self.items.get(key, (self._deleted.get(key, 0), b""))[0]
+        if revision < cur:
+            return
+        if value is None:
+            self.items.pop(key, None)
+            self._deleted[key] = revision
+        else:
+            self.items[key] = (revision, value)
+            self._deleted.pop(key, None)
+
+    async def _follow(self, revision: int) -> None:
+        while True:
+            try:
+                async for at, events in self.client.watch_prefix(self.prefix, revision):
+                    for ev in events:
+                        key = bytes(ev.kv.key[len(self.prefix):])
+                        self.note(key, int(ev.kv.mod_revision), None if ev.type == 1 else bytes(ev.kv.value))
+                    revision = at + 1
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # compacted, or etcd unreachable past the budget: read it all again
+                log.warning("following %r: %s; reading it again", self.prefix, exc)
+                await asyncio.sleep(0.5)
+                with contextlib.suppress(Exception):
+                    revision = await self._load() + 1
