@@ -184,7 +184,17 @@ def up(workers: int, hosts: int, data_dir: str, memory: str | None, restart_dead
        global_stores: int, sets: tuple[str, ...]) -> None:
     """Start a local cluster (global store + workers) until Ctrl-C; say when one of its processes dies."""
     from tensorcast.cluster import LocalCluster
+    from tensorcast.obs.tracing import check_exporter
 
+    if global_stores > 1 and not etcd:
+        raise InvalidArgument("--global-stores above 1 needs --etcd (SQLite has one writer)")
+    # Configuration mistakes are refused here, in one line, before any process starts.
+    config = Config.load(None, {**_overrides(sets, {}), "gs.etcd_endpoints": etcd})
+    check_exporter(config.tracing)
+    if etcd:
+        from tensorcast.gs.etcd_client import parse_endpoints
+
+        parse_endpoints(etcd)
     cluster = LocalCluster(workers=workers, hosts=hosts, data_dir=data_dir, memory_capacity=memory,
                            config=_overrides(sets, {}), token=os.environ.get("TENSORCAST_TOKEN"), etcd=etcd,
                            global_stores=global_stores)
@@ -297,26 +307,38 @@ def _client(address: str | None, data_dir: str, token: str | None) -> Client:
 def status(show_shards: bool, as_json: bool, watch: bool, interval: float, address: str | None, data_dir: str,
            token: str | None) -> None:
     """Show the cluster's workers, instances and KV shard leases."""
-    from tensorcast.cli_status import cluster_state, instance_table, shard_table, view_tables, worker_table
+    from tensorcast.cli_status import cluster_state, instance_table, shard_table, worker_table
 
     with _client(address, data_dir, token) as client:
         if as_json:
             click.echo(json.dumps(cluster_state(client), indent=2))
             return
         if watch:
-            from rich.live import Live
-
-            with Live(view_tables(cluster_state(client)), console=console, auto_refresh=False) as live, \
-                    contextlib.suppress(KeyboardInterrupt):
-                while True:
-                    time.sleep(interval)
-                    live.update(view_tables(cluster_state(client)), refresh=True)
+            _watch(client, interval)
             return
         console.print(worker_table(client))
         instances = instance_table(client)
         if instances is not None:
             console.print(instances)
         console.print(shard_table(client, show_shards))
+
+
+def _watch(client: Client, interval: float) -> None:
+    """Redraw the view in place on a terminal; elsewhere (a pipe, a file), print one frame per interval."""
+    from rich.live import Live
+
+    from tensorcast.cli_status import cluster_state, view_tables
+
+    with contextlib.suppress(KeyboardInterrupt):
+        if not console.is_terminal:
+            while True:
+                console.print(view_tables(cluster_state(client)))
+                console.file.flush()
+                time.sleep(interval)
+        with Live(view_tables(cluster_state(client)), console=console, auto_refresh=False) as live:
+            while True:
+                time.sleep(interval)
+                live.update(view_tables(cluster_state(client)), refresh=True)
 
 
 def _progress(nbytes: int) -> contextlib.AbstractContextManager[Progress | None]:

@@ -8,6 +8,7 @@ the global store on the same data directory and port). Does not own: what the pr
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -131,6 +132,14 @@ class LocalCluster:
         return self.gs.address
 
     @property
+    def etcd_prefix(self) -> str:
+        """This cluster's keys in etcd: ``gs.etcd_prefix`` when configured, else one derived from the data
+        directory, so that a cluster started again on the same directory finds its metadata again."""
+        if "gs.etcd_prefix" in self.config:
+            return str(self.config["gs.etcd_prefix"])
+        return f"/tensorcast/{hashlib.blake2b(str(self.data_dir).encode(), digest_size=8).hexdigest()}/"
+
+    @property
     def gs_addresses(self) -> list[str]:
         """Every global store's address (workers are given them all)."""
         return [h.address for h in self.global_stores]
@@ -243,7 +252,7 @@ class LocalCluster:
 
     def _start_gs(self) -> None:
         store = [] if not self.etcd else [f"--set=gs.etcd_endpoints={self.etcd}",
-                                          f"--set=gs.etcd_prefix=/tensorcast/{self.shm_prefix}/"]
+                                          f"--set=gs.etcd_prefix={self.etcd_prefix}"]
         for i in range(self.n_global_stores):
             name = "gs" if i == 0 else f"gs{i}"
             ready = self.data_dir / f"{name}.ready"

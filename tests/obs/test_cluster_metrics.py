@@ -62,6 +62,10 @@ def test_every_process_serves_what_it_did() -> None:
         assert sum(value(m, "tensorcast_operation_bytes_total", op="put", path="shm") for m in workers) == shm.nbytes
         assert sum(value(m, "tensorcast_operation_bytes_total", op="put", path="network")
                    for m in workers) == net.nbytes
+        assert sum(value(m, "tensorcast_transport_bytes_total", transport="shm", direction="received")
+                   for m in workers) == shm.nbytes  # written into shared memory by this process
+        assert sum(value(m, "tensorcast_transport_bytes_total", transport="rpc", direction="received")
+                   for m in workers) == net.nbytes
         assert value(per["w1"], "tensorcast_operation_bytes_total", op="transfer", path="fetch") == net.nbytes
         assert value(per["w1"], "tensorcast_transport_bytes_total", transport="tcp", direction="received") \
             == net.nbytes

@@ -43,6 +43,10 @@ def test_one_plan_is_one_trace_across_processes(tmp_path: Path) -> None:
             trace = f"{tracing.otel_trace_id(ctx.trace_id):032x}"
             want = {"serve RunPlan", "plan", "step prefetch", "step pin", "serve Prefetch", "serve GetArtifact"}
             remote = _file_spans(spans_file, trace, want)
+            time.sleep(2.0)  # heartbeats and lease renewals ran meanwhile: they start no traces of their own
+            background = [json.loads(line)["name"] for line in spans_file.read_text().splitlines()
+                          if json.loads(line)["trace_id"] != trace]
+            assert not any("Heartbeat" in n or "Shards" in n for n in background), background[:5]
     finally:
         tracing.use_provider(None)
 

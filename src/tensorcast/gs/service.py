@@ -399,7 +399,7 @@ async def run_global_store(config: Config, data_dir: Path, ready_file: Path | No
     server = RpcServer(gs.registry, config.wire, token=config.token, server_id="gs", host_id="", roles=("gs",))
     address = await server.start(config.gs.host, config.gs.port)
     metrics.set_enabled(config.metrics.enabled)
-    tracing.configure(config.tracing, "tensorcast-gs")
+    tracing.configure(config.tracing, "tensorcast-gs", roots=False)
     http, source = None, None
     if config.metrics.enabled:
         gauges = GSGauges(gs)

@@ -77,7 +77,7 @@ class InstanceRuntime:
         if self._http is not None:
             self.metrics_url = await self._http.start(self.config.metrics.host or self.host, self.config.metrics.port)
             self._source = metrics.add_source(self._samples)
-        tracing.configure(self.config.tracing, f"tensorcast-instance-{self.instance_id}")
+        tracing.configure(self.config.tracing, f"tensorcast-instance-{self.instance_id}", roots=False)
         await self._register()
         self._heartbeat = asyncio.ensure_future(self._heartbeat_loop())
         log.info("instance %s (%s) serving at %s, home worker %s", self.instance_id, self.adaptor.engine,

@@ -22,11 +22,13 @@ from typing import Any
 from tensorcast.config import TracingConfig
 from tensorcast.errors import InvalidArgument, TensorCastError
 
-__all__ = ["active", "configure", "current_span_id", "otel_trace_id", "provider", "span", "use_provider"]
+__all__ = ["active", "check_exporter", "configure", "current_span_id", "otel_trace_id", "provider", "span",
+           "use_provider"]
 
 EXPORTERS = ("", "otlp", "console", "file")
 
 _tracer: Any = None
+_roots = True  # whether this process may start traces (callers) or only continue them (cluster processes)
 # The span id of the span active in this task (sent in request envelopes as the remote parent).
 _current_span: contextvars.ContextVar[int] = contextvars.ContextVar("tensorcast_span", default=0)
 # The trace id a new root span must get (read by the id generator below).
@@ -78,11 +80,22 @@ def use_provider(tracer_provider: Any | None) -> None:
     _tracer = None if tracer_provider is None else tracer_provider.get_tracer("tensorcast")
 
 
-def configure(config: TracingConfig, service: str) -> None:
-    """Set up this process's tracer from the configuration (``tracing.exporter``)."""
+def check_exporter(config: TracingConfig) -> None:
+    """``InvalidArgument`` for an unknown ``tracing.exporter`` (or ``file`` without ``tracing.file``)."""
     if config.exporter not in EXPORTERS:
         raise InvalidArgument(f"tracing.exporter must be one of {[e for e in EXPORTERS if e]} or empty, "
                               f"got {config.exporter!r}")
+    if config.exporter == "file" and not config.file:
+        raise InvalidArgument("tracing.exporter = file needs tracing.file (a path)")
+
+
+def configure(config: TracingConfig, service: str, *, roots: bool = True) -> None:
+    """Set up this process's tracer from the configuration (``tracing.exporter``). ``roots=False`` (the
+    cluster's own processes) only continues traces that callers started, so that background work
+    (heartbeats, lease renewals) emits no spans."""
+    global _roots
+    check_exporter(config)
+    _roots = roots
     if not config.exporter:
         return
     try:
@@ -91,8 +104,6 @@ def configure(config: TracingConfig, service: str) -> None:
         raise InvalidArgument("tracing.exporter is set but OpenTelemetry is not installed: "
                               "pip install 'tensorcast[tracing]'") from None
     if config.exporter == "file":
-        if not config.file:
-            raise InvalidArgument("tracing.exporter = file needs tracing.file (a path)")
         use_provider(provider(_FileExporter(config.file), service))
     elif config.exporter == "console":
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
@@ -126,7 +137,11 @@ def _span(tracer: Any, name: str, trace_id: str, parent_span_id: int, kind: str,
     tid = otel_trace_id(trace_id)
     active = trace.get_current_span().get_span_context()
     parent = None
-    if not (active.is_valid and active.trace_id == tid) and parent_span_id:
+    joined = active.is_valid and active.trace_id == tid
+    if not joined and not parent_span_id and not _roots:
+        yield  # background work of a cluster process: no trace of its own
+        return
+    if not joined and parent_span_id:
         remote = trace.SpanContext(trace_id=tid, span_id=parent_span_id, is_remote=True,
                                    trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED))
         parent = trace.set_span_in_context(trace.NonRecordingSpan(remote))

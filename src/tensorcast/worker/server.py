@@ -93,7 +93,7 @@ class Worker:
         self.address = ""
         self._heartbeats: asyncio.Task[None] | None = None
         metrics.set_enabled(config.metrics.enabled)
-        tracing.configure(config.tracing, f"tensorcast-worker-{worker_id}")
+        tracing.configure(config.tracing, f"tensorcast-worker-{worker_id}", roots=False)
         self.http = HttpServer(config.token) if config.metrics.enabled else None
         self.metrics_url = ""
         self._source: int | None = None

@@ -218,6 +218,11 @@ class StorageRole:
             raise
 
     async def _put_commit(self, msg: PutCommit, req: Request) -> PutDone:
+        pending = self.puts.pending.get(msg.put_id)
+        # What a same-host caller wrote into shared memory (blobs already held were not written); counted
+        # now, as committing hands the targets over.
+        written = sum(pending.tensors[i].nbytes for i in pending.memory_targets) \
+            if pending is not None and not pending.stream else 0
         put = await self.puts.commit(msg.put_id)
         self.parts.gs.kept(put.artifact_id)
         tiers = self.store.tiers(put.artifact_id)
@@ -228,8 +233,7 @@ class StorageRole:
             done = await self._replicate(done, put.placement.replicas - 1, req.ctx)
         log.info("stored artifact %s (%d bytes, %s, tiers %s)%s", put.artifact_id, info.nbytes, put.placement.name,
                  ",".join(tiers), f" key={put.key}" if put.key else "")
-        if not put.stream:  # what the caller wrote into shared memory (blobs already held were not written)
-            self.moved["shm", "received"] += sum(put.tensors[i].nbytes for i in put.memory_targets)
+        self.moved["shm", "received"] += written
         metrics.operation("put", "network" if put.stream else "shm", info.nbytes, time.monotonic() - put.started)
         return PutDone(artifact=done)
 
