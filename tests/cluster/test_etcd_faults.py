@@ -153,6 +153,9 @@ def test_etcd_members_and_global_stores_killed_under_load(etcd: EtcdCluster) -> 
 def test_stale_fencing_tokens_rejected_after_etcd_leader_changes(etcd: EtcdCluster) -> None:
     with running_cluster(workers=2, etcd=etcd.urls, global_stores=2, config=CONFIG) as cluster, \
             tc.connect(cluster.address) as c:
+        # Both global stores announce themselves: any client lists both metrics endpoints.
+        stores = {url for name, url in c.metrics_urls().items() if name.startswith("gs")}
+        assert stores == {cluster.metrics_urls["gs"], cluster.metrics_urls["gs1"]}
         deadline = time.monotonic() + 20
         while not all(lease.holder and lease.expiry > c.list_shards().now for lease in c.list_shards().leases) \
                 or len(c.list_shards().leases) < c.list_shards().num_shards:

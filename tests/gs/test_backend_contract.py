@@ -258,3 +258,13 @@ def test_two_stores_granting_one_shard_cannot_both_win(make: Callable[[], Metada
     run(race(10))
     assert [t for _, t in won] == list(range(1, 11))
     assert run(second.load_leases()).get(0) is not None or run(first.load_leases())[0].token == 10
+
+
+def test_live_global_stores_are_listed(make: Callable[[], MetadataBackend]) -> None:
+    b = make()
+    run(b.announce_store("10.0.0.1:7070", "http://10.0.0.1:9400", 30.0))
+    run(b.announce_store("10.0.0.2:7070", "", 30.0))
+    run(b.announce_store("10.0.0.1:7070", "http://10.0.0.1:9400", 30.0))  # again: refreshed, not doubled
+    import time
+
+    assert run(b.list_stores(time.time())) == {"10.0.0.1:7070": "http://10.0.0.1:9400", "10.0.0.2:7070": ""}

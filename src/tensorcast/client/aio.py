@@ -402,7 +402,9 @@ class AsyncClient:
         and each instance, by id. Processes with metrics off are left out."""
         stats, workers, instances = await asyncio.gather(self.caller.call(GSStats(), GSStatsReply),
                                                          self.list_workers(), self.list_instances())
-        urls = {"gs": stats.metrics_url, **{w.worker_id: w.metrics_url for w in workers},
+        # The answering global store is "gs"; any others (on one etcd) are "gs@ADDRESS".
+        others = {f"gs@{a}": url for a, url in stats.stores.items() if url != stats.metrics_url}
+        urls = {"gs": stats.metrics_url, **others, **{w.worker_id: w.metrics_url for w in workers},
                 **{i.instance_id: i.metrics_url for i in instances}}
         return {name: url for name, url in urls.items() if url}
 

@@ -91,6 +91,16 @@ class MetadataBackend(abc.ABC):
         Durable before it returns the records that changed: two global stores granting the same shard at
         once cannot both win, and a fencing token never goes back."""
 
+    # ----------------------------------------------------------------- the global stores themselves
+    @abc.abstractmethod
+    async def announce_store(self, address: str, metrics_url: str, ttl: float) -> None:
+        """A global-store process serving at ``address`` is alive (called well within ``ttl``; an entry not
+        announced again within it is gone)."""
+
+    @abc.abstractmethod
+    async def list_stores(self, now: float) -> dict[str, str]:
+        """The live global-store processes: address -> metrics URL ("" when metrics are off)."""
+
     @abc.abstractmethod
     async def page_index_put(self, keys: tuple[str, ...], worker_id: str) -> None:
         """Benchmark switch only: per-page locations in the store (what shard homes exist to avoid)."""

@@ -22,6 +22,7 @@ Layout (``P`` = the prefix)::
     P dw/{worker}/{art}   a drop the worker owes
     P le/{expiry}/{art}   caller-leased artifacts by expiry (the reaper's range scan)
     P t/{art}, tk/{key}   tombstones;  P s/{shard}  shard leases;  P pi/{key}  the page-index benchmark
+    P gsp/{address}       a live global-store process (its metrics URL), under its own etcd lease
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class EtcdBackend(MetadataBackend):
         # What every request reads, followed by watches instead of read per request: shard leases, workers
         # and their heartbeats, instances and theirs.
         self._mirrors = {name: PrefixMirror(self.etcd, self._k(name, "")) for name in ("s", "w", "hb", "i", "ih")}
+        self._store_leases: dict[str, int] = {}  # this process's announcements: address -> etcd lease
 
     def _k(self, *parts: str) -> bytes:
         return self.p + "/".join(parts).encode()
@@ -223,6 +225,16 @@ class EtcdBackend(MetadataBackend):
                 tx.put(self._shard_key(s), codec.encode_lease(new))
                 out.append(new)
         return out
+
+    async def announce_store(self, address: str, metrics_url: str, ttl: float) -> None:
+        lease = self._store_leases.get(address, 0)
+        if not lease or not await self.etcd.keepalive(lease):
+            lease = self._store_leases[address] = await self.etcd.grant(ttl)
+        await self.etcd.put(self._k("gsp", address), metrics_url.encode(), lease)
+
+    async def list_stores(self, now: float) -> dict[str, str]:
+        base = self._k("gsp", "")
+        return {kv.key[len(base):].decode(): kv.value.decode() for kv in await self.etcd.prefix(base)}
 
     async def page_index_put(self, keys: tuple[str, ...], worker_id: str) -> None:
         for k in keys:

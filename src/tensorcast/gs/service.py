@@ -334,7 +334,19 @@ class GlobalStore:
         return await self._grants(changed)
 
     async def stats(self, msg: GSStats, req: Request) -> GSStatsReply:
-        return GSStatsReply(requests=dict(self.request_counts), metrics_url=self.metrics_url)
+        return GSStatsReply(requests=dict(self.request_counts), metrics_url=self.metrics_url,
+                            stores=await self.backend.list_stores(time.time()))
+
+    async def announce_loop(self, address: str) -> None:
+        """Tell the backend this process is alive, a few times per liveness timeout (other global stores,
+        clients and dashboards list the live ones)."""
+        ttl = self.config.gs.worker_liveness_timeout
+        while True:
+            try:
+                await self.backend.announce_store(address, self.metrics_url, ttl)
+            except Exception as exc:
+                log.warning("announcing this global store failed: %s", exc)
+            await asyncio.sleep(ttl / 3)
 
     async def page_index_put(self, msg: PageIndexPut, req: Request) -> Ack:
         await self.backend.page_index_put(msg.keys, msg.worker_id)
@@ -407,6 +419,7 @@ async def run_global_store(config: Config, data_dir: Path, ready_file: Path | No
         gs.metrics_url = await http.start(config.metrics.host or config.gs.host, config.metrics.port)
         source = metrics.add_source(gauges.samples)
     reaper = asyncio.ensure_future(gs.reap_leases())
+    announcer = asyncio.ensure_future(gs.announce_loop(address))
     log.info("global store serving at %s (data %s, metrics and dashboard %s)", address, data_dir,
              gs.metrics_url or "off")
     if ready_file is not None:
@@ -417,6 +430,7 @@ async def run_global_store(config: Config, data_dir: Path, ready_file: Path | No
         await (stop.wait() if stop is not None else asyncio.Event().wait())
     finally:
         reaper.cancel()
+        announcer.cancel()
         if http is not None:
             await http.close()
         if source is not None:

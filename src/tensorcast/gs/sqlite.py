@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sqlite3
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,7 @@ class SqliteBackend(MetadataBackend):
         self.path = Path(path)
         self.synchronous = synchronous.upper()
         self._db: sqlite3.Connection | None = None
+        self._stores: dict[str, tuple[str, float]] = {}  # the global store using this file (address -> url)
 
     @property
     def db(self) -> sqlite3.Connection:
@@ -274,6 +276,12 @@ class SqliteBackend(MetadataBackend):
                                (new.shard, new.holder, new.token, new.expiry, new.acquired_at))
                     out.append(new)
         return out
+
+    async def announce_store(self, address: str, metrics_url: str, ttl: float) -> None:
+        self._stores[address] = (metrics_url, time.time() + ttl)  # one process: nothing to persist
+
+    async def list_stores(self, now: float) -> dict[str, str]:
+        return {a: url for a, (url, until) in self._stores.items() if until > now}
 
     async def page_index_put(self, keys: tuple[str, ...], worker_id: str) -> None:
         with self._tx(durable=False) as db:

@@ -7,6 +7,8 @@ the union or the reply table (``wire.protocol``), or their handlers (``kv.home``
 
 from __future__ import annotations
 
+import msgspec
+
 from tensorcast.records import ShardLease, SlotList
 from tensorcast.wire.messages import Msg
 
@@ -114,7 +116,8 @@ class GSStats(Msg):
 
 class GSStatsReply(Msg):
     requests: dict[str, int]
-    metrics_url: str = ""  # where the global store serves metrics and the dashboard
+    metrics_url: str = ""  # where the answering global store serves metrics and the dashboard
+    stores: dict[str, str] = msgspec.field(default_factory=dict)  # every live global store: address -> URL
 
 
 class PageIndexPut(Msg):
