@@ -15,6 +15,7 @@ import xxhash
 import tensorcast as tc
 from tensorcast.cluster import LocalCluster
 from tensorcast.errors import StaleFencingToken, TensorCastError
+from tensorcast.kv.hrw import assignment
 from tensorcast.kv.keys import KVLayout, page_keys, shard_of
 from tensorcast.testing import running_cluster
 from tensorcast.testing.etcd import EtcdCluster
@@ -156,12 +157,15 @@ def test_stale_fencing_tokens_rejected_after_etcd_leader_changes(etcd: EtcdClust
         # Both global stores announce themselves: any client lists both metrics endpoints.
         stores = {url for name, url in c.metrics_urls().items() if name.startswith("gs")}
         assert stores == {cluster.metrics_urls["gs"], cluster.metrics_urls["gs1"]}
-        deadline = time.monotonic() + 20
-        while not all(lease.holder and lease.expiry > c.list_shards().now for lease in c.list_shards().leases) \
-                or len(c.list_shards().leases) < c.list_shards().num_shards:
-            assert time.monotonic() < deadline
+        deadline = time.monotonic() + 30  # every shard held by its HRW home (both homes hold their share)
+        while True:
+            table = c.list_shards()
+            want = assignment(table.num_shards, {"w0", "w1"})
+            if sum(1 for lease in table.leases if lease.holder == want[lease.shard] and lease.expiry > table.now) \
+                    == table.num_shards:
+                break
+            assert time.monotonic() < deadline, "shards not settled on w0 and w1"
             time.sleep(0.2)
-        table = c.list_shards()
         paused = "w1"
         old = {lease.shard: lease for lease in table.leases if lease.holder == paused}
         assert old
