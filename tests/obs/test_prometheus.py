@@ -4,7 +4,6 @@ series and values the cluster's callers can check themselves."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -18,17 +17,12 @@ import pytest
 
 import tensorcast as tc
 from tensorcast.testing import running_cluster
+from tensorcast.testing.tools import unused_port
 
 from .conftest import system_tool
 
 SCRAPE = 0.5  # seconds between scrapes
 TOKEN = "prom-s3cret"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture()
@@ -50,7 +44,7 @@ scrape_configs:
     static_configs:
 {static}
 """)
-        port = _free_port()
+        port = unused_port()
         proc = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}",
                                  f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
                                 stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("wb"))

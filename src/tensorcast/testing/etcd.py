@@ -12,7 +12,6 @@ import contextlib
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -20,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 from tensorcast.errors import Unavailable
+from tensorcast.testing.tools import unused_port
 
 __all__ = ["EtcdCluster", "etcd_binary"]
 
@@ -28,10 +28,11 @@ def etcd_binary() -> str | None:
     return shutil.which("etcd")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+_START_ATTEMPTS = 4  # a port found free can be taken before etcd binds it: start again with new ones
+
+
+class _PortTaken(Unavailable):
+    """A member could not bind a port that was free when it was chosen."""
 
 
 class EtcdCluster:
@@ -44,9 +45,12 @@ class EtcdCluster:
         self.data_dir = Path(data_dir if data_dir is not None else self._tmp.name)  # type: ignore[union-attr]
         self.startup_timeout = startup_timeout
         self.names = [f"m{i}" for i in range(members)]
-        self.client_ports = [_free_port() for _ in self.names]
-        self.peer_ports = [_free_port() for _ in self.names]
+        self._pick_ports()
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * members
+
+    def _pick_ports(self) -> None:
+        self.client_ports = [unused_port() for _ in self.names]
+        self.peer_ports = [unused_port() for _ in self.names]
 
     @property
     def urls(self) -> list[str]:
@@ -72,8 +76,7 @@ class EtcdCluster:
                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_ports[i]}",
                 "--initial-cluster", cluster, "--initial-cluster-state", state,
                 "--initial-cluster-token", f"tensorcast-{id(self)}", "--heartbeat-interval", "50",
-                "--election-timeout", "500", "--logger", "zap", "--log-outputs", "stderr",
-                "--listen-metrics-urls", f"http://127.0.0.1:{_free_port()}"]
+                "--election-timeout", "500", "--logger", "zap", "--log-outputs", "stderr"]
 
     def _spawn(self, i: int, state: str) -> None:
         log = (self.data_dir / f"{self.names[i]}.log").open("ab")
@@ -82,14 +85,25 @@ class EtcdCluster:
         log.close()
 
     def start(self) -> None:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            for i in range(len(self.names)):
-                self._spawn(i, "new")
-            self.wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
+        for attempt in range(_START_ATTEMPTS):
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                for i in range(len(self.names)):
+                    self._spawn(i, "new")
+                self.wait_healthy()
+                return
+            except _PortTaken:
+                self._stop_members()
+                for name in self.names:  # a half-formed cluster must not be rejoined with new peer URLs
+                    shutil.rmtree(self.data_dir / name, ignore_errors=True)
+                    (self.data_dir / f"{name}.log").unlink(missing_ok=True)
+                if attempt == _START_ATTEMPTS - 1:
+                    self.stop()
+                    raise
+                self._pick_ports()
+            except BaseException:
+                self.stop()
+                raise
 
     def healthy(self, i: int) -> bool:
         try:
@@ -106,7 +120,8 @@ class EtcdCluster:
                 proc = self.procs[i]
                 if proc is not None and proc.poll() is not None:
                     tail = (self.data_dir / f"{self.names[i]}.log").read_text(errors="replace")[-2000:]
-                    raise Unavailable(f"etcd member {self.names[i]} exited:\n{tail}")
+                    error = _PortTaken if "address already in use" in tail else Unavailable
+                    raise error(f"etcd member {self.names[i]} exited:\n{tail}")
             if time.monotonic() > deadline:
                 raise Unavailable(f"etcd not healthy after {self.startup_timeout}s (logs in {self.data_dir})")
             time.sleep(0.1)
@@ -144,6 +159,12 @@ class EtcdCluster:
         raise Unavailable("no etcd leader")
 
     def stop(self) -> None:
+        self._stop_members()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def _stop_members(self) -> None:
         for proc in self.procs:
             if proc is not None and proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -155,6 +176,3 @@ class EtcdCluster:
                     proc.kill()
                     proc.wait()
         self.procs = [None] * len(self.names)
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
