@@ -6,7 +6,7 @@ import pytest
 
 from tensorcast.errors import InvalidArgument, ResourceExhausted, StaleFencingToken
 from tensorcast.kv.hrw import assignment, candidates
-from tensorcast.kv.keys import KVLayout, page_keys, shard_of
+from tensorcast.kv.keys import MAX_KEY_BYTES, KVLayout, check_keys, page_keys, shard_of
 from tensorcast.kv.leases import HomeLeases, LeaseRecord, grant, release, renew
 from tensorcast.kv.pages import PageStore
 from tensorcast.testing import leaked_segments
@@ -27,6 +27,24 @@ def test_page_keys_are_chained_prefix_hashes() -> None:
     assert 0 <= shard_of(keys[0], 256) < 256
     with pytest.raises(InvalidArgument):
         KVLayout("m", 0, 1, 1, "float16", 1)
+
+
+def test_any_string_is_a_key_and_keys_of_any_shape_spread_over_shards() -> None:
+    engine_keys = {
+        "vllm block hashes": [str(h) for h in range(10**18, 10**18 + 4096)],  # sequential integers
+        "sglang hashes with rank suffixes": [f"{i:064x}_0_1" for i in range(4096)],
+        "lmcache chunk keys": [f"vllm@qwen@1@0@{i}" for i in range(4096)],
+    }
+    for what, keys in engine_keys.items():
+        check_keys(keys)
+        counts = [0] * 64
+        for key in keys:
+            counts[shard_of(key, 64)] += 1
+        assert min(counts) > 0.5 * len(keys) / 64 and max(counts) < 1.5 * len(keys) / 64, (what, counts)
+    check_keys(["é" * (MAX_KEY_BYTES // 2)])
+    for bad in ["", "x" * (MAX_KEY_BYTES + 1), "é" * (MAX_KEY_BYTES // 2 + 1), 7, b"bytes"]:
+        with pytest.raises(InvalidArgument, match="key 1"):
+            check_keys(["fine", bad])  # type: ignore[list-item]
 
 
 @pytest.mark.parametrize("homes", [3, 4, 5, 8])

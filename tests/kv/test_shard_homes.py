@@ -14,7 +14,7 @@ import xxhash
 
 import tensorcast as tc
 from tensorcast.cluster import LocalCluster
-from tensorcast.errors import StaleFencingToken
+from tensorcast.errors import InvalidArgument, StaleFencingToken
 from tensorcast.kv.hrw import assignment
 from tensorcast.kv.keys import KVLayout, page_keys, shard_of
 from tensorcast.testing import running_cluster
@@ -75,6 +75,12 @@ def test_assignment_is_balanced_and_pages_roundtrip(cluster: LocalCluster) -> No
         assert c.kv.get(missing) == [None, None]
         table = c.list_shards()
         assert table.num_shards == 256 and all(lease.token >= 1 for lease in table.leases)
+        engine_keys = [str(10**18 + i) for i in range(8)] + [f"{i:064x}_0_1" for i in range(8)]
+        assert c.kv.put(engine_keys, [page_for(k) for k in keys[:16]]) == 16  # the engines' own keys, as they are
+        assert c.kv.exists(engine_keys) == 16
+        assert all(np.array_equal(g, page_for(k)) for g, k in zip(c.kv.get(engine_keys), keys, strict=False))
+        with pytest.raises(InvalidArgument):
+            c.kv.put([""], [page_for(keys[0])])
 
 
 def test_global_store_is_touched_per_shard_not_per_page(cluster: LocalCluster) -> None:

@@ -28,7 +28,7 @@ from tensorcast.client.locality import Locality
 from tensorcast.config import KVConfig
 from tensorcast.context import CallContext
 from tensorcast.errors import DeadlineExceeded, InvalidArgument, StaleFencingToken, TensorCastError, Unavailable
-from tensorcast.kv.keys import KVLayout, shard_of
+from tensorcast.kv.keys import KVLayout, check_keys, shard_of
 from tensorcast.limits import check_ttl
 from tensorcast.pool.segments import SegmentGone, map_shared
 from tensorcast.records import ShardLease, SlotList
@@ -150,6 +150,7 @@ class AsyncKV:
         home, or a shard without a home (start-up, a failover) is waited out: the lease table is read again
         and the affected keys retried, with a short backoff, for up to ``kv.handover_timeout`` seconds.
         Then writes (``need_all``) fail with ``Unavailable``; reads leave misses, never errors."""
+        check_keys(keys)
         todo = list(range(len(keys)))
         give_up = time.monotonic() + self.config.handover_timeout
         attempt = 0

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from tensorcast.config import KVConfig
 from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument, NotFound, StaleFencingToken, TensorCastError
-from tensorcast.kv.keys import shard_of
+from tensorcast.kv.keys import check_keys, shard_of
 from tensorcast.kv.leases import HomeLeases, LeaseRecord
 from tensorcast.kv.pages import Page, PageStore
 from tensorcast.limits import check_ttl
@@ -182,6 +182,7 @@ class ShardHome:
     def _check(self, keys: tuple[str, ...], tokens: dict[int, int]) -> list[int]:
         if not self.num_shards:
             raise StaleFencingToken("this shard home has no lease table yet")
+        check_keys(keys)
         shards = [shard_of(k, self.num_shards) for k in keys]
         now = time.monotonic()
         for shard in set(shards):

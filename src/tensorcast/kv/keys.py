@@ -3,7 +3,10 @@
 Owns: ``KVLayout`` (what a page holds: layers, KV heads, head dim, dtype, tokens per page; its
 ``layout_id``), ``page_keys`` (page i's key is the BLAKE3 hash of page i-1's key and page i's tokens,
 salted with the model id and layout id — so a key names a whole prefix, and a prefix lookup is a walk of
-keys), and ``shard_of``. Does not own: where pages live (``kv.home``) or how they are found (``client.kv``).
+keys), what a key may be (``check_keys``: any non-empty string up to ``MAX_KEY_BYTES``, so that engines keep
+their own keys — vLLM block hashes, SGLang's hashes with rank suffixes, LMCache chunk keys) and ``shard_of``
+(a hash of the key, so keys need not be uniform themselves).
+Does not own: where pages live (``kv.home``) or how they are found (``client.kv``).
 """
 
 from __future__ import annotations
@@ -13,11 +16,14 @@ from dataclasses import dataclass
 
 import blake3
 import msgspec
+import xxhash
 
 from tensorcast.errors import InvalidArgument, clip
 from tensorcast.tensors import numpy_dtype
 
-__all__ = ["KVLayout", "page_keys", "shard_of"]
+__all__ = ["MAX_KEY_BYTES", "KVLayout", "check_keys", "page_keys", "shard_of"]
+
+MAX_KEY_BYTES = 512
 
 _ENC = msgspec.msgpack.Encoder()
 
@@ -79,8 +85,14 @@ def page_keys(tokens: Sequence[int], layout: KVLayout) -> list[str]:
 
 
 def shard_of(key: str, num_shards: int) -> int:
-    """The shard a page key belongs to (keys are uniformly distributed hashes)."""
-    try:
-        return int(key[:8], 16) % num_shards
-    except ValueError:
-        raise InvalidArgument(f"page key {clip(key)} is not a hex hash") from None
+    """The shard a page key belongs to: a 64-bit hash of the key (XXH3), so keys of any shape spread evenly."""
+    return xxhash.xxh3_64_intdigest(key.encode()) % num_shards
+
+
+def check_keys(keys: Sequence[str]) -> None:
+    """``InvalidArgument`` unless every key is a non-empty ``str`` of at most ``MAX_KEY_BYTES`` bytes (UTF-8)."""
+    for i, key in enumerate(keys):
+        if type(key) is not str:
+            raise InvalidArgument(f"key {i}: page keys are str, got {type(key).__name__}")
+        if not key or (len(key) > MAX_KEY_BYTES // 4 and len(key.encode()) > MAX_KEY_BYTES):
+            raise InvalidArgument(f"key {i} ({clip(key)}): page keys are 1..{MAX_KEY_BYTES} bytes")
