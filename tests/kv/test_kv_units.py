@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tensorcast.errors import InvalidArgument, ResourceExhausted, StaleFencingToken
+from tensorcast.kv.blocks import BlockRegions
 from tensorcast.kv.hrw import assignment, candidates
 from tensorcast.kv.keys import MAX_KEY_BYTES, KVLayout, check_keys, page_keys, shard_of
 from tensorcast.kv.leases import HomeLeases, LeaseRecord, grant, release, renew
@@ -166,3 +167,31 @@ def test_ttl_expiry_is_exact_after_overwrites_and_heap_rebuilds() -> None:
         assert list(store.index) == ["no-ttl"]
     finally:
         store.close()
+
+
+def test_block_regions_gather_and_scatter_pages_across_layers() -> None:
+    import torch
+
+    # A vLLM-like cache: per layer, K and V as [num_blocks, block_size, kv_heads, head_dim] in bfloat16.
+    torch.manual_seed(0)
+    layers = [torch.randn(2, 10, 16, 2, 8).to(torch.bfloat16) for _ in range(3)]
+    regions = BlockRegions([kv[i] for kv in layers for i in range(2)])
+    assert regions.num_blocks == 10 and regions.page_bytes == 3 * 2 * 16 * 2 * 8 * 2
+    pages = regions.gather(regions.block_ids([7, 2], 2))
+    assert pages.shape == (2, regions.page_bytes)
+    first = torch.cat([kv[i][7].reshape(-1) for kv in layers for i in range(2)]).view(torch.uint8).numpy()
+    assert (pages[0] == first).all()
+    target = [torch.zeros_like(kv) for kv in layers]
+    into = BlockRegions([kv[i] for kv in target for i in range(2)])
+    into.scatter(into.block_ids([4, 9], 2), pages)
+    for t, s in zip(target, layers, strict=True):
+        assert torch.equal(t[:, 4], s[:, 7]) and torch.equal(t[:, 9], s[:, 2])
+    assert all(not t[:, :4].any() for t in target)  # other blocks untouched
+    with pytest.raises(InvalidArgument):
+        regions.block_ids([10], 1)
+    with pytest.raises(InvalidArgument):
+        regions.block_ids([1, 2], 1)
+    with pytest.raises(InvalidArgument):
+        BlockRegions([torch.zeros(4, 8), torch.zeros(5, 8)])
+    with pytest.raises(InvalidArgument):
+        BlockRegions([torch.zeros(8, 4).t()])  # rows not contiguous

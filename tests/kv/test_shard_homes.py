@@ -15,6 +15,7 @@ import xxhash
 import tensorcast as tc
 from tensorcast.cluster import LocalCluster
 from tensorcast.errors import InvalidArgument, StaleFencingToken
+from tensorcast.kv.blocks import BlockRegions
 from tensorcast.kv.hrw import assignment
 from tensorcast.kv.keys import KVLayout, page_keys, shard_of
 from tensorcast.testing import running_cluster
@@ -81,6 +82,14 @@ def test_assignment_is_balanced_and_pages_roundtrip(cluster: LocalCluster) -> No
         assert all(np.array_equal(g, page_for(k)) for g, k in zip(c.kv.get(engine_keys), keys, strict=False))
         with pytest.raises(InvalidArgument):
             c.kv.put([""], [page_for(keys[0])])
+        # Pages straight from and into the blocks of a paged cache (two regions, e.g. K and V).
+        cache = np.stack([page_for(k) for k in keys[:6]]).reshape(6, 2, -1)
+        regions = BlockRegions([cache[:, 0], cache[:, 1]])
+        assert c.kv.put_blocks([f"blk-{i}" for i in range(6)], [5, 4, 3, 2, 1, 0], regions) == 6
+        other = np.zeros_like(cache)
+        hits = c.kv.get_blocks(["blk-0", "missing", "blk-5"], [1, 2, 3], BlockRegions([other[:, 0], other[:, 1]]))
+        assert hits == [True, False, True]
+        assert np.array_equal(other[1], cache[5]) and np.array_equal(other[3], cache[0]) and not other[2].any()
 
 
 def test_global_store_is_touched_per_shard_not_per_page(cluster: LocalCluster) -> None:

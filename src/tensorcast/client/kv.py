@@ -28,6 +28,7 @@ from tensorcast.client.locality import Locality
 from tensorcast.config import KVConfig
 from tensorcast.context import CallContext
 from tensorcast.errors import DeadlineExceeded, InvalidArgument, StaleFencingToken, TensorCastError, Unavailable
+from tensorcast.kv.blocks import BlockRegions
 from tensorcast.kv.keys import KVLayout, check_keys, shard_of
 from tensorcast.limits import check_ttl
 from tensorcast.pool.segments import SegmentGone, map_shared
@@ -383,6 +384,25 @@ class AsyncKV:
                 raise
 
         await self._run(keys, fetch, need_all=False)
+        return hits
+
+    async def put_blocks(self, keys: Sequence[str], blocks: Any, regions: BlockRegions, *,
+                         ttl: float | None = None) -> int:
+        """Store block ``blocks[i]`` of a paged cache (``regions``) as page ``keys[i]``. Returns pages newly
+        stored. The blocks are gathered with one vectorized copy per region, not per page."""
+        ids = regions.block_ids(blocks, len(keys))
+        pages = regions.gather(ids)
+        return await self.put(keys, list(pages), ttl=ttl)
+
+    async def get_blocks(self, keys: Sequence[str], blocks: Any, regions: BlockRegions) -> list[bool]:
+        """Load page ``keys[i]`` into block ``blocks[i]`` of a paged cache (``regions``); hit flags. A page
+        whose size is not ``regions.page_bytes`` is ``InvalidArgument``; missed blocks are left untouched."""
+        ids = regions.block_ids(blocks, len(keys))
+        staging = np.empty((len(keys), regions.page_bytes), np.uint8)
+        hits = await self.get_into(keys, list(staging))
+        hit = np.flatnonzero(hits)
+        if len(hit):
+            regions.scatter(ids[hit], staging[hit])
         return hits
 
     async def _get(self, address: str, keys: list[str], sink: Callable[[Any], list[memoryview]]) -> None:

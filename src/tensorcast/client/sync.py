@@ -21,6 +21,7 @@ from tensorcast.client.reads import Diagnostics
 from tensorcast.config import Config
 from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument
+from tensorcast.kv.blocks import BlockRegions
 from tensorcast.kv.keys import KVLayout
 from tensorcast.plans.builder import Plan, PlanOutcome
 from tensorcast.records import InstanceInfo, Placement, WorkerInfo
@@ -281,6 +282,14 @@ class KV:
 
     def exists(self, keys: Sequence[str]) -> int:
         return self._client._run(self.inner.exists(keys))
+
+    def put_blocks(self, keys: Sequence[str], blocks: Any, regions: BlockRegions, *, ttl: float | None = None) -> int:
+        """Store blocks of a paged cache as pages; see ``AsyncKV.put_blocks``."""
+        return self._client._run(self.inner.put_blocks(keys, blocks, regions, ttl=ttl))
+
+    def get_blocks(self, keys: Sequence[str], blocks: Any, regions: BlockRegions) -> list[bool]:
+        """Load pages into blocks of a paged cache; see ``AsyncKV.get_blocks``."""
+        return self._client._run(self.inner.get_blocks(keys, blocks, regions))
 
 
 class Operations:
