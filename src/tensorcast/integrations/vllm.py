@@ -1,4 +1,5 @@
-"""A vLLM model-loader plugin: ``--load-format tensorcast`` hands vLLM its weights from TensorCast.
+"""vLLM plugins: ``--load-format tensorcast`` hands vLLM its weights from TensorCast; the KV connector
+``TensorCastConnector`` (``integrations.vllm_connector``) is registered here too.
 
 Registered with vLLM's ``register_model_loader`` on a ``BaseModelLoader`` subclass, and exposed through
 the ``vllm.general_plugins`` entry point (``tensorcast = tensorcast.integrations.vllm:register``) so that
@@ -33,10 +34,16 @@ _registered = False
 
 
 def register() -> None:
-    """vLLM plugin entry point: register the ``tensorcast`` load format (idempotent)."""
+    """vLLM plugin entry point: register the ``tensorcast`` load format and the ``TensorCastConnector`` KV
+    connector (``integrations.vllm_connector``) (idempotent)."""
     global _registered
     if _registered:
         return
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if "TensorCastConnector" not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector("TensorCastConnector", "tensorcast.integrations.vllm_connector",
+                                              "TensorCastConnector")
     from vllm.model_executor.model_loader import register_model_loader
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 

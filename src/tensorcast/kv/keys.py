@@ -21,7 +21,7 @@ import xxhash
 from tensorcast.errors import InvalidArgument, clip
 from tensorcast.tensors import numpy_dtype
 
-__all__ = ["MAX_KEY_BYTES", "KVLayout", "check_keys", "page_keys", "shard_of"]
+__all__ = ["MAX_KEY_BYTES", "KVLayout", "PageKeyChain", "check_keys", "page_keys", "shard_of"]
 
 MAX_KEY_BYTES = 512
 
@@ -71,17 +71,30 @@ class KVLayout:
 
 def page_keys(tokens: Sequence[int], layout: KVLayout) -> list[str]:
     """Keys of the full pages of ``tokens``: key i covers tokens ``[0, (i + 1) * page_size)``."""
-    salt = blake3.blake3(_ENC.encode([layout.model_id, layout.layout_id])).digest()
-    keys: list[str] = []
-    prev = salt
-    n = len(tokens) // layout.page_size
-    for i in range(n):
-        block = tokens[i * layout.page_size : (i + 1) * layout.page_size]
-        h = blake3.blake3(prev)
-        h.update(_ENC.encode(list(block)))
-        prev = h.digest()
-        keys.append(prev[:16].hex())
-    return keys
+    chain = PageKeyChain(layout)
+    chain.extend(tokens)
+    return chain.keys
+
+
+class PageKeyChain:
+    """``page_keys`` of a sequence that grows (a request decoding token by token): each ``extend`` hashes
+    only the pages completed since the last one, so a long request costs O(pages) in all, not per step."""
+
+    def __init__(self, layout: KVLayout) -> None:
+        self.page_size = layout.page_size
+        self.keys: list[str] = []
+        self._prev = blake3.blake3(_ENC.encode([layout.model_id, layout.layout_id])).digest()
+
+    def extend(self, tokens: Sequence[int]) -> list[str]:
+        """Keys of the full pages of ``tokens`` (the whole sequence so far, whose first pages must be those
+        hashed before); returns them all."""
+        size = self.page_size
+        for i in range(len(self.keys), len(tokens) // size):
+            h = blake3.blake3(self._prev)
+            h.update(_ENC.encode(list(tokens[i * size : (i + 1) * size])))
+            self._prev = h.digest()
+            self.keys.append(self._prev[:16].hex())
+        return self.keys
 
 
 def shard_of(key: str, num_shards: int) -> int:
