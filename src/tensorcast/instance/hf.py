@@ -3,7 +3,14 @@
 Owns: per-request KV caches of a ``*ForCausalLM``, exporting one as tensors (``publish``), rebuilding it
 in another process (``hydrate``) so decoding continues exactly as if that process had prefilled the
 prompt, copying weights into the parameters in place (``transform_into``), and a few engine commands
-(``prefill``, ``next_logits``, ``generate``, ``drop``) the demo, tests and examples drive.
+(``prefill``, ``next_logits``, ``generate``, ``drop``, ``kv_stats``) the demo, tests and examples drive.
+
+Paged prefix reuse (``kv_reuse=True``, or per request): a prefill looks up the longest stored prefix of the
+prompt in the KV-page store, loads those pages into the request's cache, prefills only the rest, then stores
+the prompt's new full pages; each prefill reports what it reused (``ReuseReport``). The decisions and the
+page format are ``instance.hf_pages``; the store is ``kv=`` (e.g. ``client.kv``) or, under ``serve``, the
+instance runtime's client (``bind_kv``). Pages are keyed by a model id: ``kv_model_id`` (e.g. repo@revision),
+else a fingerprint of the config and weights, recomputed after ``transform_into``.
 
 Layout of a published request (all contiguous, so equal caches give equal bytes and the same artifact):
 ``input_ids`` (the whole prompt, int64), and ``layers.{i}.keys`` / ``layers.{i}.values`` shaped
@@ -16,14 +23,26 @@ from __future__ import annotations
 
 import inspect
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from tensorcast.errors import InvalidArgument, NotFound, clip
 from tensorcast.instance.adaptor import InstanceLoad
+from tensorcast.instance.hf_pages import PageIO, ReuseReport, ReuseStats, fetch_prefix, layout_of, store_pages
+from tensorcast.kv.keys import KVLayout
 
 __all__ = ["HFCausalLMAdaptor", "tiny_llama"]
+
+
+def _sync_kv(kv: PageIO) -> PageIO:
+    # Adaptor calls run on an engine thread and block on the store: an ``AsyncClient``'s coroutines would
+    # never run there. Refuse them up front rather than fail at the first request.
+    if inspect.iscoroutinefunction(getattr(kv, "exists", None)):
+        raise InvalidArgument("kv must make synchronous calls: pass a Client's kv (tc.connect(...).kv), "
+                              "not an AsyncClient's")
+    return kv
 
 
 @dataclass
@@ -32,12 +51,15 @@ class _Request:
     cache: Any  # DynamicCache covering input_ids[:, :cached]
     cached: int
     logits: Any = None  # next-token logits once computed
+    kv: ReuseReport | None = None  # what prefix reuse did for its prefill
 
 
 class HFCausalLMAdaptor:
     engine = "transformers"
 
-    def __init__(self, model: Any, *, kv_tokens_capacity: int = 1 << 20) -> None:
+    def __init__(self, model: Any, *, kv_tokens_capacity: int = 1 << 20, kv: PageIO | None = None,
+                 kv_reuse: bool = False, kv_page_size: int = 16, kv_model_id: str | None = None,
+                 kv_page_ttl: float | None = None) -> None:
         self.model = model.eval()
         # transformers renamed ``past_key_values`` to ``cache`` (5.2x); speak whichever this version takes.
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -45,12 +67,23 @@ class HFCausalLMAdaptor:
         self.kv_tokens_capacity = kv_tokens_capacity
         self.requests: dict[str, _Request] = {}
         self._lock = threading.Lock()
+        self.kv = _sync_kv(kv) if kv is not None else None
+        self.kv_reuse = kv_reuse
+        self.kv_page_size = kv_page_size
+        self.kv_model_id = kv_model_id
+        self.kv_page_ttl = kv_page_ttl
+        self.kv_stats = ReuseStats()
+        self.forwarded_tokens = 0  # every token a forward pass ran on: what reuse saves is visible here
+        self._layout: KVLayout | None = None
+        if kv_reuse:
+            self.kv_layout()  # refuse a model whose caches cannot be paged now, not at the first request
 
     # ----------------------------------------------------------------- helpers
     def _forward(self, ids: Any, cache: Any, start: int) -> Any:
         import torch
 
         n = ids.shape[1]
+        self.forwarded_tokens += n
         with torch.no_grad():
             out = self.model(
                 input_ids=ids,
@@ -72,17 +105,72 @@ class HFCausalLMAdaptor:
         except KeyError:
             raise NotFound(f"no request {clip(request_id)} on this instance") from None
 
-    # ----------------------------------------------------------------- engine commands
-    def prefill(self, request_id: str, input_ids: list[int]) -> list[float]:
+    # ----------------------------------------------------------------- KV pages
+    def bind_kv(self, kv: PageIO) -> None:
+        """Called by the instance runtime with its client's KV calls; a store given to the constructor wins."""
+        if self.kv is None:
+            self.kv = _sync_kv(kv)
+
+    def kv_layout(self) -> KVLayout:
+        """The page layout of this model (its model id fingerprints the weights unless ``kv_model_id`` is set)."""
+        if self._layout is None:
+            dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+            model_id = self.kv_model_id or self._fingerprint()
+            self._layout = layout_of(self.config, dtype, model_id, self.kv_page_size)
+        return self._layout
+
+    def _fingerprint(self) -> str:
+        # Pages of other weights would be wrong K/V under the same token keys: without a model id, name the
+        # model by its config and every parameter's bytes (hashed once; transform_into invalidates it).
+        import blake3
         import torch
 
+        h = blake3.blake3(self.config.to_json_string(use_diff=False).encode())
+        for name, t in sorted(self.model.state_dict().items()):
+            h.update(name.encode())
+            h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        return f"hf-weights:{h.hexdigest()[:32]}"
+
+    @staticmethod
+    def _layers(cache: Any) -> list[tuple[Any, Any]]:
+        return [(layer.keys, layer.values) for layer in cache.layers]
+
+    # ----------------------------------------------------------------- engine commands
+    def prefill(self, request_id: str, input_ids: list[int], *, kv_reuse: bool | None = None) -> list[float]:
+        """Prefill a prompt; with KV reuse (``kv_reuse``, default the adaptor's), take its longest stored prefix
+        from the page store and store its new full pages. ``kv_report(request_id)`` says what was reused."""
+        import torch
+
+        input_ids = [int(t) for t in input_ids]  # page keys hash the tokens as plain ints
         ids = torch.tensor([input_ids], dtype=torch.long)
         if ids.shape[1] < 2:
             raise InvalidArgument("a prompt needs at least two tokens")
-        out, cache = self._forward(ids, self._new_cache(), 0)
-        req = _Request(ids, cache, ids.shape[1], out.logits[0, -1].clone())
+        reuse = self.kv_reuse if kv_reuse is None else kv_reuse
+        report = ReuseReport(enabled=reuse, prompt_tokens=ids.shape[1])
+        cache, start = self._new_cache(), 0
+        kv, layout, prefix = self.kv, None, None
+        if reuse:
+            if kv is None:
+                raise InvalidArgument("KV reuse needs a KV-page store: pass kv= or serve the adaptor")
+            layout = self.kv_layout()
+            report.page_size = layout.page_size
+            prefix = fetch_prefix(kv, layout, input_ids, report)
+            for i, (k, v) in enumerate(prefix.layers):
+                cache.update(k, v, i)
+            start = prefix.plan.reuse_tokens
+        t0, before = time.perf_counter(), self.forwarded_tokens
+        out, cache = self._forward(ids[:, start:], cache, start)
+        report.prefill_s, report.prefilled_tokens = time.perf_counter() - t0, self.forwarded_tokens - before
+        if kv is not None and layout is not None and prefix is not None:
+            store_pages(kv, layout, prefix, self._layers(cache), self.kv_page_ttl, report)
+        req = _Request(ids, cache, ids.shape[1], out.logits[0, -1].clone(), report)
         self.requests[request_id] = req
+        self.kv_stats.add(report)
         return [float(x) for x in req.logits]
+
+    def kv_report(self, request_id: str) -> ReuseReport | None:
+        """What prefix reuse did for the request's prefill (None: hydrated, not prefilled here)."""
+        return self._request(request_id).kv
 
     def next_logits(self, request_id: str) -> list[float]:
         req = self._request(request_id)
@@ -112,7 +200,12 @@ class HFCausalLMAdaptor:
 
     def engine_command(self, command: str, args: Mapping[str, Any]) -> dict[str, Any]:
         if command == "prefill":
-            return {"logits": self.prefill(str(args["request_id"]), list(args["input_ids"]))}
+            rid, reuse = str(args["request_id"]), args.get("kv_reuse")
+            logits = self.prefill(rid, list(args["input_ids"]), kv_reuse=None if reuse is None else bool(reuse))
+            report = self.kv_report(rid)
+            return {"logits": logits, "kv": report.as_dict() if report is not None else {}}
+        if command == "kv_stats":
+            return self.kv_stats.as_dict()
         if command == "next_logits":
             return {"logits": self.next_logits(str(args["request_id"]))}
         if command == "generate":
@@ -165,6 +258,7 @@ class HFCausalLMAdaptor:
                 if tuple(dst.shape) != tuple(src.shape):
                     raise InvalidArgument(f"{name}: shape {tuple(src.shape)} != parameter {tuple(dst.shape)}")
                 dst.copy_(src)
+        self._layout = None  # new weights: new fingerprint (unless kv_model_id names the model)
 
     def load(self) -> InstanceLoad:
         used = sum(r.cached for r in self.requests.values())

@@ -4,8 +4,9 @@ Owns: ``serve(adaptor, worker=..., instance_id=...)`` — an RPC endpoint (on it
 that the gateway calls for ``publish``/``hydrate``/``transform_into``/engine commands; registering with
 the home worker (which records the instance at the global store); heartbeating the adaptor's load; and
 moving tensors between the adaptor and the pool (publish stores a caller-leased artifact on the home
-worker; hydrate/transform_into read artifacts, zero-copy when they are on this host). Does not own: the
-engine (the adaptor) or routing (the gateway).
+worker; hydrate/transform_into read artifacts, zero-copy when they are on this host); and lending the adaptor
+its client's KV-page calls (an adaptor with a ``bind_kv`` method gets an ``EngineKV``, for prefix reuse).
+Does not own: the engine (the adaptor) or routing (the gateway).
 """
 
 from __future__ import annotations
@@ -15,15 +16,17 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from tensorcast.client.aio import AsyncClient
+from tensorcast.client.kv import AsyncKV
 from tensorcast.client.loop import LoopThread
 from tensorcast.config import Config
 from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, clip
 from tensorcast.instance.adaptor import InstanceAdaptor
+from tensorcast.kv.keys import KVLayout
 from tensorcast.obs import metrics, tracing
 from tensorcast.obs.http import HttpServer
 from tensorcast.obs.metrics import Sample
@@ -31,9 +34,30 @@ from tensorcast.records import InstanceInfo
 from tensorcast.wire.messages import Ack, InstanceCall, InstanceHeartbeat, InstanceReply, RegisterInstance
 from tensorcast.wire.rpc import HandlerRegistry, Request, RpcServer
 
-__all__ = ["InstanceRuntime", "serve"]
+__all__ = ["EngineKV", "InstanceRuntime", "serve"]
 
 log = logging.getLogger("tensorcast.instance")
+
+
+class EngineKV:
+    """The runtime client's KV-page calls, made synchronously from the engine thread (adaptor calls run on a
+    worker thread while the runtime's event loop is free): one client and one connection per instance."""
+
+    def __init__(self, kv: AsyncKV, loop: LoopThread) -> None:
+        self._kv, self._loop = kv, loop
+
+    def exists(self, keys: Sequence[str]) -> int:
+        return self._loop.run(self._kv.exists(keys))
+
+    def get(self, keys: Sequence[str]) -> list[Any]:
+        return self._loop.run(self._kv.get(keys))
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[Any], *, layout: KVLayout | None = None) -> list[bool]:
+        return self._loop.run(self._kv.get_into(keys, buffers, layout=layout))
+
+    def put(self, keys: Sequence[str], pages: Sequence[Any], *, ttl: float | None = None,
+            layout: KVLayout | None = None) -> int:
+        return self._loop.run(self._kv.put(keys, pages, ttl=ttl, layout=layout))
 
 
 class InstanceRuntime:
@@ -68,6 +92,9 @@ class InstanceRuntime:
         self._client = AsyncClient(self.worker_address, self.token, config=self.config)
         welcome = await self._client.caller.connect()
         self.home_worker = welcome.server_id
+        bind_kv = getattr(self.adaptor, "bind_kv", None)
+        if callable(bind_kv):  # optional: engines that reuse KV pages (e.g. the HF adaptor's prefix reuse)
+            bind_kv(EngineKV(self._client.kv, self._loop))
         registry = HandlerRegistry()
         registry.register(InstanceCall, self._handle)
         self._server = RpcServer(registry, self.config.wire, token=self.token, server_id=self.instance_id,

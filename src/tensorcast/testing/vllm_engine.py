@@ -32,7 +32,8 @@ def tiny_llama_dir(path: Path, *, layers: int = 2, hidden: int = 256, vocab: int
                       num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 128),
                       max_position_embeddings=4096, tie_word_embeddings=False)
     torch.manual_seed(seed)
-    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path)
+    model = LlamaForCausalLM(cfg)  # type: ignore[no-untyped-call]
+    model.float().save_pretrained(path)  # type: ignore[no-untyped-call]
     return path
 
 
