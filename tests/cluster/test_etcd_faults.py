@@ -15,9 +15,8 @@ import xxhash
 import tensorcast as tc
 from tensorcast.cluster import LocalCluster
 from tensorcast.errors import StaleFencingToken, TensorCastError
-from tensorcast.kv.hrw import assignment
 from tensorcast.kv.keys import KVLayout, page_keys, shard_of
-from tensorcast.testing import running_cluster
+from tensorcast.testing import running_cluster, wait_shards_settled
 from tensorcast.testing.etcd import EtcdCluster
 from tensorcast.testing.tools import require_tool
 from tensorcast.wire.kv_messages import KVPut, KVPutReply, RenewShards, ShardGrants
@@ -157,15 +156,8 @@ def test_stale_fencing_tokens_rejected_after_etcd_leader_changes(etcd: EtcdClust
         # Both global stores announce themselves: any client lists both metrics endpoints.
         stores = {url for name, url in c.metrics_urls().items() if name.startswith("gs")}
         assert stores == {cluster.metrics_urls["gs"], cluster.metrics_urls["gs1"]}
-        deadline = time.monotonic() + 30  # every shard held by its HRW home (both homes hold their share)
-        while True:
-            table = c.list_shards()
-            want = assignment(table.num_shards, {"w0", "w1"})
-            if sum(1 for lease in table.leases if lease.holder == want[lease.shard] and lease.expiry > table.now) \
-                    == table.num_shards:
-                break
-            assert time.monotonic() < deadline, "shards not settled on w0 and w1"
-            time.sleep(0.2)
+        wait_shards_settled(c, {"w0", "w1"})  # every shard held by its HRW home (both hold their share)
+        table = c.list_shards()
         paused = "w1"
         old = {lease.shard: lease for lease in table.leases if lease.holder == paused}
         assert old
@@ -223,9 +215,5 @@ def test_restarted_worker_reannounces_and_rejoins_on_etcd(etcd: EtcdCluster) -> 
             assert time.monotonic() < deadline, tiers
             time.sleep(0.2)
         cluster.restart_worker("w1")
-        deadline = time.monotonic() + 30  # both compete for shards again: the HRW assignment returns
-        while {lease.holder for lease in c.list_shards().leases if lease.expiry > c.list_shards().now} \
-                != {"w0", "w1"}:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        wait_shards_settled(c, {"w0", "w1"})  # both compete for shards again: the HRW assignment returns
         assert np.array_equal(c.artifact("durable/a").tensor("w", like="numpy"), data["w"])

@@ -5,6 +5,7 @@ checked."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 
@@ -15,10 +16,9 @@ import xxhash
 import tensorcast as tc
 from tensorcast.cluster import LocalCluster
 from tensorcast.errors import StaleFencingToken
-from tensorcast.kv.hrw import assignment
 from tensorcast.kv.keys import KVLayout, page_keys, shard_of
 from tensorcast.netns import ROOT, netns_available
-from tensorcast.testing import running_cluster
+from tensorcast.testing import running_cluster, wait_shards_settled
 from tensorcast.wire.kv_messages import KVGet, KVGetReply, KVPut, KVPutReply
 
 LAYOUT = KVLayout("netns-model", layers=1, kv_heads=2, head_dim=32, dtype="float16", page_size=16)
@@ -32,36 +32,26 @@ def page_for(key: str, version: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 255, LAYOUT.page_bytes, dtype=np.uint8)
 
 
-@pytest.fixture()
-def cluster() -> Iterator[LocalCluster]:
+def require_netns() -> None:
+    """Skip without network namespaces (root and iproute2), or fail where CI promises them."""
     if not netns_available():
-        import os
-
         why = "network namespaces need root and iproute2"
         if os.environ.get("TENSORCAST_REQUIRE_SYSTEM_TOOLS") == "1":
             pytest.fail(why)
         pytest.skip(why)
+
+
+@pytest.fixture()
+def cluster() -> Iterator[LocalCluster]:
+    require_netns()
     with running_cluster(workers=2, hosts=2, netns=True, config=CONFIG) as c:
         yield c
-
-
-def wait_assigned(client: tc.Client, homes: set[str], timeout: float = 30.0) -> dict[int, tuple[str, int]]:
-    deadline = time.monotonic() + timeout
-    while True:
-        t = client.list_shards()
-        want = assignment(t.num_shards, homes)
-        held = {lease.shard: (lease.holder, lease.token) for lease in t.leases
-                if lease.holder == want[lease.shard] and lease.expiry > t.now}
-        if len(held) == t.num_shards:
-            return held
-        assert time.monotonic() < deadline, f"shards not settled on {homes}"
-        time.sleep(0.2)
 
 
 def test_shard_home_cut_from_global_store_steps_down_first(cluster: LocalCluster) -> None:
     gateways = [h.address for h in cluster.workers.values()]
     with tc.connect(gateways[0], cluster.token) as c:
-        wait_assigned(c, {"w0", "w1"})
+        wait_shards_settled(c, {"w0", "w1"})
         table = c.list_shards()
         mine = {lease.shard: lease for lease in table.leases if lease.holder == "w1"}
         keys = [k for k in page_keys(list(range(400 * LAYOUT.page_size)), LAYOUT)
@@ -107,7 +97,7 @@ def test_shard_home_cut_from_global_store_steps_down_first(cluster: LocalCluster
         assert all(g is not None and np.array_equal(g, page_for(k, 1)) for k, g in zip(keys, got, strict=True))
 
         cluster.net.heal()  # type: ignore[union-attr]
-        wait_assigned(c, {"w0", "w1"})  # w1 competes again and gets its shards back, with new tokens
+        wait_shards_settled(c, {"w0", "w1"})  # w1 competes again and gets its shards back, with new tokens
         after = {lease.shard: lease.token for lease in c.list_shards().leases if lease.shard in tokens}
         assert all(after[s] > tokens[s] for s in tokens)
         for k, g in zip(keys, c.kv.get(keys), strict=True):  # a miss (moved homes) or the new bytes, never old
@@ -165,8 +155,7 @@ def test_latency_and_loss_slow_calls_down_without_breaking_them(cluster: LocalCl
 
 
 def test_hosts_are_removed_even_when_the_test_fails() -> None:
-    if not netns_available():
-        pytest.skip("network namespaces need root and iproute2")
+    require_netns()
     import subprocess
 
     from tensorcast.netns import Hosts

@@ -16,9 +16,8 @@ import tensorcast as tc
 from tensorcast.cluster import LocalCluster
 from tensorcast.errors import InvalidArgument, StaleFencingToken
 from tensorcast.kv.blocks import BlockRegions
-from tensorcast.kv.hrw import assignment
 from tensorcast.kv.keys import KVLayout, page_keys, shard_of
-from tensorcast.testing import running_cluster
+from tensorcast.testing import running_cluster, wait_shards_settled
 from tensorcast.wire.kv_messages import GSStats, GSStatsReply, KVGet, KVGetReply, KVPut, KVPutReply
 
 LAYOUT = KVLayout("test-model", layers=2, kv_heads=2, head_dim=32, dtype="float16", page_size=16)
@@ -36,20 +35,6 @@ def keys_for(seq: int, pages: int = 8) -> list[str]:
     return page_keys([seq * 7919 + i for i in range(pages * LAYOUT.page_size)], LAYOUT)
 
 
-def wait_all_held(client: tc.Client, homes: set[str], timeout: float = 15.0) -> dict[int, tuple[str, int]]:
-    """Wait until every shard is held by its HRW choice among ``homes`` (the assignment has converged)."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        t = client.list_shards()
-        want = assignment(t.num_shards, homes)
-        held = {lease.shard: (lease.holder, lease.token) for lease in t.leases
-                if lease.holder == want[lease.shard] and lease.expiry > t.now}
-        if len(held) == t.num_shards:
-            return held
-        time.sleep(0.1)
-    raise AssertionError(f"shards not all held by their HRW homes among {homes} after {timeout}s")
-
-
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
     with running_cluster(workers=4, config=KV_CONFIG) as c:
@@ -58,7 +43,7 @@ def cluster() -> Iterator[LocalCluster]:
 
 def test_assignment_is_balanced_and_pages_roundtrip(cluster: LocalCluster) -> None:
     with tc.connect(cluster.address) as c:
-        held = wait_all_held(c, set(cluster.worker_ids))
+        held = wait_shards_settled(c, set(cluster.worker_ids))
         counts = {w: sum(1 for h, _ in held.values() if h == w) for w in cluster.worker_ids}
         fair = len(held) / len(counts)
         assert max(counts.values()) <= 2 * fair, counts
@@ -94,7 +79,7 @@ def test_assignment_is_balanced_and_pages_roundtrip(cluster: LocalCluster) -> No
 
 def test_global_store_is_touched_per_shard_not_per_page(cluster: LocalCluster) -> None:
     with tc.connect(cluster.address) as c:
-        wait_all_held(c, set(cluster.worker_ids))
+        wait_shards_settled(c, set(cluster.worker_ids))
 
         def gs_requests() -> int:
             gs = tc.connect(cluster.gs_address)
@@ -126,7 +111,7 @@ def test_kill_a_shard_home_under_load_never_serves_wrong_bytes() -> None:
     with running_cluster(workers=3, config=KV_CONFIG) as cluster:
         victim = "w2"
         with tc.connect(cluster.address) as c:
-            before = wait_all_held(c, set(cluster.worker_ids))
+            before = wait_shards_settled(c, set(cluster.worker_ids))
             victim_shards = {s for s, (h, _) in before.items() if h == victim}
             assert victim_shards
             stop = threading.Event()
@@ -157,7 +142,7 @@ def test_kill_a_shard_home_under_load_never_serves_wrong_bytes() -> None:
             t_kill = time.time()
             cluster.kill_worker(victim)
             survivors = {w for w in cluster.worker_ids if w != victim}
-            after = wait_all_held(c, survivors, timeout=TTL + RENEW + 10)
+            after = wait_shards_settled(c, survivors, timeout=TTL + RENEW + 10)
             rehomed = time.time() - t_kill
             time.sleep(1.0)
             stop.set()
@@ -173,7 +158,7 @@ def test_paused_home_is_fenced_off_when_it_wakes() -> None:
     with running_cluster(workers=3, config=KV_CONFIG) as cluster:
         paused = "w1"
         with tc.connect(cluster.address) as c:
-            wait_all_held(c, set(cluster.worker_ids))
+            wait_shards_settled(c, set(cluster.worker_ids))
             # Pages on shards that the soon-paused home holds.
             stale_kv = c.aio.kv
             cands = [k for seq in range(5000, 5200) for k in keys_for(seq, 1)]
@@ -189,7 +174,7 @@ def test_paused_home_is_fenced_off_when_it_wakes() -> None:
             try:
                 time.sleep(TTL + RENEW * 2 + 1.0)
                 survivors = {w for w in cluster.worker_ids if w != paused}
-                after = wait_all_held(c, survivors, timeout=10)
+                after = wait_shards_settled(c, survivors, timeout=10)
             finally:
                 cluster.resume_worker(paused)
             assert all(after[s][1] > old_tokens[s] for s in old_tokens)
@@ -208,5 +193,5 @@ def test_paused_home_is_fenced_off_when_it_wakes() -> None:
             assert stale_kv is c.aio.kv
             assert c.kv.get(mine) == [None] * len(mine)
             # The woken home stepped down: once the assignment returns to it, its old pages are gone too.
-            wait_all_held(c, set(cluster.worker_ids), timeout=15)
+            wait_shards_settled(c, set(cluster.worker_ids), timeout=15)
             assert c.kv.get(mine) == [None] * len(mine)

@@ -4,8 +4,6 @@ Real processes; the corruption is injected on the sending side (``wire.fault_cor
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
@@ -14,8 +12,7 @@ from tensorcast.checksums import ChunkCorrupted
 from tensorcast.client.puts import PUT_DATA_ATTEMPTS
 from tensorcast.errors import NotFound
 from tensorcast.kv import KVLayout, page_keys
-from tensorcast.kv.hrw import assignment
-from tensorcast.testing import RawPeer, running_cluster
+from tensorcast.testing import RawPeer, running_cluster, wait_shards_settled
 from tensorcast.wire.messages import ErrorReply, PutBegin, PutData, PutPlan
 from tensorcast.wire.protocol import ERROR
 
@@ -51,7 +48,7 @@ def test_kv_pages_are_checked_both_ways() -> None:
     # Every worker corrupts one chunk of each of its next 3 replies with pages; the client its next 2 puts.
     with running_cluster(workers=2, config={"wire.fault_corrupt_payload_chunks": 3, "kv.lease_ttl": 3.0}) as cluster, \
             tc.connect(cluster.address, config=_far(**{"wire.fault_corrupt_payload_chunks": 2})) as c:
-        _wait_converged(c, set(cluster.worker_ids))  # pages put while shards move to their homes are misses
+        wait_shards_settled(c, set(cluster.worker_ids))  # pages put while shards move to their homes are misses
         assert c.kv.put(keys, pages) == len(keys)
         refreshed = c.aio.kv.table_refreshes
         for _ in range(3):
@@ -61,17 +58,6 @@ def test_kv_pages_are_checked_both_ways() -> None:
             assert all(c.kv.get_into(keys, bufs))
             assert all(np.array_equal(b, p) for b, p in zip(bufs, pages, strict=True))
         assert c.aio.kv.table_refreshes > refreshed  # corrupted replies were refused and the reads retried
-
-
-def _wait_converged(c: tc.Client, homes: set[str], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        t = c.list_shards()
-        want = assignment(t.num_shards, homes)
-        if sum(1 for lease in t.leases if lease.holder == want[lease.shard] and lease.expiry > t.now) == t.num_shards:
-            return
-        time.sleep(0.1)
-    raise AssertionError("shards did not settle on their homes")
 
 
 def test_a_payload_without_checksums_is_refused() -> None:

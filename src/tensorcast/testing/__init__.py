@@ -5,7 +5,7 @@ is stopped by PID when the fixture ends, and the fixture fails the test if share
 processes were left behind.
 """
 
-from tensorcast.testing.cluster import leaked_segments, running_cluster
+from tensorcast.testing.cluster import leaked_segments, running_cluster, wait_shards_settled
 from tensorcast.testing.raw import RawPeer
 
-__all__ = ["RawPeer", "leaked_segments", "running_cluster"]
+__all__ = ["RawPeer", "leaked_segments", "running_cluster", "wait_shards_settled"]

@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
 from tensorcast.cluster import LocalCluster
 from tensorcast.pool.segments import SHM_DIR
 
-__all__ = ["leaked_segments", "running_cluster"]
+__all__ = ["leaked_segments", "running_cluster", "wait_shards_settled"]
 
 
 def leaked_segments(prefix: str) -> list[str]:
@@ -46,3 +47,22 @@ def running_cluster(**kwargs: Any) -> Iterator[LocalCluster]:
     leaks = leaked_segments(cluster.shm_prefix)
     assert not alive, f"processes left running: {alive}"
     assert not leaks, f"shared-memory segments left behind: {leaks}"
+
+
+def wait_shards_settled(client: Any, homes: set[str], timeout: float = 30.0) -> dict[int, tuple[str, int]]:
+    """Wait until every KV shard is held, unexpired, by its HRW home among ``homes`` (leases move there
+    within a few renewals after homes start or stop); returns ``{shard: (holder, fencing token)}``."""
+    from tensorcast.kv.hrw import assignment
+
+    deadline = time.monotonic() + timeout
+    while True:
+        table = client.list_shards()
+        want = assignment(table.num_shards, homes)
+        held = {lease.shard: (lease.holder, lease.token) for lease in table.leases
+                if lease.holder == want[lease.shard] and lease.expiry > table.now}
+        if len(held) == table.num_shards:
+            return held
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{table.num_shards - len(held)} shards not held by their HRW homes among "
+                                 f"{sorted(homes)} after {timeout:g} s")
+        time.sleep(0.1)
