@@ -192,9 +192,9 @@ def up(workers: int, hosts: int, data_dir: str, memory: str | None, restart_dead
     config = Config.load(None, {**_overrides(sets, {}), "gs.etcd_endpoints": etcd})
     check_exporter(config.tracing)
     if etcd:
-        from tensorcast.gs.etcd_client import parse_endpoints
+        from tensorcast.gs.etcd_client import check_reachable
 
-        parse_endpoints(etcd)
+        check_reachable(etcd)
     cluster = LocalCluster(workers=workers, hosts=hosts, data_dir=data_dir, memory_capacity=memory,
                            config=_overrides(sets, {}), token=os.environ.get("TENSORCAST_TOKEN"), etcd=etcd,
                            global_stores=global_stores)

@@ -180,3 +180,14 @@ def test_load_registers_a_checkpoint_and_warms_it(cli: Any, shared_cluster: Loca
     assert "registered, not read" in r.stdout and "warm on w1" in r.stdout
     assert "reading into w1" in r.stderr and "KiB" in r.stderr and not re.search(r"\d (kB|MB)\b", r.stderr)
     cli.assert_one_line_error(cli("load", str(tmp_path), "cli/bad"), "NOT_FOUND")
+
+
+def test_up_refuses_bad_configuration_before_starting_anything(cli_anywhere: Any, tmp_path: Path) -> None:
+    from tensorcast.testing.tools import unused_port
+
+    dead = f"http://127.0.0.1:{unused_port()}"  # nothing listens there
+    r = cli_anywhere("up", "--etcd", dead, "--data-dir", str(tmp_path / "d"), timeout=20)
+    cli_anywhere.assert_one_line_error(r, "UNAVAILABLE", "etcd", dead.removeprefix("http://"))
+    r = cli_anywhere("up", "--global-stores", "2", "--data-dir", str(tmp_path / "d"), timeout=20)
+    cli_anywhere.assert_one_line_error(r, "INVALID_ARGUMENT", "--etcd")
+    assert not (tmp_path / "d" / "logs").exists()  # no process was started

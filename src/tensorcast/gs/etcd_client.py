@@ -52,6 +52,19 @@ def parse_endpoints(urls: str | list[str]) -> list[tuple[str, int]]:
     return out
 
 
+def check_reachable(urls: str | list[str], timeout: float = 2.0) -> None:
+    """``Unavailable`` in one line unless at least one endpoint accepts a TCP connection (a quick check
+    before starting processes that would otherwise retry for ``gs.etcd_timeout``)."""
+    errors = []
+    for host, port in parse_endpoints(urls):
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            return
+        except OSError as exc:
+            errors.append(f"{host}:{port} ({exc.strerror or exc})")
+    raise Unavailable(f"no etcd endpoint accepts connections: {', '.join(errors)}")
+
+
 def prefix_end(prefix: bytes) -> bytes:
     """The range end that covers every key starting with ``prefix``."""
     b = bytearray(prefix)
