@@ -179,9 +179,10 @@ def _check_bind(host: str, token: str | None) -> None:
 @click.option("--etcd", default=None, metavar="URL[,URL...]", help="Keep the metadata on this etcd cluster.")
 @click.option("--global-stores", type=click.IntRange(min=1), default=1, show_default=True,
               help="Global-store processes serving it at once (more than one needs --etcd).")
+@_config_option
 @_set_option
 def up(workers: int, hosts: int, data_dir: str, memory: str | None, restart_dead: bool, etcd: str | None,
-       global_stores: int, sets: tuple[str, ...]) -> None:
+       global_stores: int, config_path: str | None, sets: tuple[str, ...]) -> None:
     """Start a local cluster (global store + workers) until Ctrl-C; say when one of its processes dies."""
     from tensorcast.cluster import LocalCluster
     from tensorcast.obs.tracing import check_exporter
@@ -189,8 +190,10 @@ def up(workers: int, hosts: int, data_dir: str, memory: str | None, restart_dead
     if global_stores > 1 and not etcd:
         raise InvalidArgument("--global-stores above 1 needs --etcd (SQLite has one writer)")
     # Configuration mistakes are refused here, in one line, before any process starts.
-    config = Config.load(None, {**_overrides(sets, {}), "gs.etcd_endpoints": etcd})
+    config = Config.load(config_path, {**_overrides(sets, {}), "gs.etcd_endpoints": etcd})
     check_exporter(config.tracing)
+    if config_path:  # every process of the cluster reads the same file (they inherit the environment)
+        os.environ["TENSORCAST_CONFIG"] = os.path.abspath(config_path)
     if etcd:
         from tensorcast.gs.etcd_client import check_reachable
 

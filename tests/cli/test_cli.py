@@ -190,4 +190,7 @@ def test_up_refuses_bad_configuration_before_starting_anything(cli_anywhere: Any
     cli_anywhere.assert_one_line_error(r, "UNAVAILABLE", "etcd", dead.removeprefix("http://"))
     r = cli_anywhere("up", "--global-stores", "2", "--data-dir", str(tmp_path / "d"), timeout=20)
     cli_anywhere.assert_one_line_error(r, "INVALID_ARGUMENT", "--etcd")
+    (tmp_path / "bad.toml").write_text("[worker]\nmemory_capacity = 'lots'\n")
+    r = cli_anywhere("up", "--config", str(tmp_path / "bad.toml"), "--data-dir", str(tmp_path / "d"), timeout=20)
+    cli_anywhere.assert_one_line_error(r, "INVALID_ARGUMENT", "worker.memory_capacity")
     assert not (tmp_path / "d" / "logs").exists()  # no process was started

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import tensorcast as tc
+
 
 def _alive(pid: int) -> bool:
     try:
@@ -125,3 +127,11 @@ def test_up_restarts_dead_processes_with_restart_dead(tmp_path: Path, cli_anywhe
         up.expect(rf"^global store \(pid {pids['gs']}\) died: killed by SIGKILL", timeout=5)
         pids["gs (restarted)"] = int(up.expect(r"^restarted global store: pid (\d+)", timeout=30)[1])
         assert _alive(pids["gs (restarted)"])
+
+
+def test_up_gives_every_process_its_config_file(tmp_path: Path) -> None:
+    (tmp_path / "tc.toml").write_text('[worker]\nmemory_capacity = "300MiB"\n')
+    with running_up(tmp_path, "--config", str(tmp_path / "tc.toml")) as (_up, _pids):
+        address = json.loads((tmp_path / "tc-data" / "cluster.json").read_text())["workers"]["w0"]["address"]
+        with tc.connect(address) as client:
+            assert {w.memory_capacity for w in client.list_workers()} == {300 << 20}
