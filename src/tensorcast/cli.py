@@ -57,7 +57,9 @@ if TYPE_CHECKING:
     from tensorcast.client.sync import Artifact, Client
     from tensorcast.cluster import LocalCluster
 
-console = Console()
+# Piped into a file or another program, a table keeps whole cells (rich would cut them to 80 columns).
+_piped = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+console = Console(width=1000 if _piped else None)
 err_console = Console(stderr=True)
 
 

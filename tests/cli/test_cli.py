@@ -194,3 +194,9 @@ def test_up_refuses_bad_configuration_before_starting_anything(cli_anywhere: Any
     r = cli_anywhere("up", "--config", str(tmp_path / "bad.toml"), "--data-dir", str(tmp_path / "d"), timeout=20)
     cli_anywhere.assert_one_line_error(r, "INVALID_ARGUMENT", "worker.memory_capacity")
     assert not (tmp_path / "d" / "logs").exists()  # no process was started
+
+
+def test_piped_tables_keep_whole_cells(cli: Any, client: tc.Client) -> None:
+    key = "cli/" + "a-long-key-name-" * 8  # wider than the 80 columns rich assumes without a terminal
+    client.put(np.arange(3), key=key)
+    assert key in cli("ls", "cli/", env={"COLUMNS": None}).stdout
