@@ -77,6 +77,10 @@ RULES: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
     (("tensorcast.worker", "tensorcast.kv.home"),
      ("tensorcast.client", "tensorcast.cluster", "tensorcast.cli"),
      "a worker does not call itself through the caller SDK"),
+    (("tensorcast.api", "tensorcast.integrations"),
+     ("tensorcast.worker", "tensorcast.gs", "tensorcast.cluster", "tensorcast.kv.home", "tensorcast.wire",
+      "tensorcast.transport", "tensorcast.cli"),
+     "engine-facing APIs and engine plugins sit on the caller SDK"),
 ]
 
 

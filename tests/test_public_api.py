@@ -19,6 +19,23 @@ def test_exports() -> None:
     assert sorted(tensorcast.aio.__all__) == ["AsyncArtifact", "AsyncClient", "AsyncView", "connect"]
 
 
+def test_engine_facing_exports() -> None:
+    """Engines import these by name: SGLang's bundled TensorCast backend (``tensorcast.api.store``) and the
+    KV plumbing its and our connectors use."""
+    import tensorcast.api.store
+    import tensorcast.kv
+
+    assert set(tensorcast.api.store.__all__) >= {
+        "AllocatorTransferOptions", "ByteArtifactKeyspace", "ByteArtifactSpec", "HostMemorySpan",
+        "RegionArtifactExistsResult", "RegionArtifactInputError", "RegionArtifactTransfer",
+        "RegionArtifactTransferResult", "RegionBackedArtifactSession", "RegionBackedArtifactSessionOptions",
+        "RegionSessionFailedError", "RegionSessionFailure", "RegionSessionFailureCode", "RegionSessionOperationKind",
+        "RegionSessionTerminatedError", "ScratchTransferOptions"}
+    for name in tensorcast.api.store.__all__:
+        assert hasattr(tensorcast.api.store, name), name
+    assert sorted(tensorcast.kv.__all__) == ["BlockRegions", "KVLayout", "page_keys", "shard_of"]
+
+
 def test_error_tree_and_codes() -> None:
     leaves = [errors.NotFound, errors.InvalidArgument, errors.DeadlineExceeded, errors.Unauthenticated,
               errors.ResourceExhausted, errors.Unavailable, errors.ChunkCorrupted, errors.StaleFencingToken,

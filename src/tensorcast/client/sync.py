@@ -339,6 +339,11 @@ class Operations:
 
         return self._op("unpin", go())
 
+    def kv_put(self, keys: Sequence[str], pages: Sequence[Any], *, ttl: float | None = None) -> Operation[int]:
+        """``client.kv.put`` in the background (an engine saving pages without waiting for them); the pages'
+        buffers must stay unchanged until the operation is done."""
+        return self._op("kv_put", self._c.aio.kv.put(keys, pages, ttl=ttl))
+
     def delete(self, key_or_id: str) -> Operation[str]:
         return self._op("delete", self._c.aio.delete(key_or_id))
 

@@ -21,6 +21,7 @@ tensor-parallel parameters.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -41,7 +42,7 @@ def register() -> None:
         return
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    if "TensorCastConnector" not in KVConnectorFactory._registry:
+    with contextlib.suppress(ValueError):  # "already registered": by an earlier call in this process
         KVConnectorFactory.register_connector("TensorCastConnector", "tensorcast.integrations.vllm_connector",
                                               "TensorCastConnector")
     from vllm.model_executor.model_loader import register_model_loader

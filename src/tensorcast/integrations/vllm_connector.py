@@ -29,7 +29,6 @@ import logging
 import os
 import time
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
 
+from tensorcast.client.operation import Operation
 from tensorcast.errors import InvalidArgument, TensorCastError
 from tensorcast.integrations.vllm_kv_state import ConnectorState, StepTransfers, Transfer
 from tensorcast.kv.blocks import BlockRegions
@@ -154,7 +154,7 @@ class TensorCastConnector(KVConnectorBase_V1):
         self._requests: dict[str, Request] = {}
         # Worker side.
         self._blocks: BlockRegions | DeviceBlocks | None = None
-        self._pending: deque[tuple[Future[int], int]] = deque()
+        self._pending: deque[tuple[Operation[int], int]] = deque()
         self._pending_bytes = 0
         self._max_pending = int(extra.get("max_pending_save_bytes", 256 << 20))
         self._load_errors: set[int] = set()
@@ -275,9 +275,8 @@ class TensorCastConnector(KVConnectorBase_V1):
             ids = np.asarray(save.block_ids, dtype=np.int64)
             pages = self._blocks.gather(ids) if isinstance(self._blocks, BlockRegions) \
                 else self._blocks.gather(save.block_ids)
-            client = self.client()
-            future = client._loop.submit(client.aio.kv.put(self._keys(save.keys), list(pages)))
-            self._pending.append((future, pages.nbytes))
+            operation = self.client().ops.kv_put(self._keys(save.keys), list(pages))
+            self._pending.append((operation, pages.nbytes))
             self._pending_bytes += pages.nbytes
         self._reap(block=False)
 
@@ -285,10 +284,10 @@ class TensorCastConnector(KVConnectorBase_V1):
         """Collect finished saves; wait for the oldest while more than ``max_pending_save_bytes`` are in
         flight (or all of them, with ``block``)."""
         while self._pending and (self._pending[0][0].done() or block or self._pending_bytes > self._max_pending):
-            future, nbytes = self._pending.popleft()
+            operation, nbytes = self._pending.popleft()
             self._pending_bytes -= nbytes
             try:
-                self.stats["pages_saved"] += future.result()
+                self.stats["pages_saved"] += operation.result()
             except TensorCastError as exc:  # a lost save is a future miss, never wrong data
                 self.stats["saves_failed"] += 1
                 log.warning("TensorCast: saving KV pages failed: %s", exc)
