@@ -9,10 +9,11 @@ from tensorcast import errors
 
 def test_exports() -> None:
     assert sorted(tensorcast.__all__) == sorted([
-        "PRESETS", "TP", "Artifact", "ArtifactInfo", "CallContext", "Client", "Config", "Diagnostics",
+        "PRESETS", "TP", "Artifact", "ArtifactInfo", "Binding", "CallContext", "Client", "Config", "Diagnostics",
         "InstanceInfo", "LocalCluster", "Operation", "Placement", "Plan", "PlanOutcome", "PlanStep", "ReplicaInfo",
-        "TPRules", "TensorMeta", "View", "WorkerInfo", "__version__", "artifact", "connect", "context", "delete",
-        "errors", "get_client", "init", "list_instances", "list_workers", "ls", "plan", "prefetch", "put",
+        "TPRules", "TensorMeta", "View", "WeightPublisher", "WorkerInfo", "__version__", "artifact", "connect",
+        "context", "delete", "errors", "get_client", "init", "list_instances", "list_workers", "ls", "plan",
+        "prefetch", "put",
     ])
     for name in tensorcast.__all__:
         assert hasattr(tensorcast, name), name
@@ -39,7 +40,7 @@ def test_engine_facing_exports() -> None:
 def test_error_tree_and_codes() -> None:
     leaves = [errors.NotFound, errors.InvalidArgument, errors.DeadlineExceeded, errors.Unauthenticated,
               errors.ResourceExhausted, errors.Unavailable, errors.ChunkCorrupted, errors.StaleFencingToken,
-              errors.InternalError]
+              errors.VersionConflict, errors.SwapAborted, errors.InternalError]
     assert len({c.code for c in leaves}) == len(leaves)
     for cls in leaves:
         assert issubclass(cls, errors.TensorCastError)

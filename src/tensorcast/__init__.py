@@ -14,6 +14,7 @@ from tensorcast import errors
 from tensorcast.client.operation import Operation
 from tensorcast.client.reads import Diagnostics
 from tensorcast.client.sync import Artifact, Client, View, connect, get_client, init
+from tensorcast.client.weights_sync import Binding, WeightPublisher
 from tensorcast.cluster import LocalCluster
 from tensorcast.config import Config
 from tensorcast.context import CallContext, context
@@ -28,6 +29,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Artifact",
     "ArtifactInfo",
+    "Binding",
     "CallContext",
     "Client",
     "Config",
@@ -45,6 +47,7 @@ __all__ = [
     "TPRules",
     "TensorMeta",
     "View",
+    "WeightPublisher",
     "WorkerInfo",
     "__version__",
     "artifact",

@@ -11,6 +11,8 @@ The tree::
     ├── Unavailable                 UNAVAILABLE      yes  peer down, connection lost, no live replica
     │   └── ChunkCorrupted          CHUNK_CORRUPTED  yes  received bytes failed their checksum (none kept)
     ├── StaleFencingToken           STALE_FENCING_TOKEN yes a shard lease changed hands; refresh and retry
+    ├── VersionConflict             VERSION_CONFLICT no   a weight swap expected another active version (stale CAS)
+    ├── SwapAborted                 SWAP_ABORTED     no   a weight swap was abandoned: every rank kept its old version
     └── InternalError               INTERNAL         no   a bug: the remote side failed unexpectedly
 
 Each class carries a wire ``code`` and whether a retry may succeed (``retryable``). A remote failure is
@@ -30,9 +32,11 @@ __all__ = [
     "NotFound",
     "ResourceExhausted",
     "StaleFencingToken",
+    "SwapAborted",
     "TensorCastError",
     "Unauthenticated",
     "Unavailable",
+    "VersionConflict",
     "clip",
     "error_from_code",
 ]
@@ -95,6 +99,21 @@ class StaleFencingToken(TensorCastError):
     retryable = True
 
 
+class VersionConflict(TensorCastError):
+    """A weight swap's compare-and-swap failed: the binding's active version is not the one the caller
+    expected. Not retryable as is: read the active version and decide again."""
+
+    code = "VERSION_CONFLICT"
+
+
+class SwapAborted(TensorCastError):
+    """A weight swap (of one binding or a tensor-parallel group) was abandoned before any live tensor was
+    touched: a rank failed to prepare, the deadline left no time to activate, or the staged swap was
+    replaced, aborted or expired. Every rank kept its old version; running the swap again may succeed."""
+
+    code = "SWAP_ABORTED"
+
+
 class InternalError(TensorCastError):
     code = "INTERNAL"
 
@@ -110,6 +129,8 @@ _BY_CODE: dict[str, type[TensorCastError]] = {
         Unavailable,
         ChunkCorrupted,
         StaleFencingToken,
+        VersionConflict,
+        SwapAborted,
         InternalError,
     )
 }

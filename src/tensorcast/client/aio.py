@@ -21,8 +21,11 @@ from typing import Any, TypeVar
 import msgspec
 
 from tensorcast.client.artifact import ArtifactBase, build_view_slices, check_target, copy_into, like_of
+from tensorcast.client.binding import AsyncBinding
+from tensorcast.client.group import GroupSwapResult, group_swap
 from tensorcast.client.kv import AsyncKV
 from tensorcast.client.locality import Locality
+from tensorcast.client.publisher import AsyncWeightPublisher
 from tensorcast.client.puts import put_tensors
 from tensorcast.client.reads import Diagnostics, Reader
 from tensorcast.config import Config, check_token, default_host_id
@@ -248,6 +251,7 @@ class AsyncClient:
         self.reader = Reader(self.caller, self.transport, self.locality, self.config)
         self.kv = AsyncKV(self.caller, self.locality, self.config.kv)
         self._workers: dict[str, WorkerInfo] = {}
+        self.bindings: list[AsyncBinding] = []  # closed with the client
 
     async def ping(self) -> None:
         """Connect to a gateway now (``Unavailable`` if none can be reached, ``Unauthenticated`` if the token
@@ -259,6 +263,9 @@ class AsyncClient:
             self._workers = {w.worker_id: w for w in workers}
 
     async def close(self) -> None:
+        for binding in self.bindings:
+            with contextlib.suppress(TensorCastError):
+                await binding.close()
         await self.kv.aclose()
         await self.caller.close()
         self.transport.close()
@@ -407,6 +414,34 @@ class AsyncClient:
         urls = {"gs": stats.metrics_url, **others, **{w.worker_id: w.metrics_url for w in workers},
                 **{i.instance_id: i.metrics_url for i in instances}}
         return {name: url for name, url in urls.items() if url}
+
+    # ----------------------------------------------------------------- weight sync (docs/weight-sync.md)
+    def publisher(self, model: str, *, keep_last: int = 2, policy: str | Placement | None = None,
+                  on: str | None = None) -> AsyncWeightPublisher:
+        """Publishes versions of ``model`` as ``{model}@v{N}`` (unchanged tensors cost no copy) and deletes
+        those beyond ``keep_last`` that no binding uses. ``policy``/``on``: as for ``put``."""
+        return AsyncWeightPublisher(self, model, keep_last=keep_last, policy=policy, on=on)
+
+    async def bind(self, model: str, *, into: Any, tp: TP | None = None,
+                   rules: TPRules | Mapping[str, Any] | str | None = None,
+                   sources: Mapping[str, Sequence[str]] | None = None, staging: str = "mapped",
+                   holder: str | None = None, lease_ttl: float = 30.0) -> AsyncBinding:
+        """Bind ``into`` (a module or ``{name: tensor}``: tensors whose addresses never change) to ``model``'s
+        versions, as rank ``tp`` (its slices by ``rules``: a rule set or a model type such as "qwen2"); then
+        ``swap(version)`` refills them in place. ``sources``: bound name -> version tensors concatenated along
+        dim 0 (fused parameters). ``holder``: this binding's name in use records (leased for ``lease_ttl``)."""
+        check_ttl(lease_ttl, "lease_ttl")
+        binding = await AsyncBinding.create(self, model, into, tp=tp, rules=rules, sources=sources, staging=staging,
+                                            holder=holder, lease_ttl=lease_ttl)
+        self.bindings.append(binding)
+        return binding
+
+    async def group_swap(self, instances: Sequence[str], model: str, version: int | None = None, *,
+                         expected: int | None = None, timeout: float | None = None) -> GroupSwapResult:
+        """Swap the binding ranks served as ``instances`` (one tensor-parallel engine) to ``version`` (default:
+        the newest) together, through a gateway plan: all prepare, then all activate; ``SwapAborted`` (every
+        rank kept its version) if one fails to prepare or the deadline comes first."""
+        return await group_swap(self, instances, model, version, expected=expected, timeout=timeout)
 
     def plan(self, ctx: CallContext | None = None) -> Plan:
         """A plan builder; ``await plan.run(concurrency=k)`` submits it to the gateway."""

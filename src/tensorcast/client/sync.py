@@ -14,10 +14,12 @@ from typing import Any, TypeVar
 
 from tensorcast.client.aio import AsyncArtifact, AsyncClient, AsyncView
 from tensorcast.client.artifact import ArtifactBase
+from tensorcast.client.group import GroupSwapResult
 from tensorcast.client.kv import AsyncKV
 from tensorcast.client.loop import LoopThread
 from tensorcast.client.operation import Operation
 from tensorcast.client.reads import Diagnostics
+from tensorcast.client.weights_sync import Binding, WeightPublisher
 from tensorcast.config import Config
 from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument
@@ -208,6 +210,24 @@ class Client:
                       args: Mapping[str, Any] | None = None, timeout: float | None = None) -> InstanceReply:
         return self._run(self.aio.call_instance(instance_id, op, request_id=request_id, artifacts=artifacts,
                                                 args=args, timeout=timeout))
+
+    def publisher(self, model: str, *, keep_last: int = 2, policy: str | Placement | None = None,
+                  on: str | None = None) -> WeightPublisher:
+        """Publishes versions of ``model``; see ``AsyncClient.publisher`` and docs/weight-sync.md."""
+        return WeightPublisher(self._run, self.aio.publisher(model, keep_last=keep_last, policy=policy, on=on))
+
+    def bind(self, model: str, *, into: Any, tp: TP | None = None,
+             rules: TPRules | Mapping[str, Any] | str | None = None,
+             sources: Mapping[str, Sequence[str]] | None = None, staging: str = "mapped",
+             holder: str | None = None, lease_ttl: float = 30.0) -> Binding:
+        """Bind tensors whose addresses never change to ``model``'s versions; see ``AsyncClient.bind``."""
+        return Binding(self._run, self._run(self.aio.bind(model, into=into, tp=tp, rules=rules, sources=sources,
+                                                          staging=staging, holder=holder, lease_ttl=lease_ttl)))
+
+    def group_swap(self, instances: Sequence[str], model: str, version: int | None = None, *,
+                   expected: int | None = None, timeout: float | None = None) -> GroupSwapResult:
+        """Swap binding ranks together through a gateway plan; see ``AsyncClient.group_swap``."""
+        return self._run(self.aio.group_swap(instances, model, version, expected=expected, timeout=timeout))
 
     def plan(self, ctx: CallContext | None = None) -> Plan:
         """A plan builder with one shared CallContext; ``plan.run(concurrency=k)`` returns an Operation."""

@@ -258,7 +258,13 @@ class HFCausalLMAdaptor:
                 if tuple(dst.shape) != tuple(src.shape):
                     raise InvalidArgument(f"{name}: shape {tuple(src.shape)} != parameter {tuple(dst.shape)}")
                 dst.copy_(src)
-        self._layout = None  # new weights: new fingerprint (unless kv_model_id names the model)
+        self.weights_changed()
+
+    def weights_changed(self) -> None:
+        """The parameters were rewritten in place (``transform_into``, or a weight binding's swap, which calls
+        this through ``instance.binding.BindingAdaptor``): new weights, new fingerprint for KV pages (unless
+        ``kv_model_id`` names the model)."""
+        self._layout = None
 
     def load(self) -> InstanceLoad:
         used = sum(r.cached for r in self.requests.values())

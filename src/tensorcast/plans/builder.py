@@ -8,6 +8,7 @@ dependencies, and turning it all into a ``RunPlan`` message. Running is the clie
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,6 +115,17 @@ class Plan:
         """Fill ``instance``'s parameters in place from weight artifacts."""
         return self._add("transform_into", {"instance": instance, "artifacts": self._artifacts(artifacts),
                                             "options": options}, after)
+
+    def group_swap(self, instances: Sequence[str], model: str, version: int, *, expected: int | None = None,
+                   swap_id: str | None = None, reserve: float | None = None, max_attempts: int | None = None,
+                   after: Sequence[PlanStep | str] | None = None) -> PlanStep:
+        """Swap the binding ranks served as ``instances`` (one tensor-parallel engine) to ``version`` of
+        ``model`` together: all prepare, then all activate; if any fails to prepare or the deadline passes
+        first, all keep their version (``SwapAborted``). ``expected``: the version every rank must have active
+        (0: none). ``reserve``: seconds kept for activating after the commit point. See docs/weight-sync.md."""
+        return self._add("group_swap", {"instances": list(instances), "model": model, "version": version,
+                                        "expected": expected, "swap_id": swap_id or uuid.uuid4().hex,
+                                        "reserve": reserve, "max_attempts": max_attempts}, after)
 
     # ------------------------------------------------------------- submission
     def spec(self, concurrency: int = 4) -> RunPlan:

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument, NotFound, clip
+from tensorcast.plans.group_swap import run_group_swap, validate_group_swap
 from tensorcast.tensors import ARTIFACT_ID_RE
 from tensorcast.wire.messages import (
     DeleteArtifact,
@@ -168,6 +169,10 @@ async def _run_wait(args: dict[str, Any], gw: GatewayPort, ctx: CallContext) -> 
     return StepOutcome(_artifacts(args) if args.get("artifacts") else ())
 
 
+async def _run_group_swap(args: dict[str, Any], gw: GatewayPort, ctx: CallContext) -> StepOutcome:
+    return StepOutcome((), await run_group_swap(args, gw, ctx))
+
+
 def _op(name: str, required: tuple[str, ...], optional: tuple[str, ...], pair: tuple[Validator, Runner]) -> StepOp:
     return StepOp(name, required, optional, pair[0], pair[1])
 
@@ -185,5 +190,7 @@ OPS: dict[str, StepOp] = {
         _op("hydrate", ("instance", "request_id", "artifacts"), ("options",), _instance_op("hydrate", True, True)),
         _op("transform_into", ("instance", "artifacts"), ("options",), _instance_op("transform_into", False, True)),
         StepOp("wait", ("seconds",), ("artifacts",), _validate_wait, _run_wait),
+        StepOp("group_swap", ("instances", "model", "version", "swap_id"), ("expected", "reserve", "max_attempts"),
+               validate_group_swap, _run_group_swap),
     )
 }

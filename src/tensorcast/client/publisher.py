@@ -1,0 +1,214 @@
+"""Publishing weight versions (a trainer's side of weight sync), and finding them (anyone's side).
+
+Owns: ``AsyncWeightPublisher`` — ``publish(state_dict, version=None)`` puts one version as one artifact under
+``{model}@v{N}`` (N: one past the newest when not given), then collects old versions: all but the newest
+``keep_last`` and those some binding uses (its caller-leased use record, ``{model}@use/v{N}/{holder}``) are
+deleted. Tensors unchanged since an earlier version cost no copy: the pool is content-addressed per tensor,
+and the publisher hashes every tensor before the put begins, so that the worker that takes it skips each
+tensor whose digest it already holds (only changed tensors are copied, or sent from another host). Also the
+listing every party shares: the versions of a model, the versions in use, and ``wait_newer`` (polling with
+a bounded backoff: 50 ms doubling to 1 s, up to the timeout). Does not own:
+the put protocol (``client.puts``), bindings (``client.binding``), the GC decision (``weights.versions``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tensorcast.client.locality import Locality
+from tensorcast.client.puts import put_tensors
+from tensorcast.client.reads import Reader
+from tensorcast.context import CallContext
+from tensorcast.errors import InvalidArgument, NotFound, clip
+from tensorcast.records import ArtifactInfo, Placement, WorkerInfo
+from tensorcast.tensors import normalize_tensors
+from tensorcast.weights.versions import (
+    VERSION_TENSOR,
+    Backoff,
+    check_model,
+    gc_decision,
+    next_version,
+    parse_version_key,
+    use_prefix,
+    version_key,
+    version_prefix,
+    version_tag,
+    versions_in_use,
+)
+from tensorcast.wire.caller import Caller
+from tensorcast.wire.connection import ConnectionLost, NotSent
+from tensorcast.wire.messages import ArtifactList, DeleteArtifact, Deleted, ListArtifacts
+
+__all__ = ["AsyncWeightPublisher", "ClientPort", "Published", "list_keys", "list_versions", "wait_newer"]
+
+_PAGE = 1000
+
+
+class ClientPort(Protocol):
+    """What weight sync uses of an ``AsyncClient`` (named here, not imported: the client imports us)."""
+
+    caller: Caller
+    reader: Reader
+    locality: Locality
+    host_id: str
+
+    async def put(self, tensors: Any, key: str | None = None, *, ttl: float | None = None,
+                  policy: str | Placement | None = None, on: str | None = None, timeout: float | None = None,
+                  ctx: CallContext | None = None) -> Any: ...
+
+    async def list_workers(self) -> list[WorkerInfo]: ...
+
+
+@dataclass(frozen=True)
+class Published:
+    """One published version: its number, key and artifact, what it changed, what GC deleted."""
+
+    version: int
+    key: str
+    artifact_id: str
+    nbytes: int
+    changed_tensors: int  # tensors whose content no existing version had
+    changed_bytes: int  # their distinct bytes: what the put copied or sent (the rest was deduplicated), plus
+    # the version tag's few bytes (``weights.versions.VERSION_TENSOR``), not counted here
+    deleted: tuple[int, ...] = ()
+    seconds: float = 0.0
+
+
+async def list_keys(caller: Caller, prefix: str, ctx: CallContext | None = None) -> dict[str, ArtifactInfo]:
+    """``{key: artifact}`` for every key under ``prefix``, paged through."""
+    out: dict[str, ArtifactInfo] = {}
+    after = ""
+    while True:
+        reply = await caller.call(ListArtifacts(prefix=prefix, limit=_PAGE, after=after), ArtifactList, ctx)
+        for info in reply.artifacts:
+            out.update({k: info for k in info.keys if k.startswith(prefix)})
+        if not reply.next:
+            return out
+        after = reply.next
+
+
+async def list_versions(caller: Caller, model: str, ctx: CallContext | None = None) -> dict[int, ArtifactInfo]:
+    """``{version: artifact}`` of every published version of ``model`` that still exists."""
+    found = await list_keys(caller, version_prefix(model), ctx)
+    return dict(sorted((n, info) for k, info in found.items() if (n := parse_version_key(model, k)) is not None))
+
+
+async def list_in_use(caller: Caller, model: str, ctx: CallContext | None = None) -> dict[int, tuple[str, ...]]:
+    """``{version: holders}``: the versions live bindings hold (their use records' leases are unexpired)."""
+    return versions_in_use(model, await list_keys(caller, use_prefix(model), ctx))
+
+
+_BACKOFF = Backoff()
+
+
+async def wait_newer(caller: Caller, model: str, than: int | None, timeout: float | None,
+                     backoff: Backoff = _BACKOFF) -> int | None:
+    """The newest version above ``than`` (any, when None) once one exists; None after ``timeout`` seconds."""
+    deadline = None if timeout is None else time.time() + timeout
+    attempt = 0
+    while True:
+        found = await list_versions(caller, model)
+        newest = max(found, default=None)
+        if newest is not None and (than is None or newest > than):
+            return newest
+        now = time.time()
+        if deadline is not None and now >= deadline:
+            return None
+        await asyncio.sleep(backoff.delay(attempt, now, deadline))
+        attempt += 1
+
+
+class AsyncWeightPublisher:
+    """Publishes versions of one model (``client.publisher(model, keep_last=2, policy=...)``)."""
+
+    def __init__(self, client: ClientPort, model: str, *, keep_last: int = 2, policy: str | Placement | None = None,
+                 on: str | None = None) -> None:
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+            raise InvalidArgument(f"keep_last must be an integer >= 1, got {clip(keep_last)}")
+        self.client = client
+        self.model = check_model(model)
+        self.keep_last = keep_last
+        self.policy = policy
+        self.on = on
+        self.last: Published | None = None
+
+    async def publish(self, state_dict: Mapping[str, Any], version: int | None = None, *,
+                      timeout: float | None = None) -> Published:
+        """Put ``state_dict`` as version ``version`` (default: one past the newest) under ``{model}@v{N}``,
+        then delete versions beyond ``keep_last`` that no binding uses. Unchanged tensors are not copied."""
+        if not isinstance(state_dict, Mapping) or not state_dict:
+            raise InvalidArgument("publish takes a non-empty {name: tensor} mapping")
+        if VERSION_TENSOR in state_dict:
+            raise InvalidArgument(f"tensor name {VERSION_TENSOR!r} is reserved for the version tag")
+        t0 = time.perf_counter()
+        ctx = self.client.caller.context(timeout)
+        existing = await list_versions(self.client.caller, self.model, ctx)
+        n = next_version(existing) if version is None else version
+        if n in existing:
+            raise InvalidArgument(f"version {n} of {self.model} exists already (versions are immutable)")
+        key = version_key(self.model, n)
+        info = await self._put({**state_dict, VERSION_TENSOR: version_tag(self.model, n)}, key, ctx)
+        known = {t.digest for v in existing.values() for t in v.tensors}
+        mine = [t for t in info.tensors if t.name != VERSION_TENSOR]  # the tag's few bytes are not counted
+        changed = {t.digest: t.nbytes for t in mine if t.digest not in known}
+        deleted = await self._collect({**existing, n: info}, ctx)
+        self.last = Published(version=n, key=key, artifact_id=info.id, nbytes=info.nbytes,
+                              changed_tensors=sum(1 for t in mine if t.digest in changed),
+                              changed_bytes=sum(changed.values()), deleted=tuple(deleted),
+                              seconds=time.perf_counter() - t0)
+        return self.last
+
+    async def _put(self, tensors: Mapping[str, Any], key: str, ctx: CallContext) -> ArtifactInfo:
+        """Put with every digest computed first, so that the worker skips, before any byte is copied, each
+        tensor it holds already (a put that hashes while it copies would copy them all). Through another
+        gateway if this one goes away, like ``AsyncClient.put``."""
+        inputs = await asyncio.to_thread(normalize_tensors, tensors)
+        await asyncio.to_thread(lambda: [t.meta for t in inputs])  # the digests (BLAKE3 of every tensor)
+        caller = self.client.caller
+        while True:
+            address = caller.address
+            if self.on is not None:
+                workers = {w.worker_id: w for w in await self.client.list_workers()}
+                if self.on not in workers:
+                    raise NotFound(f"no worker {clip(self.on)}")
+                address = workers[self.on].address
+            try:
+                return await put_tensors(caller, self.client.locality, address, inputs, key=key, ttl=None,
+                                         policy=self.policy, ctx=ctx)
+            except (NotSent, ConnectionLost):
+                if self.on is not None or not caller.fail_over(address):
+                    raise
+
+    async def _collect(self, versions: Mapping[int, ArtifactInfo], ctx: CallContext | None) -> list[int]:
+        in_use = await list_in_use(self.client.caller, self.model, ctx)
+        doomed = gc_decision(versions, in_use, self.keep_last)
+        for n in doomed:
+            with contextlib.suppress(NotFound):  # deleted meanwhile (another publisher's GC)
+                await self.client.caller.call(DeleteArtifact(key_or_id=versions[n].id), Deleted, ctx)
+        return doomed
+
+    async def gc(self, *, timeout: float | None = None) -> tuple[int, ...]:
+        """Delete the versions beyond ``keep_last`` that no binding uses now; returns their numbers."""
+        ctx = self.client.caller.context(timeout)
+        return tuple(await self._collect(await list_versions(self.client.caller, self.model, ctx), ctx))
+
+    async def versions(self) -> list[int]:
+        """The versions of this model that exist, oldest first."""
+        return list(await list_versions(self.client.caller, self.model))
+
+    async def latest(self) -> int | None:
+        return max(await list_versions(self.client.caller, self.model), default=None)
+
+    async def in_use(self) -> dict[int, tuple[str, ...]]:
+        """``{version: holders}``: the versions bindings hold (kept by GC while they do)."""
+        return await list_in_use(self.client.caller, self.model)
+
+    async def wait_newer(self, than: int | None = None, timeout: float | None = None) -> int | None:
+        """Block until a version newer than ``than`` exists (any version, when None) and return the newest;
+        None after ``timeout`` seconds. Polls with a bounded backoff (50 ms doubling to 1 s)."""
+        return await wait_newer(self.client.caller, self.model, than, timeout)
