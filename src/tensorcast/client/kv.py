@@ -1,38 +1,32 @@
-"""The caller side of KV pages: ``client.kv.put/get/get_into/exists``, batched per shard home.
+"""The caller side of KV pages: ``client.kv.put/get/get_into/exists`` and the paged-cache ``put_blocks`` /
+``get_blocks``, batched per shard home.
 
-Owns: the cached shard-lease table (fetched from the global store once, refreshed only when a shard home
-rejects a token or is unreachable, or a shard has no holder — O(shards) global-store requests, never per
-page), grouping a batch's keys by the shard home that holds them (one round trip per home, concurrently),
-the fencing tokens every request carries, bounded retries after a refresh, prefix semantics of ``exists``,
-and the zero-copy ``get_into`` that receives pages straight into caller buffers. Also a benchmark-only
-switch that keeps page locations in the global store instead (``locations="global-store"``), to measure
-what shard homes avoid.
+Owns: the requests of each operation (one per shard home that holds some of a batch's keys, each carrying
+the fencing tokens of the shards its keys fall in), validating pages and buffers, prefix semantics of
+``exists``, the zero-copy ``get_into`` that receives pages straight into caller buffers, and the read
+leases of same-host gets (handed back with the next get to that home). Routing, the lease table and
+retries are ``client.kv_route``'s; the same-host copies (arenas, slots, vectorized block copies)
+``client.kv_local``'s. Also a benchmark-only switch that keeps page locations in the global store instead
+(``locations="global-store"``), to measure what shard homes avoid.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import mmap
-import os
-import time
-from array import array
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
+from tensorcast.client.kv_local import LocalArenas, copy_pairs
+from tensorcast.client.kv_route import KVRouter, Op
 from tensorcast.client.locality import Locality
 from tensorcast.config import KVConfig
-from tensorcast.context import CallContext
-from tensorcast.errors import DeadlineExceeded, InvalidArgument, StaleFencingToken, TensorCastError, Unavailable
+from tensorcast.errors import InvalidArgument, TensorCastError, Unavailable
 from tensorcast.kv.blocks import BlockRegions
-from tensorcast.kv.keys import KVLayout, check_keys, shard_of
+from tensorcast.kv.keys import KVLayout
 from tensorcast.limits import check_ttl
-from tensorcast.pool.segments import SegmentGone, map_shared
-from tensorcast.records import ShardLease, SlotList
 from tensorcast.wire.caller import Caller
 from tensorcast.wire.kv_messages import (
     KVCommit,
@@ -43,7 +37,6 @@ from tensorcast.wire.kv_messages import (
     KVPut,
     KVPutReply,
     KVRelease,
-    ListShards,
     PageIndexGet,
     PageIndexPut,
     PageIndexReply,
@@ -53,36 +46,22 @@ from tensorcast.wire.messages import Ack
 
 __all__ = ["AsyncKV"]
 
-_MAX_ARENA_MAPS = 256
-# Same-host pages at least this large are copied by _COPY_THREADS threads (smaller ones inline).
-_PARALLEL_COPY_MIN_PAGE = 512 << 10
-_COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
 # Read leases are handed back with the next get to the same home, or after this many seconds.
 _RELEASE_DELAY = 0.05
 
 
 def _page_view(page: Any) -> memoryview:
+    if type(page) is np.ndarray and page.flags.c_contiguous and page.ndim:
+        try:  # the common case, without intermediate arrays
+            return memoryview(page).cast("B")  # type: ignore[arg-type]
+        except (TypeError, ValueError, NotImplementedError):  # a dtype that buffers cannot cast
+            pass
     if isinstance(page, bytes | bytearray | memoryview):
         return memoryview(page).cast("B")
     if type(page).__module__.startswith("torch"):
         page = page.detach().contiguous().reshape(-1).view(__import__("torch").uint8).numpy()
     arr = np.ascontiguousarray(page)
     return memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
-
-
-_COPY_POOL: ThreadPoolExecutor | None = None
-
-
-def _copy_pool() -> ThreadPoolExecutor:
-    global _COPY_POOL
-    if _COPY_POOL is None:
-        _COPY_POOL = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="tensorcast-kv-copy")
-    return _COPY_POOL
-
-
-def _copy_pages(pairs: list[tuple[memoryview, memoryview]]) -> None:
-    for dst, src in pairs:
-        np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
 
 
 class AsyncKV:
@@ -94,132 +73,33 @@ class AsyncKV:
         self.locality = locality
         self.config = config
         self.locations = locations
-        self._table: ShardTable | None = None
-        self._by_shard: dict[int, ShardLease] = {}
-        self._same_host: dict[str, bool] = {}  # holder address -> pages reachable through shared memory
-        self._arenas: OrderedDict[str, mmap.mmap] = OrderedDict()
+        self._route = KVRouter(caller, locality, config)
+        self._local = self._route.local
+        self._ctx = self._route.ctx
+        self._arenas = LocalArenas(self._route.not_local)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._done_leases: dict[str, list[str]] = {}  # home address -> read leases to hand back
-        self.table_refreshes = 0
 
-    # ----------------------------------------------------------------- lease table
+    # ----------------------------------------------------------------- routing
     async def refresh(self) -> ShardTable:
-        """Catch up with the lease table: the changes since the last refresh (the whole table the first time,
-        or when the answering global store is another one)."""
-        since, epoch = (self._table.revision, self._table.epoch) if self._table is not None else (0, "")
-        table = await self.caller.call(ListShards(since=since, epoch=epoch), ShardTable)
-        self._table = table
-        if table.full:
-            self._by_shard = {}
-        self._by_shard.update({lease.shard: lease for lease in table.leases})
-        for lease in table.leases:
-            if lease.address not in self._same_host:
-                self._same_host[lease.address] = self.locality.same_host(lease.host_id)
-        self.table_refreshes += 1
-        return table
+        """Catch up with the lease table (see ``KVRouter.refresh``)."""
+        return await self._route.refresh()
 
-    async def _num_shards(self) -> int:
-        if self._table is None:
-            await self.refresh()
-        assert self._table is not None
-        return self._table.num_shards
+    @property
+    def table_refreshes(self) -> int:
+        return self._route.table_refreshes
 
-    def _holder(self, shard: int) -> ShardLease | None:
-        lease = self._by_shard.get(shard)
-        return lease if lease is not None and lease.holder and lease.address else None
-
-    async def _groups(self, keys: Sequence[str]) -> tuple[dict[str, list[int]], list[int]]:
-        """Key indexes by holder address, and the indexes of keys whose shard has no holder."""
-        n = await self._num_shards()
-        groups: dict[str, list[int]] = {}
-        orphans: list[int] = []
-        for i, key in enumerate(keys):
-            lease = self._holder(shard_of(key, n))
-            if lease is None:
-                orphans.append(i)
-            else:
-                groups.setdefault(lease.address, []).append(i)
-        return groups, orphans
-
-    def _tokens(self, keys: Sequence[str]) -> dict[int, int]:
-        assert self._table is not None
-        n = self._table.num_shards
-        return {s: self._by_shard[s].token for s in {shard_of(k, n) for k in keys}}
-
-    async def _run(self, keys: Sequence[str], op: Any, *, need_all: bool) -> None:
-        """Apply ``op(address, indexes)`` to every holder's keys. A rejected token, an unreachable or slow
-        home, or a shard without a home (start-up, a failover) is waited out: the lease table is read again
-        and the affected keys retried, with a short backoff, for up to ``kv.handover_timeout`` seconds.
-        Then writes (``need_all``) fail with ``Unavailable``; reads leave misses, never errors."""
-        check_keys(keys)
-        todo = list(range(len(keys)))
-        give_up = time.monotonic() + self.config.handover_timeout
-        attempt = 0
-        while True:
-            sub = [keys[i] for i in todo]
-            groups, orphans = await self._groups(sub)
-            results = await asyncio.gather(*(op(addr, [todo[j] for j in idx]) for addr, idx in groups.items()),
-                                           return_exceptions=True)
-            failed: list[int] = [todo[j] for j in orphans] if need_all else []
-            for (_addr, idx), res in zip(groups.items(), results, strict=True):
-                if isinstance(res, StaleFencingToken | Unavailable | DeadlineExceeded):
-                    failed.extend(todo[j] for j in idx)
-                elif isinstance(res, BaseException):
-                    raise res
-            todo = sorted(failed)
-            if not todo or time.monotonic() >= give_up:
-                break
-            await asyncio.sleep(min(0.02 * 2**attempt, 0.25))
-            attempt += 1
-            with contextlib.suppress(Unavailable, DeadlineExceeded):  # the gateway itself may be failing over
-                await self.refresh()
+    async def _run(self, keys: Sequence[str], op: Op, *, need_all: bool) -> None:
+        """``op(address, indexes, tokens)`` for every holder's keys, retried through hand-overs (``KVRouter.run``).
+        Writes (``need_all``) whose shards stayed without a home fail with ``Unavailable``; reads leave
+        misses, never errors."""
+        todo = await self._route.run(keys, op, need_all=need_all)
         if todo and need_all:
             raise Unavailable(f"{len(todo)} pages: no shard home has held their shards for "
                               f"{self.config.handover_timeout:g} s (kv.handover_timeout); is a worker with the "
                               "shard-home role running? Retry")
-        # Reads: pages whose shard is between homes are misses, never errors.
 
-    # ----------------------------------------------------------------- same host
-    def _arena(self, path: str, address: str) -> memoryview:
-        mm = self._arenas.get(path)
-        if mm is None:
-            try:
-                mm = map_shared(path, os.stat(path).st_size)
-            except (OSError, SegmentGone):
-                # Same host id, yet the home's shared memory is not visible here: use the socket path.
-                self._same_host[address] = False
-                raise Unavailable(f"shared memory of {address} is not reachable from this process") from None
-            self._arenas[path] = mm
-            while len(self._arenas) > _MAX_ARENA_MAPS:
-                with contextlib.suppress(BufferError):  # still being copied from: unmapped when dropped
-                    self._arenas.popitem(last=False)[1].close()
-        else:
-            self._arenas.move_to_end(path)
-        return memoryview(mm)
-
-    def _slots(self, slots: SlotList | None, address: str) -> list[memoryview | None]:
-        """The slots a same-host reply names, as views of the home's arenas (None: no slot)."""
-        if slots is None:
-            return []
-        arenas = [self._arena(path, address) for path in slots.arenas]
-        flat = array("q", slots.slots)
-        return [None if flat[i] < 0 else arenas[flat[i]][flat[i + 1] : flat[i + 1] + flat[i + 2]]
-                for i in range(0, len(flat), 3)]
-
-    async def _copy(self, pairs: list[tuple[memoryview, memoryview]]) -> None:
-        """dst[:] = src for each pair. Large pages: numpy copies (which release the GIL) on several threads,
-        so that the copy uses the cores the home left idle; small pages: inline, since per-page hand-offs
-        would cost more than the bytes (a memoryview copy holds the GIL anyway)."""
-        total = sum(s.nbytes for _, s in pairs)
-        if not pairs or total // len(pairs) < _PARALLEL_COPY_MIN_PAGE:
-            for dst, src in pairs:
-                dst[:] = src
-            return
-        parts = min(_COPY_THREADS, len(pairs))
-        loop = asyncio.get_running_loop()
-        await asyncio.gather(*(loop.run_in_executor(_copy_pool(), _copy_pages, pairs[i::parts])
-                               for i in range(parts)))
-
+    # ----------------------------------------------------------------- plumbing
     def _background(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
@@ -243,14 +123,6 @@ class AsyncKV:
             with contextlib.suppress(TensorCastError):
                 await self.caller.call(KVRelease(leases=leases), Ack, address=address)
 
-    def _ctx(self) -> CallContext:
-        """One request to a shard home: a home that does not answer within ``kv.request_timeout`` (paused,
-        partitioned) is treated like one that rejected the request: the table is read again."""
-        return self.caller.context(self.config.request_timeout)
-
-    def _local(self, address: str) -> bool:
-        return self._same_host.get(address, False)
-
     async def aclose(self) -> None:
         """Hand back the read leases still held, then unmap the homes' arenas."""
         for task in list(self._tasks):
@@ -263,12 +135,9 @@ class AsyncKV:
         self.close()
 
     def close(self) -> None:
-        for mm in self._arenas.values():
-            with contextlib.suppress(BufferError):
-                mm.close()
-        self._arenas.clear()
+        self._arenas.close()
 
-    # ----------------------------------------------------------------- operations
+    # ----------------------------------------------------------------- writes
     async def put(self, keys: Sequence[str], pages: Sequence[Any], *, ttl: float | None = None,
                   layout: KVLayout | None = None) -> int:
         """Store pages under their keys (batched, one request per shard home). Returns pages newly stored.
@@ -289,45 +158,83 @@ class AsyncKV:
             if layout is not None:
                 layout.check_page(view.nbytes, getattr(page, "shape", None), f"page {i}")
         stored = 0
-        limit = self.config.max_batch_bytes
 
-        async def send(address: str, idx: list[int]) -> None:
+        async def send(address: str, idx: list[int], tokens: dict[int, int]) -> None:
             nonlocal stored
-            batch: list[int] = []
-            size = 0
-            local = self._local(address)
-            for i in [*idx, -1]:
-                if i < 0 or (batch and size + views[i].nbytes > limit and not local):
-                    ks = tuple(keys[j] for j in batch)
-                    msg = KVPut(keys=ks, sizes=tuple(views[j].nbytes for j in batch), tokens=self._tokens(ks),
-                                ttl=ttl, same_host=local)
-                    if local:  # reserve slots, copy straight into them, commit: no socket copy
-                        reserved = await self.caller.call(msg, KVPutReply, self._ctx(), address=address)
-                        slots = self._slots(reserved.slots, address)
-                        await self._copy([(slot, views[j]) for j, slot in zip(batch, slots, strict=True)
-                                          if slot is not None])
-                        reply = await self.caller.call(
-                            KVCommit(reservation=reserved.reservation, keys=ks, tokens=msg.tokens), KVPutReply,
-                            self._ctx(), address=address)
-                    else:
-                        reply = await self.caller.call(msg, KVPutReply, self._ctx(), address=address,
-                                                       payload=[views[j] for j in batch])
-                    stored += reply.stored
-                    batch, size = [], 0
-                if i >= 0:
-                    batch.append(i)
-                    size += views[i].nbytes
+            n = await self._put_pages(address, [keys[j] for j in idx], [views[j] for j in idx], tokens, ttl)
+            stored += n  # after the await: ``stored += await ...`` would read it before, losing concurrent adds
 
         await self._run(keys, send, need_all=True)
         if self.locations == "global-store":
             await self._index_put(keys)
         return stored
 
+    async def _put_pages(self, address: str, keys: list[str], views: list[memoryview], tokens: dict[int, int],
+                         ttl: float | None) -> int:
+        """One home's pages. Same host: reserve slots, copy straight into them, commit (no socket copy).
+        Otherwise in requests of at most ``kv.max_batch_bytes`` (each carrying the group's tokens)."""
+        if self._local(address):
+            msg = KVPut(keys=tuple(keys), sizes=tuple(v.nbytes for v in views), tokens=tokens, ttl=ttl,
+                        same_host=True)
+            reserved = await self.caller.call(msg, KVPutReply, self._ctx(), address=address)
+            slots = self._arenas.views(reserved.slots, address)
+            await copy_pairs([(slot, v) for slot, v in zip(slots, views, strict=True) if slot is not None])
+            return await self._commit(address, reserved.reservation, msg)
+        stored, start, size = 0, 0, 0
+        for i in range(len(keys) + 1):
+            if i == len(keys) or (i > start and size + views[i].nbytes > self.config.max_batch_bytes):
+                msg = KVPut(keys=tuple(keys[start:i]), sizes=tuple(v.nbytes for v in views[start:i]),
+                            tokens=tokens, ttl=ttl)
+                reply = await self.caller.call(msg, KVPutReply, self._ctx(), address=address,
+                                               payload=views[start:i])
+                stored += reply.stored
+                start, size = i, 0
+            if i < len(keys):
+                size += views[i].nbytes
+        return stored
+
+    async def _commit(self, address: str, reservation: str, msg: KVPut) -> int:
+        reply = await self.caller.call(KVCommit(reservation=reservation, keys=msg.keys, tokens=msg.tokens),
+                                       KVPutReply, self._ctx(), address=address)
+        return reply.stored
+
+    async def put_blocks(self, keys: Sequence[str], blocks: Any, regions: BlockRegions, *,
+                         ttl: float | None = None) -> int:
+        """Store block ``blocks[i]`` of a paged cache (``regions``) as page ``keys[i]``. Returns pages newly
+        stored. Same host, the blocks are copied straight into the reserved slots; otherwise gathered into
+        one payload per home. Either way one vectorized copy per region, never a loop per page."""
+        ids = regions.block_ids(blocks, len(keys))
+        if ttl is not None:
+            check_ttl(ttl)
+        if regions.page_bytes > self.config.max_page_bytes:
+            raise InvalidArgument(f"blocks of {regions.page_bytes} bytes; pages are at most "
+                                  f"{self.config.max_page_bytes} bytes (kv.max_page_bytes)")
+        stored = 0
+
+        async def send(address: str, idx: list[int], tokens: dict[int, int]) -> None:
+            nonlocal stored
+            ks = [keys[j] for j in idx]
+            if not self._local(address):
+                pages = regions.gather(ids[idx])
+                n = await self._put_pages(address, ks, [memoryview(p) for p in pages], tokens, ttl)
+                stored += n
+                return
+            msg = KVPut(keys=tuple(ks), sizes=(regions.page_bytes,) * len(ks), tokens=tokens, ttl=ttl,
+                        same_host=True)
+            reserved = await self.caller.call(msg, KVPutReply, self._ctx(), address=address)
+            self._arenas.from_blocks(reserved.slots, address, regions, ids[idx])
+            n = await self._commit(address, reserved.reservation, msg)
+            stored += n
+
+        await self._run(keys, send, need_all=True)
+        return stored
+
+    # ----------------------------------------------------------------- reads
     async def get(self, keys: Sequence[str]) -> list[np.ndarray[Any, Any] | None]:
         """Each page as a uint8 array, or None for a miss."""
         out: list[np.ndarray[Any, Any] | None] = [None] * len(keys)
 
-        async def fetch(address: str, idx: list[int]) -> None:
+        async def fetch(address: str, idx: list[int], tokens: dict[int, int]) -> None:
             def sink(reply: Any) -> list[memoryview]:
                 views = []
                 for j, size in zip(idx, reply.sizes, strict=True):
@@ -338,7 +245,7 @@ class AsyncKV:
                 return views
 
             try:
-                await self._get(address, [keys[j] for j in idx], sink)
+                await self._get(address, [keys[j] for j in idx], tokens, sink)
             except BaseException:
                 for j in idx:  # a failed (possibly retried) request leaves no half-received page
                     out[j] = None
@@ -364,7 +271,7 @@ class AsyncKV:
                 layout.check_page(view.nbytes, getattr(buf, "shape", None), f"buffer {i}")
         hits = [False] * len(keys)
 
-        async def fetch(address: str, idx: list[int]) -> None:
+        async def fetch(address: str, idx: list[int], tokens: dict[int, int]) -> None:
             def sink(reply: Any) -> list[memoryview]:
                 views = []
                 for j, size in zip(idx, reply.sizes, strict=True):
@@ -373,11 +280,11 @@ class AsyncKV:
                             raise InvalidArgument(f"page {keys[j]} has {size} bytes; its buffer holds "
                                                   f"{targets[j].nbytes}")
                         hits[j] = True
-                        views.append(targets[j][:size])
+                        views.append(targets[j] if size == targets[j].nbytes else targets[j][:size])
                 return views
 
             try:
-                await self._get(address, [keys[j] for j in idx], sink)
+                await self._get(address, [keys[j] for j in idx], tokens, sink)
             except BaseException:
                 for j in idx:  # a failed (possibly retried) request is no hit, whatever landed
                     hits[j] = False
@@ -386,58 +293,97 @@ class AsyncKV:
         await self._run(keys, fetch, need_all=False)
         return hits
 
-    async def put_blocks(self, keys: Sequence[str], blocks: Any, regions: BlockRegions, *,
-                         ttl: float | None = None) -> int:
-        """Store block ``blocks[i]`` of a paged cache (``regions``) as page ``keys[i]``. Returns pages newly
-        stored. The blocks are gathered with one vectorized copy per region, not per page."""
-        ids = regions.block_ids(blocks, len(keys))
-        pages = regions.gather(ids)
-        return await self.put(keys, list(pages), ttl=ttl)
-
     async def get_blocks(self, keys: Sequence[str], blocks: Any, regions: BlockRegions) -> list[bool]:
         """Load page ``keys[i]`` into block ``blocks[i]`` of a paged cache (``regions``); hit flags. A page
-        whose size is not ``regions.page_bytes`` is ``InvalidArgument``; missed blocks are left untouched."""
+        whose size is not ``regions.page_bytes`` is ``InvalidArgument``; missed blocks are left untouched.
+        Same host, pages are copied straight from the home's slots into the blocks (one vectorized copy per
+        region); otherwise received into one staging array per home, then scattered."""
         ids = regions.block_ids(blocks, len(keys))
-        staging = np.empty((len(keys), regions.page_bytes), np.uint8)
-        hits = await self.get_into(keys, list(staging))
-        hit = np.flatnonzero(hits)
-        if len(hit):
-            regions.scatter(ids[hit], staging[hit])
+        hits = [False] * len(keys)
+
+        async def fetch(address: str, idx: list[int], tokens: dict[int, int]) -> None:
+            ks = tuple(keys[j] for j in idx)
+            if self._local(address):
+                reply = await self._get_local(address, ks, tokens)
+                try:
+                    got = [j for j, size in zip(idx, reply.sizes, strict=True) if size >= 0]
+                    self._arenas.to_blocks(reply.slots, address, regions, ids[got])
+                finally:
+                    self._lease_done(address, reply.lease)
+            else:
+                got = await self._get_staged(address, ks, tokens, regions, ids[idx])
+                got = [idx[p] for p in got]
+            for j in got:  # only once the whole request landed: a failed one leaves no hit
+                hits[j] = True
+
+        await self._run(keys, fetch, need_all=False)
         return hits
 
-    async def _get(self, address: str, keys: list[str], sink: Callable[[Any], list[memoryview]]) -> None:
+    async def _get_staged(self, address: str, keys: tuple[str, ...], tokens: dict[int, int], regions: BlockRegions,
+                          ids: np.ndarray[Any, Any]) -> list[int]:
+        """Pages from another host: received into a staging array, then scattered into blocks ``ids`` (one
+        copy per region). Returns the positions (in ``keys``) of the hits."""
+        staging = np.empty((len(keys), regions.page_bytes), np.uint8)
+        got: list[int] = []
+
+        def sink(reply: Any) -> list[memoryview]:
+            for pos, size in enumerate(reply.sizes):
+                if size >= 0:
+                    if size != regions.page_bytes:
+                        raise InvalidArgument(f"page {keys[pos]} has {size} bytes; a block holds "
+                                              f"{regions.page_bytes}")
+                    got.append(pos)
+            return [memoryview(staging[pos]) for pos in got]
+
+        await self.caller.call(KVGet(keys=keys, tokens=tokens), KVGetReply, self._ctx(), address=address, sink=sink)
+        if got:
+            regions.scatter(ids[got], staging if len(got) == len(keys) else staging[got])
+        return got
+
+    async def _get_local(self, address: str, keys: tuple[str, ...], tokens: dict[int, int]) -> KVGetReply:
+        """A same-host KVGet: the reply names the slots of the hits, held under a read lease that the caller
+        hands back (``_lease_done``) once it has copied them. Leases done with earlier go back with it."""
+        msg = KVGet(keys=keys, tokens=tokens, same_host=True, release=self._take_leases(address))
+        return await self.caller.call(msg, KVGetReply, self._ctx(), address=address)
+
+    async def _get(self, address: str, keys: list[str], tokens: dict[int, int],
+                   sink: Callable[[Any], list[memoryview]]) -> None:
         """One KVGet to one home; ``sink(reply)`` names the destination of each hit, in order. Same host,
         the reply names the slots and this process copies from them, then hands the read lease back."""
         ks = tuple(keys)
         if not self._local(address):
-            await self.caller.call(KVGet(keys=ks, tokens=self._tokens(ks)), KVGetReply, self._ctx(), address=address,
+            await self.caller.call(KVGet(keys=ks, tokens=tokens), KVGetReply, self._ctx(), address=address,
                                    sink=sink)
             return
-        msg = KVGet(keys=ks, tokens=self._tokens(ks), same_host=True, release=self._take_leases(address))
-        reply = await self.caller.call(msg, KVGetReply, self._ctx(), address=address)
+        reply = await self._get_local(address, ks, tokens)
         try:
             dests = sink(reply)
-            srcs = self._slots(reply.slots, address)
-            await self._copy(list(zip(dests, srcs, strict=True)))  # type: ignore[arg-type]
+            srcs = self._arenas.views(reply.slots, address)
+            await copy_pairs(list(zip(dests, srcs, strict=True)))  # type: ignore[arg-type]
         finally:
             self._lease_done(address, reply.lease)
 
     async def exists(self, keys: Sequence[str]) -> int:
         """How many leading keys are present (prefix semantics: stop at the first miss)."""
-        present = [False] * len(keys)
+        present = bytearray(len(keys))
+        whole: list[bytes] = []
 
-        async def probe(address: str, idx: list[int]) -> None:
-            ks = tuple(keys[j] for j in idx)
-            reply = await self.caller.call(KVExists(keys=ks, tokens=self._tokens(ks)), KVExistsReply, self._ctx(),
+        async def probe(address: str, idx: list[int], tokens: dict[int, int]) -> None:
+            ks = tuple(keys) if len(idx) == len(keys) else tuple(keys[j] for j in idx)
+            reply = await self.caller.call(KVExists(keys=ks, tokens=tokens), KVExistsReply, self._ctx(),
                                            address=address)
-            for j, flag in zip(idx, reply.present, strict=True):
-                present[j] = bool(flag)
+            if len(reply.present) != len(idx):
+                raise InvalidArgument(f"{address} answered {len(reply.present)} flags for {len(idx)} keys")
+            if len(idx) == len(keys):  # one home answered for every key, in order
+                whole.append(reply.present)
+            else:
+                for j, flag in zip(idx, reply.present, strict=True):
+                    present[j] = flag
 
         await self._run(keys, probe, need_all=False)
-        n = 0
-        while n < len(keys) and present[n]:
-            n += 1
-        return n
+        flags = whole[-1] if whole else present
+        n = flags.find(0)
+        return len(keys) if n < 0 else n
 
     # ----------------------------------------------------------------- benchmark switch
     async def _index_put(self, keys: Sequence[str]) -> None:

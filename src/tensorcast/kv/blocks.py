@@ -4,7 +4,9 @@ Engines do not keep a block contiguous: vLLM holds one tensor per layer (K and V
 SGLang a host pool per layer or page-first. ``BlockRegions`` describes such a cache as R regions, each a
 2-D byte array ``[num_blocks, region_bytes]`` (one row per block); page ``b`` is the concatenation of row
 ``b`` of every region, in order. ``gather`` and ``scatter`` move many blocks between the regions and a
-contiguous ``[n, page_bytes]`` array with one vectorized copy per region (never a Python loop per page).
+contiguous ``[n, page_bytes]`` array, ``load`` and ``store`` between the regions and chosen rows of any 2-D
+byte array (a same-host shard home's arena seen as rows: no staging copy), each with one vectorized copy per
+region (never a Python loop per page).
 
 Owns: validating and viewing the regions (numpy arrays or CPU torch tensors, viewed as bytes without a
 copy) and the per-region copies. Does not own: where pages are stored (``client.kv``) or device memory
@@ -79,3 +81,15 @@ class BlockRegions:
         """Row ``ids[i]`` of every region := its part of ``pages[i]`` (one copy per region)."""
         for region, a, b in zip(self.regions, self.offsets, self.offsets[1:], strict=False):
             region[ids] = pages[:, a:b]
+
+    def load(self, ids: np.ndarray[Any, Any], rows: np.ndarray[Any, Any], at: np.ndarray[Any, Any]) -> None:
+        """Block ``ids[i]`` := row ``at[i]`` of ``rows`` (``[m, >= page_bytes]`` bytes), one copy per region.
+        numpy gathers each region's part of the rows into a temporary of ``len(ids)`` region rows (a cache-
+        sized slice, not a staging copy of the pages), then scatters it into the blocks."""
+        for region, a, b in zip(self.regions, self.offsets, self.offsets[1:], strict=False):
+            region[ids] = rows[at, a:b]
+
+    def store(self, ids: np.ndarray[Any, Any], rows: np.ndarray[Any, Any], at: np.ndarray[Any, Any]) -> None:
+        """Row ``at[i]`` of ``rows`` := block ``ids[i]`` (the reverse of ``load``), one copy per region."""
+        for region, a, b in zip(self.regions, self.offsets, self.offsets[1:], strict=False):
+            rows[at, a:b] = region[ids]

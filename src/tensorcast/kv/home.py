@@ -14,13 +14,15 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import xxhash
 
 from tensorcast.config import KVConfig
 from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument, NotFound, StaleFencingToken, TensorCastError
-from tensorcast.kv.keys import check_keys, shard_of
+from tensorcast.kv.keys import MAX_KEY_BYTES, check_keys
 from tensorcast.kv.leases import HomeLeases, LeaseRecord
 from tensorcast.kv.pages import Page, PageStore
 from tensorcast.limits import check_ttl
@@ -61,6 +63,19 @@ class _PendingPut:
 
 # Same-host reservations and read leases not committed/released within this long are reclaimed.
 _SAME_HOST_TIMEOUT = 60.0
+_xxh3 = xxhash.xxh3_64_intdigest
+
+
+def shards_of(keys: Sequence[str], num_shards: int) -> list[int]:
+    """``kv.keys.shard_of`` of every key, inlined: it runs once per key of every request (tested equal)."""
+    return [_xxh3(k.encode()) % num_shards for k in keys]
+
+
+def _check_keys(keys: Sequence[str]) -> None:
+    """``check_keys`` of a decoded request, whose keys are ``str`` already: the full check only when a key
+    may be empty or too long."""
+    if "" in keys or max(map(len, keys), default=0) > MAX_KEY_BYTES // 4:
+        check_keys(keys)
 
 
 class ShardHome:
@@ -83,6 +98,10 @@ class ShardHome:
         # The lease table as followed from the global store: deltas since (epoch, revision).
         self._table: dict[int, LeaseRecord] = {}
         self._revision, self._epoch = 0, ""
+        # The leases as served, for checking a request's tokens in one step: shard -> token of every held
+        # shard, and the earliest local expiry among them. Rebuilt whenever a lease is granted or lost.
+        self._live: dict[int, int] = {}
+        self._live_until = 0.0
 
     def register(self, registry: HandlerRegistry) -> None:
         registry.register(KVPut, self.put, sink=self.put_sink)
@@ -162,12 +181,14 @@ class ShardHome:
                     self.leases.granted(s, renewed[s], sent, ttl)
                 else:
                     self._step_down(s, "renewal refused")
+            self._leases_changed()
         if acquire:
             sent = time.monotonic()
             reply = await self.gs.call(AcquireShards(worker_id=self.worker_id, shards=tuple(acquire), ttl=ttl),
                                        ShardGrants, ctx)
             for g in reply.leases:
                 self.leases.granted(g.shard, g.token, sent, ttl)
+            self._leases_changed()
             if reply.leases:
                 log.info("acquired %d shard leases", len(reply.leases))
 
@@ -175,17 +196,30 @@ class ShardHome:
         if shard in self.leases.held:
             dropped = self.store.drop_shard(shard)
             self.leases.lost(shard)
+            self._leases_changed()
             log.info("stepped down from shard %d (%s); %d pages are misses until republished", shard, why,
                      dropped)
 
     # ----------------------------------------------------------------- fencing
+    def _leases_changed(self) -> None:
+        held = self.leases.held
+        self._live = {s: h.token for s, h in held.items()}
+        self._live_until = min((h.local_expiry for h in held.values()), default=0.0)
+
     def _check(self, keys: tuple[str, ...], tokens: dict[int, int]) -> list[int]:
+        """The shard of every key, once the request's token for each of them is checked against a live
+        local lease. In one step when every token the request carries is the current one of a lease held
+        and no lease has expired (the common case); otherwise shard by shard, which also steps down from
+        a shard a request shows a newer token for."""
         if not self.num_shards:
             raise StaleFencingToken("this shard home has no lease table yet")
-        check_keys(keys)
-        shards = [shard_of(k, self.num_shards) for k in keys]
+        _check_keys(keys)
+        shards = shards_of(keys, self.num_shards)
         now = time.monotonic()
-        for shard in set(shards):
+        need = set(shards)
+        if now < self._live_until and need <= tokens.keys() and tokens.items() <= self._live.items():
+            return shards
+        for shard in need:
             token = tokens.get(shard)
             if token is None:
                 raise InvalidArgument(f"no fencing token for shard {shard}")
@@ -280,7 +314,7 @@ class ShardHome:
         self._release(msg.release)
         self._check(msg.keys, msg.tokens)
         now = time.time()
-        found = [self.store.get(key, now) for key in msg.keys]
+        found = self.store.get_many(msg.keys, now)
         sizes = tuple(-1 if page is None else page.nbytes for page in found)
         hits = [page for page in found if page is not None]
         metrics.kv_pages("get", len(hits), len(found) - len(hits))
@@ -305,7 +339,7 @@ class ShardHome:
     async def exists(self, msg: KVExists, req: Request) -> KVExistsReply:
         self._check(msg.keys, msg.tokens)
         now = time.time()
-        present = bytes(1 if self.store.contains(k, now) else 0 for k in msg.keys)
+        present = self.store.present(msg.keys, now)
         hits = present.count(1)
         metrics.kv_pages("exists", hits, len(present) - hits)
         return KVExistsReply(present=present)

@@ -12,10 +12,11 @@ from __future__ import annotations
 import heapq
 import itertools
 import uuid
-from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from tensorcast.errors import InvalidArgument, ResourceExhausted
 from tensorcast.pool.segments import SHM_DIR, Segment, remove_stale_segments
@@ -25,7 +26,7 @@ from tensorcast.records import SlotList
 __all__ = ["Page", "PageStore"]
 
 
-@dataclass
+@dataclass(slots=True)
 class Page:
     shard: int
     arena: str
@@ -33,6 +34,8 @@ class Page:
     nbytes: int
     slot: int
     expires: float | None
+    readers: int = 0  # read leases on its slot: the slot is not reused while any is held
+    freed: bool = False  # evicted, overwritten or abandoned while read: the slot is freed at the last release
 
 
 class PageStore:
@@ -114,32 +117,52 @@ class PageStore:
         self.index.move_to_end(key)
         return page
 
+    def get_many(self, keys: Sequence[str], now: float) -> list[Page | None]:
+        """``get`` of every key (a batch pays one method call, not one per key)."""
+        index = self.index
+        found = list(map(index.get, keys))
+        touch = index.move_to_end
+        for i, page in enumerate(found):
+            if page is not None:
+                if page.expires is not None and page.expires <= now:
+                    found[i] = None
+                    if index.get(keys[i]) is page:  # not freed already (a key asked twice)
+                        self._free(keys[i], index.pop(keys[i]))
+                else:
+                    touch(keys[i])
+        return found
+
     def contains(self, key: str, now: float) -> bool:
         page = self.index.get(key)
         return page is not None and (page.expires is None or page.expires > now)
 
+    def present(self, keys: Sequence[str], now: float) -> bytes:
+        """One byte per key: 1 if stored and not expired, else 0 (no LRU bump, as ``contains``)."""
+        return bytes([page is not None and (page.expires is None or page.expires > now)
+                      for page in map(self.index.get, keys)])
+
     def slot_list(self, pages: Sequence[Page | None]) -> SlotList:
         """Where these pages' slots are, for same-host callers (None: no slot)."""
         index: dict[str, int] = {}
-        flat: list[int] = []
-        for page in pages:
-            if page is None:
-                flat += (-1, 0, 0)
-            else:
-                flat += (index.setdefault(page.arena, len(index)), page.offset, page.nbytes)
+        table = np.zeros((len(pages), 3), "<i8")  # little-endian int64 triples, whatever this host's order
+        table[:, 0] = [-1 if p is None else index.setdefault(p.arena, len(index)) for p in pages]
+        table[:, 1] = [0 if p is None else p.offset for p in pages]
+        table[:, 2] = [0 if p is None else p.nbytes for p in pages]
         arenas = tuple(self._arenas[a].path for a in index)
-        return SlotList(arenas=arenas, slots=array("q", flat).tobytes())
+        return SlotList(arenas=arenas, slots=table.tobytes())
 
     def hold(self, pages: Sequence[Page]) -> Callable[[], None]:
-        """Read lease on many pages at once: their slots are not reused until the returned callable runs."""
+        """Read lease on many pages at once: their slots are not reused until the returned callable runs
+        (counted on the pages themselves: a batch costs no allocator bookkeeping per page)."""
         for page in pages:
-            self.slab.lease(page.arena, page.offset)
+            page.readers += 1
 
         def release() -> None:
             for page in pages:
-                empty = self.slab.release_lease(page.arena, page.offset)
-                if empty is not None:
-                    self._retire_arena(empty)
+                page.readers -= 1
+                if not page.readers and page.freed:
+                    page.freed = False
+                    self._release_slot(page)
 
         return release
 
@@ -172,6 +195,9 @@ class PageStore:
         self._release_slot(page)
 
     def _release_slot(self, page: Page) -> None:
+        if page.readers:  # being read: freed when the last read lease ends
+            page.freed = True
+            return
         empty = self.slab.free(page.arena, page.offset)
         if empty is not None:
             self._retire_arena(empty)
