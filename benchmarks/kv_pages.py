@@ -5,7 +5,10 @@ Configurations:
 - tensorcast, 1/2/4 workers (all shard homes), pages of 64 KiB (small model) and 2 MiB (large model);
 - the same with ``locations="global-store"``: every batch also records/looks up per-page locations in the
   global store (what shard homes exist to avoid);
-- ``exists`` of a batch of 256 keys (the prefix lookup an engine makes per request), per system;
+- ``exists`` of a batch of 256 keys (the prefix lookup an engine makes per request), per system, through
+  the synchronous ``client.kv`` as an engine calls it (same host: answered from the homes' presence tables
+  on the caller's thread); the JSON also has it through the asyncio client (one hop to its event loop) and
+  with every lookup asked of the homes (``kv.same_host_exists`` off: the round trip);
 - pages that are blocks of a paged cache (``put_blocks``/``get_blocks``: one page = one block of every
   layer's K and V, i.e. ``regions`` rows of equal size), vs Mooncake's multi-buffer batch calls on the same
   regions;
@@ -38,11 +41,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import numpy as np
 
 import tensorcast as tc
 from benchlib import best_of, metrics_switch, write_json
 from tensorcast.client.kv import AsyncKV
+from tensorcast.client.sync import KV
 from tensorcast.kv.blocks import BlockRegions
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -113,16 +118,24 @@ def bench_tensorcast(workers: int, page: int, n: int, reps: int, locations: str,
         t_get = timed(lambda: run(kv.get_into(keys, bufs)), reps)
         assert all(np.array_equal(b, p) for b, p in zip(bufs[:3], pages[:3], strict=True))
         probe = exists_batch(keys)
-        t_exists = timed(lambda: run(kv.exists(probe)), reps * 4)
+        # Lookups as an engine makes them (the sync client), through the asyncio client, and all asked.
+        asked = AsyncKV(client.aio.caller, client.aio.locality,
+                        msgspec.structs.replace(client.aio.config.kv, same_host_exists=False))
+        t_exists = timed(lambda: KV(client, kv).exists(probe), reps * 4)
+        t_exists_async = timed(lambda: run(kv.exists(probe)), reps * 4)
+        t_exists_asked = timed(lambda: run(asked.exists(probe)), reps * 4)
         one = keys[:1]
-        t_index_rt = timed(lambda: run(kv.exists(one)), reps * 20)
+        t_index_rt = timed(lambda: run(asked.exists(one)), reps * 20)
         t_page_rt = timed(lambda: run(kv.get_into(one, bufs[:1])), reps * 20)
         out = {"put_pages_s": n / t_put, "put_GBps": n * page / t_put / 1e9, "get_pages_s": n / t_get,
                "get_GBps": n * page / t_get / 1e9, "exists_keys_s": EXISTS_BATCH / t_exists,
+               "exists_async_keys_s": EXISTS_BATCH / t_exists_async,
+               "exists_asked_keys_s": EXISTS_BATCH / t_exists_asked,
                "index_rtt_ms": t_index_rt * 1e3, "page_rtt_ms": t_page_rt * 1e3}
         if regions:
             out.update(_blocks(run, kv, keys, page, regions, reps))
         run(kv.aclose())
+        run(asked.aclose())
     return out
 
 
@@ -283,6 +296,9 @@ def summary(rows: list[dict[str, Any]], cases: list[tuple[int, int, int]]) -> No
                 b = blocks[0]
                 print(f"{size} as blocks: get_blocks {b['blocks_get_pages_s'] / m['blocks_get_pages_s']:.2f}x, "
                       f"put_blocks {b['blocks_put_pages_s'] / m['blocks_put_pages_s']:.2f}x Mooncake multi-buffer")
+        print(f"{size}: exists ({EXISTS_BATCH} keys) through the asyncio client "
+              f"{max(r['exists_async_keys_s'] for r in ours):,.0f} keys/s, every lookup asked of the homes "
+              f"{max(r['exists_asked_keys_s'] for r in ours):,.0f} keys/s")
         print(f"{size}: index-only round trip {best['index_rtt_ms']:.3f} ms, page round trip "
               f"{best['page_rtt_ms']:.3f} ms -> keeping bytes on the writer would add ~{best['index_rtt_ms']:.3f} ms "
               f"per get")

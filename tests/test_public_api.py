@@ -34,7 +34,7 @@ def test_engine_facing_exports() -> None:
         "RegionSessionTerminatedError", "ScratchTransferOptions"}
     for name in tensorcast.api.store.__all__:
         assert hasattr(tensorcast.api.store, name), name
-    assert sorted(tensorcast.kv.__all__) == ["BlockRegions", "KVLayout", "page_keys", "shard_of"]
+    assert sorted(tensorcast.kv.__all__) == ["BlockRegions", "KVLayout", "page_keys", "shard_of", "shards_of"]
 
 
 def test_error_tree_and_codes() -> None:

@@ -203,6 +203,9 @@ class KVConfig(msgspec.Struct, frozen=True, kw_only=True):
     # before writes raise Unavailable (reads return misses); and how long one request to a home may take.
     handover_timeout: float = 10.0
     request_timeout: float = 5.0
+    # Answer exists/present for pages of a same-host shard home from its shared-memory presence table, without
+    # a round trip (docs/kv-pages.md); off: every lookup asks the home.
+    same_host_exists: bool = True
 
 
 class ClientConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -12,15 +12,13 @@ import pytest
 
 import tensorcast as tc
 from tensorcast.client.kv_local import LocalArenas, _rows
-from tensorcast.client.kv_route import shards_of as client_shards_of
 from tensorcast.cluster import LocalCluster
 from tensorcast.config import KVConfig
 from tensorcast.errors import InvalidArgument, StaleFencingToken
 from tensorcast.kv.blocks import BlockRegions
 from tensorcast.kv.home import ShardHome
-from tensorcast.kv.home import shards_of as home_shards_of
 from tensorcast.kv.hrw import assignment
-from tensorcast.kv.keys import shard_of
+from tensorcast.kv.keys import key_hash, key_hashes, shard_of, shards_of
 from tensorcast.kv.pages import PageStore
 from tensorcast.testing import leaked_segments, running_cluster
 
@@ -29,8 +27,8 @@ KEYS = ["a", "é" * 100, "x" * 512, "vllm@qwen@1@0@7", *(f"{i:032x}" for i in ra
 
 def test_batch_shards_are_shard_of() -> None:
     for n in (1, 7, 256, 4096):
-        want = [shard_of(k, n) for k in KEYS]
-        assert client_shards_of(KEYS, n) == want and home_shards_of(KEYS, n) == want
+        assert shards_of(KEYS, n) == [shard_of(k, n) for k in KEYS]
+    assert key_hashes(KEYS) == [key_hash(k) for k in KEYS] and shards_of([], 256) == []
 
 
 def _home(shards: int = 16) -> ShardHome:

@@ -107,15 +107,8 @@ class _Region:
 
 
 async def _exists_mask(client: AsyncClient, keys: list[str]) -> list[bool]:
-    """Exact per-key existence from the prefix-counting ``kv.exists``: one batched query; then, past its
-    first miss, each remaining key on its own (concurrently), since a prefix count says nothing beyond it."""
-    n = await client.kv.exists(keys)
-    mask = [True] * n + [False] * (len(keys) - n)
-    rest = keys[n + 1 :]
-    if rest:
-        counts = await asyncio.gather(*(client.kv.exists([key]) for key in rest))
-        mask[n + 1 :] = [c == 1 for c in counts]
-    return mask
+    """Exact per-key existence: one batched ``kv.present`` (per-key flags, no prefix semantics)."""
+    return await client.kv.present(keys)
 
 
 class RegionBackedArtifactSession:

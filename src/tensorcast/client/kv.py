@@ -1,13 +1,14 @@
-"""The caller side of KV pages: ``client.kv.put/get/get_into/exists`` and the paged-cache ``put_blocks`` /
-``get_blocks``, batched per shard home.
+"""The caller side of KV pages: ``client.kv.put/get/get_into/exists/present`` and the paged-cache
+``put_blocks`` / ``get_blocks``, batched per shard home.
 
 Owns: the requests of each operation (one per shard home that holds some of a batch's keys, each carrying
 the fencing tokens of the shards its keys fall in), validating pages and buffers, prefix semantics of
-``exists``, the zero-copy ``get_into`` that receives pages straight into caller buffers, and the read
-leases of same-host gets (handed back with the next get to that home). Routing, the lease table and
-retries are ``client.kv_route``'s; the same-host copies (arenas, slots, vectorized block copies)
-``client.kv_local``'s. Also a benchmark-only switch that keeps page locations in the global store instead
-(``locations="global-store"``), to measure what shard homes avoid.
+``exists``, the zero-copy ``get_into`` that receives pages straight into caller buffers, the read leases of
+same-host gets (handed back with the next get to that home), and which lookups go to a home: only keys
+that no same-host presence table vouches for (``local_presence``; the sync facade asks it on the caller's
+thread first). Routing, the lease table and retries are ``client.kv_route``'s; the same-host copies and
+presence tables ``client.kv_local``'s. Also a benchmark-only switch that keeps page locations in the global
+store instead (``locations="global-store"``), to measure what shard homes avoid.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from tensorcast.client.kv_local import LocalArenas, copy_pairs
+from tensorcast.client.kv_local import LocalArenas, LocalPresence, copy_pairs
 from tensorcast.client.kv_route import KVRouter, Op
 from tensorcast.client.locality import Locality
 from tensorcast.config import KVConfig
@@ -65,6 +66,9 @@ def _page_view(page: Any) -> memoryview:
 
 
 class AsyncKV:
+    """``client.kv``. ``local_presence`` answers lookups of same-host pages without a round trip (from any
+    thread); ``exists_requests`` counts the ``KVExists`` requests sent (the lookups it could not answer)."""
+
     def __init__(self, caller: Caller, locality: Locality, config: KVConfig, *,
                  locations: str = "shard-homes") -> None:
         if locations not in ("shard-homes", "global-store"):
@@ -79,6 +83,8 @@ class AsyncKV:
         self._arenas = LocalArenas(self._route.not_local)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._done_leases: dict[str, list[str]] = {}  # home address -> read leases to hand back
+        self.local_presence = LocalPresence(lambda: self._route.routes)
+        self.exists_requests = 0
 
     # ----------------------------------------------------------------- routing
     async def refresh(self) -> ShardTable:
@@ -136,6 +142,7 @@ class AsyncKV:
 
     def close(self) -> None:
         self._arenas.close()
+        self.local_presence.close()
 
     # ----------------------------------------------------------------- writes
     async def put(self, keys: Sequence[str], pages: Sequence[Any], *, ttl: float | None = None,
@@ -259,8 +266,10 @@ class AsyncKV:
     async def get_into(self, keys: Sequence[str], buffers: Sequence[Any], *,
                        layout: KVLayout | None = None) -> list[bool]:
         """Zero-copy variant: receive each hit straight into the caller's buffer (numpy array, torch CPU
-        tensor or writable memoryview of at least the page size; with ``layout``, exactly one page of it).
-        Returns hit flags."""
+        tensor or writable memoryview of at least the page size). Returns hit flags. With ``layout``, each
+        buffer must be exactly one page of it, and a stored page of another size is ``InvalidArgument``, never
+        a hit; without, a page smaller than its buffer fills the buffer's first bytes (the rest is left as it
+        was) and is a hit, and one larger is ``InvalidArgument``."""
         if len(keys) != len(buffers):
             raise InvalidArgument("keys and buffers differ in length")
         targets = [_page_view(b) for b in buffers]
@@ -276,9 +285,10 @@ class AsyncKV:
                 views = []
                 for j, size in zip(idx, reply.sizes, strict=True):
                     if size >= 0:
-                        if size > targets[j].nbytes:
+                        if size > targets[j].nbytes or (layout is not None and size != layout.page_bytes):
                             raise InvalidArgument(f"page {keys[j]} has {size} bytes; its buffer holds "
-                                                  f"{targets[j].nbytes}")
+                                                  f"{targets[j].nbytes}" + ("" if layout is None else
+                                                  f", and a page of this layout is {layout.page_bytes}"))
                         hits[j] = True
                         views.append(targets[j] if size == targets[j].nbytes else targets[j][:size])
                 return views
@@ -364,26 +374,58 @@ class AsyncKV:
             self._lease_done(address, reply.lease)
 
     async def exists(self, keys: Sequence[str]) -> int:
-        """How many leading keys are present (prefix semantics: stop at the first miss)."""
-        present = bytearray(len(keys))
-        whole: list[bytes] = []
+        """How many leading keys are present (prefix semantics: stop at the first miss). Keys whose same-host
+        home's presence table vouches for them are answered without a round trip (``kv.presence``); the
+        others are asked of their homes."""
+        flags = await self._flags(keys, prefix=True)
+        n = flags.find(0)
+        return len(keys) if n < 0 else n
+
+    async def present(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is present: every key answered, no prefix semantics (like ``exists`` otherwise)."""
+        return list(map(bool, await self._flags(keys, prefix=False)))
+
+    async def _flags(self, keys: Sequence[str], *, prefix: bool) -> bytearray:
+        """One byte per key, 1 when present: from same-host presence tables where they vouch, else asked. With
+        ``prefix``, keys after a miss the tables vouched for are left 0, unasked."""
+        local = self.local_presence.flags(keys)
+        if local is None:
+            flags = bytearray(len(keys))
+            await self._ask(keys, list(range(len(keys))), flags)
+            return flags
+        present, vouched = local
+        flags = bytearray(present.view(np.uint8).tobytes())
+        todo = ~vouched
+        if prefix:
+            misses = np.flatnonzero(vouched & ~present)
+            if misses.size:  # nothing after a known miss counts
+                todo[misses[0] :] = False
+        ask = np.flatnonzero(todo).tolist()
+        if ask:
+            await self._ask(keys, ask, flags)
+        return flags
+
+    async def _ask(self, keys: Sequence[str], ask: list[int], flags: bytearray) -> None:
+        """``flags[i]`` for each ``i`` of ``ask``, from the homes of those keys (one KVExists per home). A same-
+        host home's reply names its presence table, which answers the next lookups here."""
+        sub = keys if len(ask) == len(keys) else [keys[i] for i in ask]
 
         async def probe(address: str, idx: list[int], tokens: dict[int, int]) -> None:
-            ks = tuple(keys) if len(idx) == len(keys) else tuple(keys[j] for j in idx)
+            ks = tuple(sub) if len(idx) == len(sub) else tuple(sub[j] for j in idx)
+            self.exists_requests += 1
             reply = await self.caller.call(KVExists(keys=ks, tokens=tokens), KVExistsReply, self._ctx(),
                                            address=address)
             if len(reply.present) != len(idx):
                 raise InvalidArgument(f"{address} answered {len(reply.present)} flags for {len(idx)} keys")
+            if reply.presence and self.config.same_host_exists and self._local(address):
+                self.local_presence.learn(address, reply.presence)
             if len(idx) == len(keys):  # one home answered for every key, in order
-                whole.append(reply.present)
+                flags[:] = reply.present
             else:
                 for j, flag in zip(idx, reply.present, strict=True):
-                    present[j] = flag
+                    flags[ask[j]] = flag
 
-        await self._run(keys, probe, need_all=False)
-        flags = whole[-1] if whole else present
-        n = flags.find(0)
-        return len(keys) if n < 0 else n
+        await self._run(sub, probe, need_all=False)
 
     # ----------------------------------------------------------------- benchmark switch
     async def _index_put(self, keys: Sequence[str]) -> None:

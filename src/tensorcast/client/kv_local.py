@@ -1,12 +1,14 @@
-"""The same-host copy path of KV pages: a shard home's slab arenas mapped into this process, and the copies
-between their slots and the caller's memory.
+"""The same-host paths of KV pages: a shard home's slab arenas and presence table mapped into this process,
+the copies between its slots and the caller's memory, and lookups answered from its presence table.
 
 Owns: mapping the arenas a reply names (kept mapped; the least recently used are unmapped past a bound),
 reading a ``SlotList`` (arena, offset, size per page), and the copies: page by page between slots and
 buffers (pages of 512 KiB and more on several threads, smaller ones inline), and, for pages that are
 blocks of a paged cache (``BlockRegions``), one vectorized copy per arena and region straight between the
-slots and the cache: no staging array, no Python loop per page. Does not own: which slots to use, read
-leases or fencing (``client.kv`` asks the shard home, which decides), or pages from another host.
+slots and the cache: no staging array, no Python loop per page. ``LocalPresence``: the presence tables
+(``kv.presence``) of same-host homes, mapped once each, answering lookups for the keys they can vouch for
+without a round trip, from any thread. Does not own: which slots to use, read leases or fencing
+(``client.kv`` asks the shard home, which decides), or pages from another host.
 """
 
 from __future__ import annotations
@@ -16,19 +18,22 @@ import contextlib
 import mmap
 import os
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from tensorcast.client.kv_route import Routes
 from tensorcast.errors import InternalError, InvalidArgument, Unavailable
 from tensorcast.kv.blocks import BlockRegions
+from tensorcast.kv.keys import check_keys, key_hash_array
+from tensorcast.kv.presence import PresenceReader
 from tensorcast.pool.segments import SegmentGone, map_shared
 from tensorcast.records import SlotList
 
-__all__ = ["LocalArenas"]
+__all__ = ["LocalArenas", "LocalPresence"]
 
 _MAX_ARENA_MAPS = 256
 # Same-host pages at least this large are copied by _COPY_THREADS threads (smaller ones inline).
@@ -152,3 +157,94 @@ class LocalArenas:
             with contextlib.suppress(BufferError):
                 mm.close()
         self._maps.clear()
+
+
+class LocalPresence:
+    """Lookups answered from the presence tables of same-host shard homes, for the keys whose shard the
+    caller's lease table (``routes()``) places on such a home and that the home's table vouches for (it holds
+    the shard under the same token, now). A table is mapped once per home, when a ``KVExists`` reply names
+    it (``learn``). Safe from any thread: the sync facade answers on the caller's thread while the event loop
+    learns tables (state is replaced whole, never changed in place)."""
+
+    def __init__(self, routes: Callable[[], Routes | None]) -> None:
+        self._routes = routes
+        self._readers: dict[str, PresenceReader] = {}  # home address -> its table
+        # Per shard, the index in ``readers`` of its holder's table (-1: none), for one (routes, readers).
+        self._plan: tuple[Routes, dict[str, PresenceReader], np.ndarray[Any, Any], list[PresenceReader]] | None = None
+
+    def learn(self, address: str, path: str) -> None:
+        """The home at ``address`` (same host) publishes its presence table at ``path``."""
+        old = self._readers.get(address)
+        if old is not None and old.path == path:
+            return
+        try:
+            reader = PresenceReader(path)
+        except (OSError, ValueError):  # not visible from here: that home keeps answering lookups itself
+            return
+        self._readers = {**self._readers, address: reader}
+        if old is not None:
+            old.close()
+
+    def _homes(self, routes: Routes) -> tuple[np.ndarray[Any, Any], list[PresenceReader]]:
+        readers = self._readers
+        plan = self._plan
+        if plan is not None and plan[0] is routes and plan[1] is readers:
+            return plan[2], plan[3]
+        holders = set(routes.addr)
+        if any(a not in holders for a in readers):  # homes that hold nothing now (dead, or moved): unmapped
+            gone = [r for a, r in readers.items() if a not in holders]
+            readers = {a: r for a, r in readers.items() if a in holders}
+            self._readers = readers  # a table learned meanwhile may be dropped: the next reply names it again
+            for reader in gone:
+                reader.close()
+        order = {a: i for i, a in enumerate(readers)}
+        home_of = np.array([order.get(a, -1) if a is not None else -1 for a in routes.addr], np.intp)
+        listed = list(readers.values())
+        self._plan = (routes, readers, home_of, listed)
+        return home_of, listed
+
+    def flags(self, keys: Sequence[str]) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]] | None:
+        """(present, vouched) per key (present implies vouched), or None when no key can be vouched for here.
+        ``InvalidArgument`` for keys that are not keys, as from the round trip."""
+        routes = self._routes()
+        if routes is None or not routes.addr or not self._readers or not keys:
+            return None
+        check_keys(keys)
+        q = key_hash_array(keys)
+        shards = q % np.uint64(len(routes.addr))
+        home_of, readers = self._homes(routes)
+        homes = home_of[shards]
+        if len(readers) == 1 and not homes.any():  # one same-host home holds the whole batch: no selections
+            return readers[0].answer(q, shards, routes.tok)
+        present = np.zeros(len(keys), bool)
+        vouched = np.zeros(len(keys), bool)
+        for i, reader in enumerate(readers):
+            sel = homes == i
+            if sel.any():
+                got = reader.answer(q[sel], shards[sel], routes.tok)
+                if got is not None:
+                    present[sel], vouched[sel] = got
+        return present, vouched
+
+    def exists(self, keys: Sequence[str]) -> int | None:
+        """How many leading keys are present, when the keys up to the first miss are all vouched for."""
+        got = self.flags(keys)
+        if got is None:
+            return None
+        present, vouched = got
+        if present.all():
+            return len(keys)
+        n = int(present.argmin())  # the first key not present: vouched absent, or not vouched for
+        return n if vouched[n] else None
+
+    def present(self, keys: Sequence[str]) -> list[bool] | None:
+        """Whether each key is present, when every key is vouched for."""
+        got = self.flags(keys)
+        if got is None or not got[1].all():
+            return None
+        return list(got[0].tolist())
+
+    def close(self) -> None:
+        readers, self._readers, self._plan = self._readers, {}, None
+        for reader in readers.values():
+            reader.close()

@@ -4,8 +4,9 @@ Owns: the cached shard-lease table (fetched from the global store once, refreshe
 rejects a token or is unreachable, or a shard has no holder — O(shards) global-store requests, never per
 page), each key's shard (computed once per call), grouping a batch's keys by holder (one request per home,
 sent concurrently) with the fencing token of every shard a request touches, which holders share this
-host's memory, and bounded retries after a refresh. Does not own: what a request does (``client.kv``) or
-the checks themselves (the shard home checks every token).
+host's memory, and bounded retries after a refresh. Each refresh also publishes the table whole as
+``routes`` (holder and token per shard), which other threads may read without a lock. Does not own: what a
+request does (``client.kv``) or the checks themselves (the shard home checks every token).
 """
 
 from __future__ import annotations
@@ -14,32 +15,36 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import xxhash
+import numpy as np
 
 from tensorcast.client.locality import Locality
 from tensorcast.config import KVConfig
 from tensorcast.context import CallContext
 from tensorcast.errors import DeadlineExceeded, StaleFencingToken, Unavailable
-from tensorcast.kv.keys import check_keys
+from tensorcast.kv.keys import check_keys, shards_of
 from tensorcast.records import ShardLease
 from tensorcast.wire.caller import Caller
 from tensorcast.wire.kv_messages import ListShards, ShardTable
 
-__all__ = ["KVRouter", "Op", "shards_of"]
+__all__ = ["KVRouter", "Op", "Routes"]
 
 _RETRYABLE = (StaleFencingToken, Unavailable, DeadlineExceeded)
-_xxh3 = xxhash.xxh3_64_intdigest
 
 # One request to one home: its key indexes into the batch, and the fencing token of each shard they fall in.
 Group = tuple[list[int], dict[int, int]]
 Op = Callable[[str, list[int], dict[int, int]], Awaitable[Any]]
 
 
-def shards_of(keys: Sequence[str], num_shards: int) -> list[int]:
-    """``kv.keys.shard_of`` of every key, inlined: it runs once per key of every batch (tested equal)."""
-    return [_xxh3(k.encode()) % num_shards for k in keys]
+@dataclass(frozen=True)
+class Routes:
+    """The cached lease table as one immutable value: each shard's holder address (None: no holder) and
+    fencing token. Replaced whole by every refresh, so a reader on another thread sees one version."""
+
+    addr: list[str | None]
+    tok: np.ndarray[Any, Any]  # uint64 [num_shards]
 
 
 class KVRouter:
@@ -53,6 +58,7 @@ class KVRouter:
         self._addr: list[str | None] = []
         self._tok: list[int] = []
         self._same_host: dict[str, bool] = {}  # holder address -> pages reachable through shared memory
+        self.routes: Routes | None = None
         self.table_refreshes = 0
 
     async def refresh(self) -> ShardTable:
@@ -73,6 +79,7 @@ class KVRouter:
             if 0 <= shard < table.num_shards and lease.holder and lease.address:
                 addr[shard], tok[shard] = lease.address, lease.token
         self._addr, self._tok = addr, tok
+        self.routes = Routes(addr, np.array(tok, np.uint64))
         self.table_refreshes += 1
         return table
 

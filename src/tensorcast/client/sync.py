@@ -298,10 +298,19 @@ class KV:
         return self._client._run(self.inner.get(keys))
 
     def get_into(self, keys: Sequence[str], buffers: Sequence[Any], *, layout: KVLayout | None = None) -> list[bool]:
+        """Receive pages straight into buffers; see ``AsyncKV.get_into`` (sizes, ``layout`` checks)."""
         return self._client._run(self.inner.get_into(keys, buffers, layout=layout))
 
     def exists(self, keys: Sequence[str]) -> int:
-        return self._client._run(self.inner.exists(keys))
+        """How many leading keys are present; see ``AsyncKV.exists``. Answered on this thread when same-host
+        presence tables vouch for the keys up to the first miss (no hop to the client's event loop)."""
+        n = self.inner.local_presence.exists(keys)
+        return n if n is not None else self._client._run(self.inner.exists(keys))
+
+    def present(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is present; see ``AsyncKV.present`` (answered on this thread like ``exists``)."""
+        flags = self.inner.local_presence.present(keys)
+        return flags if flags is not None else self._client._run(self.inner.present(keys))
 
     def put_blocks(self, keys: Sequence[str], blocks: Any, regions: BlockRegions, *, ttl: float | None = None) -> int:
         """Store blocks of a paged cache as pages; see ``AsyncKV.put_blocks``."""

@@ -5,7 +5,10 @@ HRW says belongs elsewhere, renew what it holds, acquire what it should hold —
 requests per loop, touched per shard, never per page), stepping down from shards it lost (their pages are
 dropped: misses until republished), and the ``KVPut``/``KVGet``/``KVExists`` handlers, each checking the
 fencing token of every shard it touches against a live local lease. Page bytes arrive straight into their
-slab slots (scatter) and leave straight from them (gather) under read leases.
+slab slots (scatter) and leave straight from them (gather) under read leases. It publishes its leases
+(token, serve-until) and its pages to the store's presence table (``kv.presence``), whose path each
+``KVExists`` reply carries, so that same-host callers answer later lookups themselves; leases are withdrawn
+there before a shard's pages are dropped. Page TTLs count on CLOCK_MONOTONIC, like the leases.
 """
 
 from __future__ import annotations
@@ -17,12 +20,10 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import xxhash
-
 from tensorcast.config import KVConfig
 from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument, NotFound, StaleFencingToken, TensorCastError
-from tensorcast.kv.keys import MAX_KEY_BYTES, check_keys
+from tensorcast.kv.keys import MAX_KEY_BYTES, check_keys, shards_of
 from tensorcast.kv.leases import HomeLeases, LeaseRecord
 from tensorcast.kv.pages import Page, PageStore
 from tensorcast.limits import check_ttl
@@ -63,12 +64,6 @@ class _PendingPut:
 
 # Same-host reservations and read leases not committed/released within this long are reclaimed.
 _SAME_HOST_TIMEOUT = 60.0
-_xxh3 = xxhash.xxh3_64_intdigest
-
-
-def shards_of(keys: Sequence[str], num_shards: int) -> list[int]:
-    """``kv.keys.shard_of`` of every key, inlined: it runs once per key of every request (tested equal)."""
-    return [_xxh3(k.encode()) % num_shards for k in keys]
 
 
 def _check_keys(keys: Sequence[str]) -> None:
@@ -88,7 +83,7 @@ class ShardHome:
                                   f"kv.renew_interval ({config.lease_ttl - config.renew_interval})")
         self.leases = HomeLeases(worker_id, k=config.candidates, margin=config.lease_margin)
         self.store = PageStore(config.memory_capacity, f"{shm_prefix}-kv", arena_bytes=config.arena_bytes,
-                               max_page_bytes=config.max_page_bytes, default_ttl=config.page_ttl)
+                               max_page_bytes=config.max_page_bytes, default_ttl=config.page_ttl, presence=True)
         self.num_shards = 0
         self._reservations: dict[str, _PendingPut] = {}  # same-host puts awaiting KVCommit
         self._read_leases: dict[str, tuple[float, Callable[[], None]]] = {}  # same-host gets awaiting KVRelease
@@ -194,9 +189,9 @@ class ShardHome:
 
     def _step_down(self, shard: int, why: str) -> None:
         if shard in self.leases.held:
-            dropped = self.store.drop_shard(shard)
             self.leases.lost(shard)
-            self._leases_changed()
+            self._leases_changed()  # withdrawn from the presence table before its pages go
+            dropped = self.store.drop_shard(shard)
             log.info("stepped down from shard %d (%s); %d pages are misses until republished", shard, why,
                      dropped)
 
@@ -205,6 +200,9 @@ class ShardHome:
         held = self.leases.held
         self._live = {s: h.token for s, h in held.items()}
         self._live_until = min((h.local_expiry for h in held.values()), default=0.0)
+        if self.store.presence is not None:  # same-host readers vouch only within the same serve-until
+            self.store.presence.publish_leases({s: (h.token, h.local_expiry) for s, h in held.items()},
+                                               self.num_shards, time.monotonic())
 
     def _check(self, keys: tuple[str, ...], tokens: dict[int, int]) -> list[int]:
         """The shard of every key, once the request's token for each of them is checked against a live
@@ -236,18 +234,19 @@ class ShardHome:
         if msg.ttl is not None:
             check_ttl(msg.ttl)
         shards = self._check(msg.keys, msg.tokens)
-        now = time.time()
+        now = time.monotonic()
         pending = _PendingPut([], time.monotonic(), msg.ttl)
         views: list[memoryview] = []
         try:
-            for key, size, shard in zip(msg.keys, msg.sizes, shards, strict=True):
-                if self.store.contains(key, now):  # same key, same content: keep the stored page
-                    pending.pages.append(None)
-                    views.append(memoryview(bytearray(size)))  # received (and checked), then dropped
-                    continue
-                page, view = self.store.reserve(shard, key, size, now)
-                pending.pages.append((key, page))
-                views.append(view)
+            with self.store.batch():  # pages evicted to make room leave the presence table in one step
+                for key, size, shard in zip(msg.keys, msg.sizes, shards, strict=True):
+                    if self.store.contains(key, now):  # same key, same content: keep the stored page
+                        pending.pages.append(None)
+                        views.append(memoryview(bytearray(size)))  # received (and checked), then dropped
+                        continue
+                    page, view = self.store.reserve(shard, key, size, now)
+                    pending.pages.append((key, page))
+                    views.append(view)
         except BaseException:
             self._abandon(pending)
             raise
@@ -290,12 +289,9 @@ class ShardHome:
 
     def _commit(self, pending: _PendingPut) -> int:
         pending.done = True
-        now = time.time()
-        stored = 0
-        for entry in pending.pages:
-            if entry is not None:
-                self.store.commit(entry[0], entry[1], pending.ttl, now)
-                stored += 1
+        pages = [entry for entry in pending.pages if entry is not None]
+        self.store.commit_many(pages, pending.ttl, time.monotonic())
+        stored = len(pages)
         metrics.kv_pages("put", stored)
         return stored
 
@@ -313,8 +309,7 @@ class ShardHome:
     async def get(self, msg: KVGet, req: Request) -> Reply:
         self._release(msg.release)
         self._check(msg.keys, msg.tokens)
-        now = time.time()
-        found = self.store.get_many(msg.keys, now)
+        found = self.store.get_many(msg.keys, time.monotonic())
         sizes = tuple(-1 if page is None else page.nbytes for page in found)
         hits = [page for page in found if page is not None]
         metrics.kv_pages("get", len(hits), len(found) - len(hits))
@@ -338,11 +333,11 @@ class ShardHome:
 
     async def exists(self, msg: KVExists, req: Request) -> KVExistsReply:
         self._check(msg.keys, msg.tokens)
-        now = time.time()
-        present = self.store.present(msg.keys, now)
+        present = self.store.present(msg.keys, time.monotonic())
         hits = present.count(1)
         metrics.kv_pages("exists", hits, len(present) - hits)
-        return KVExistsReply(present=present)
+        table = self.store.presence
+        return KVExistsReply(present=present, presence=table.path if table is not None else "")
 
     def _reap_pending(self) -> None:
         """Reservations whose bytes never arrived, and same-host leases never released (the caller died)."""

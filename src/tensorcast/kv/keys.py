@@ -5,27 +5,33 @@ Owns: ``KVLayout`` (what a page holds: layers, KV heads, head dim, dtype, tokens
 salted with the model id and layout id — so a key names a whole prefix, and a prefix lookup is a walk of
 keys), what a key may be (``check_keys``: any non-empty string up to ``MAX_KEY_BYTES``, so that engines keep
 their own keys — vLLM block hashes, SGLang's hashes with rank suffixes, LMCache chunk keys) and ``shard_of``
-(a hash of the key, so keys need not be uniform themselves).
+(a hash of the key, so keys need not be uniform themselves), for one key or a batch (``shards_of``,
+``key_hashes``: the same 64-bit hash also names the key in a home's presence table, ``kv.presence``).
 Does not own: where pages live (``kv.home``) or how they are found (``client.kv``).
 """
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import blake3
 import msgspec
+import numpy as np
 import xxhash
 
 from tensorcast.errors import InvalidArgument, clip
 from tensorcast.tensors import numpy_dtype
 
-__all__ = ["MAX_KEY_BYTES", "KVLayout", "PageKeyChain", "check_keys", "page_keys", "shard_of"]
+__all__ = ["MAX_KEY_BYTES", "KVLayout", "PageKeyChain", "check_keys", "key_hash", "key_hash_array", "key_hashes",
+           "page_keys", "shard_of", "shards_of"]
 
 MAX_KEY_BYTES = 512
 
 _ENC = msgspec.msgpack.Encoder()
+_xxh3 = xxhash.xxh3_64_intdigest
 
 
 @dataclass(frozen=True)
@@ -97,13 +103,35 @@ class PageKeyChain:
         return self.keys
 
 
+def key_hash(key: str) -> int:
+    """A key's 64-bit hash (XXH3 of its UTF-8 bytes): its shard, and its name in a presence table."""
+    return _xxh3(key.encode())
+
+
+def key_hashes(keys: Sequence[str]) -> list[int]:
+    """``key_hash`` of every key, in one pass without a Python frame per key (batches run it per call)."""
+    return list(map(_xxh3, map(str.encode, keys)))
+
+
+def key_hash_array(keys: Sequence[str]) -> np.ndarray[Any, Any]:
+    """``key_hashes`` as a uint64 array (straight into a C array: no list of Python ints in between)."""
+    return np.frombuffer(array.array("Q", map(_xxh3, map(str.encode, keys))), np.uint64)
+
+
 def shard_of(key: str, num_shards: int) -> int:
     """The shard a page key belongs to: a 64-bit hash of the key (XXH3), so keys of any shape spread evenly."""
-    return xxhash.xxh3_64_intdigest(key.encode()) % num_shards
+    return key_hash(key) % num_shards
+
+
+def shards_of(keys: Sequence[str], num_shards: int) -> list[int]:
+    """``shard_of`` of every key (a batch's shards, computed once per call by clients and homes)."""
+    return [h % num_shards for h in key_hashes(keys)]
 
 
 def check_keys(keys: Sequence[str]) -> None:
     """``InvalidArgument`` unless every key is a non-empty ``str`` of at most ``MAX_KEY_BYTES`` bytes (UTF-8)."""
+    if keys and {*map(type, keys)} == {str} and "" not in keys and max(map(len, keys)) <= MAX_KEY_BYTES // 4:
+        return  # the common case, decided without a Python step per key (a lookup runs this per call)
     for i, key in enumerate(keys):
         if type(key) is not str:
             raise InvalidArgument(f"key {i}: page keys are str, got {type(key).__name__}")

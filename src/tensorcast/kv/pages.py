@@ -4,21 +4,29 @@ Owns: storing page bytes in slots of slab arenas (shared-memory segments carved 
 the index ``key -> slot`` grouped by shard (dropping a shard when its lease is lost makes its pages
 misses), LRU eviction under the capacity and TTL expiry (a miss, never wrong data), and read leases
 that keep a slot from being reused while its bytes are being sent. Pages are copied out to readers,
-never mapped, because slots are reused. Does not own: fencing (``kv.leases``) or RPC (``kv.home``).
+never mapped, because slots are reused. With ``presence``, it tells a ``kv.presence`` table of every page
+committed and every page freed (evicted, expired, overwritten or dropped with its shard) before its slot
+can hold other bytes, or, inside ``batch`` (one synchronous handler), at its end. Times (``now``,
+expiries) are CLOCK_MONOTONIC seconds, the clock same-host readers of that table compare against.
+Does not own: fencing (``kv.leases``) or RPC (``kv.home``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
+import math
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from tensorcast.errors import InvalidArgument, ResourceExhausted
+from tensorcast.kv.keys import key_hash
+from tensorcast.kv.presence import PresenceWriter
 from tensorcast.pool.segments import SHM_DIR, Segment, remove_stale_segments
 from tensorcast.pool.slab import SlabAllocator
 from tensorcast.records import SlotList
@@ -34,13 +42,14 @@ class Page:
     nbytes: int
     slot: int
     expires: float | None
+    hkey: int = 0  # the key's hash, its name in the presence table (0 without one)
     readers: int = 0  # read leases on its slot: the slot is not reused while any is held
     freed: bool = False  # evicted, overwritten or abandoned while read: the slot is freed at the last release
 
 
 class PageStore:
     def __init__(self, capacity: int, prefix: str, *, arena_bytes: int = 64 << 20, max_page_bytes: int = 4 << 20,
-                 default_ttl: float | None = 3600.0) -> None:
+                 default_ttl: float | None = 3600.0, presence: bool = False) -> None:
         self.capacity = capacity
         self.prefix = prefix
         self.default_ttl = default_ttl
@@ -55,6 +64,10 @@ class PageStore:
         self._expiry: list[tuple[float, int, str, Page]] = []
         self._seq = itertools.count()
         remove_stale_segments(prefix)
+        # Which pages are here, for same-host readers (``kv.presence``); under this store's prefix, so that
+        # whatever removes a dead home's arenas removes it too.
+        self.presence = PresenceWriter(SHM_DIR, prefix) if presence else None
+        self._unpublished: list[int] | None = None  # inside ``batch``: pages freed, not yet unpublished
 
     # ----------------------------------------------------------------- writes
     def reserve(self, shard: int, key: str, nbytes: int, now: float) -> tuple[Page, memoryview]:
@@ -74,15 +87,28 @@ class PageStore:
             assert not isinstance(got, int)
         arena, offset = got
         self.used += slot
-        page = Page(shard, arena, offset, nbytes, slot, None)
+        page = Page(shard, arena, offset, nbytes, slot, None, key_hash(key) if self.presence is not None else 0)
         return page, self._arenas[arena].view()[offset : offset + nbytes]
 
     def commit(self, key: str, page: Page, ttl: float | None, now: float) -> None:
+        self._index(key, page, ttl, now)
+        if self.presence is not None:
+            self.presence.add(page.hkey, math.inf if page.expires is None else page.expires)
+
+    def commit_many(self, pages: Sequence[tuple[str, Page]], ttl: float | None, now: float) -> None:
+        """``commit`` of every (key, page), published to the presence table in one batch."""
+        for key, page in pages:
+            self._index(key, page, ttl, now)
+        if self.presence is not None:
+            self.presence.add_many([p.hkey for _, p in pages],
+                                   [math.inf if p.expires is None else p.expires for _, p in pages])
+
+    def _index(self, key: str, page: Page, ttl: float | None, now: float) -> None:
         ttl = self.default_ttl if ttl is None else ttl
         page.expires = None if ttl is None else now + ttl
         old = self.index.pop(key, None)
-        if old is not None:
-            self._free(key, old)
+        if old is not None:  # the same key again: the presence entry stays (its expiry is updated)
+            self._free(key, old, unpublish=False)
         self.index[key] = page
         self.by_shard.setdefault(page.shard, set()).add(key)
         if page.expires is not None:
@@ -105,6 +131,19 @@ class PageStore:
             self._free(key, page)
         if self.used + slot > self.capacity:
             raise ResourceExhausted("KV page store full of pages being written")
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Pages freed inside leave the presence table together, at the end (one vectorized removal, not one
+        per page). For one synchronous handler only: nobody can ask this home about a page in between, so
+        the removal is as good as immediate, although freed slots are reused before it."""
+        self._unpublished = []
+        try:
+            yield
+        finally:
+            freed, self._unpublished = self._unpublished, None
+            if self.presence is not None and freed:
+                self.presence.remove_many(freed)
 
     # ----------------------------------------------------------------- reads
     def get(self, key: str, now: float) -> Page | None:
@@ -172,10 +211,11 @@ class PageStore:
     # ----------------------------------------------------------------- removal
     def drop_shard(self, shard: int) -> int:
         keys = self.by_shard.pop(shard, set())
-        for key in keys:
-            page = self.index.pop(key, None)
-            if page is not None:
-                self._free(key, page, unindex=False)
+        pages = [(key, page) for key in keys if (page := self.index.pop(key, None)) is not None]
+        if self.presence is not None:
+            self.presence.remove_many([page.hkey for _, page in pages])
+        for key, page in pages:
+            self._free(key, page, unindex=False, unpublish=False)
         return len(keys)
 
     def expire(self, now: float) -> None:
@@ -186,7 +226,12 @@ class PageStore:
             if self.index.get(key) is page:
                 self._free(key, self.index.pop(key))
 
-    def _free(self, key: str, page: Page, unindex: bool = True) -> None:
+    def _free(self, key: str, page: Page, unindex: bool = True, unpublish: bool = True) -> None:
+        if unpublish and self.presence is not None:  # before the slot can be reused (or at the end of ``batch``)
+            if self._unpublished is not None:
+                self._unpublished.append(page.hkey)
+            else:
+                self.presence.remove(page.hkey)
         if unindex:
             keys = self.by_shard.get(page.shard)
             if keys is not None:
@@ -208,6 +253,9 @@ class PageStore:
         seg.try_close()
 
     def close(self) -> None:
+        if self.presence is not None:
+            self.presence.close()
+            self.presence = None
         for seg in self._arenas.values():
             seg.unlink()
             seg.try_close()

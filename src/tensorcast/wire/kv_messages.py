@@ -108,6 +108,8 @@ class KVExists(Msg):
 
 class KVExistsReply(Msg):
     present: bytes  # one byte per key: 1 present, 0 missing
+    # The home's presence table (kv.presence): a same-host caller maps it and answers later lookups itself.
+    presence: str = ""
 
 
 class GSStats(Msg):

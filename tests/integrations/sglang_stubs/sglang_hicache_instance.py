@@ -53,14 +53,18 @@ def make_pools(host_allocator: Any = None) -> tuple[Any, Any]:
     """A CPU device pool with its page allocator, and a page_first host pool (twice the device's size)."""
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
     device = MHATokenToKVPool(64, PAGE, torch.float16, HEADS, HEAD_DIM, LAYERS, "cpu", False,
                               start_layer=0, end_layer=LAYERS)
     allocator = PagedTokenToKVPoolAllocator(64, PAGE, torch.float16, "cpu", device, False)
-    host = MHATokenToKVPoolHost(device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, "page_first",
-                                pin_memory=False, device_capacity_tokens=device.size, start_layer=0,
-                                end_layer=LAYERS)
+    # SGLang sizes host pools against free RAM minus a large fixed reserve, which a busy test host may not
+    # have; this pool is a few KiB, so book it against an explicit budget instead.
+    with host_memory_budget_scope(64 << 20):
+        host = MHATokenToKVPoolHost(device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, "page_first",
+                                    pin_memory=False, device_capacity_tokens=device.size, start_layer=0,
+                                    end_layer=LAYERS)
     if host_allocator is not None:
         # What SGLang does with ``allocator_type="tensorcast"``, which it only selects on CUDA: the host
         # pool's buffer comes from the TensorCast session's allocator.
