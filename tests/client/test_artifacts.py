@@ -95,11 +95,12 @@ def test_ls_prefix(client: tc.Client) -> None:
 
 def test_lease_expires_unless_renewed(client: tc.Client, shared_cluster: LocalCluster) -> None:
     leased = client.put(np.arange(8), key="lease/short", ttl=1.0)
-    kept = client.put(np.arange(9), key="lease/renewed", ttl=1.0)
+    # Renewed every 0.5 s for a 3 s lease: a busy host may delay one renewal by seconds, not by the lease.
+    kept = client.put(np.arange(9), key="lease/renewed", ttl=3.0)
     assert leased.owner == "lease" and leased.lease_expiry is not None
     for _ in range(4):
         time.sleep(0.5)
-        kept.renew(1.0)
+        kept.renew(3.0)
     with pytest.raises(NotFound):
         client.artifact("lease/short")
     assert np.array_equal(client.artifact("lease/renewed").tensor(like="numpy"), np.arange(9))
