@@ -80,7 +80,7 @@ class LocalCluster:
         disk_capacity: str | int | None = None,
         config: dict[str, Any] | None = None,
         roles: tuple[str, ...] = ("basic", "gateway", "shard-home"),
-        startup_timeout: float = 30.0,
+        startup_timeout: float = 90.0,  # an instance imports torch and transformers: slow on a busy host
         etcd: str | list[str] | None = None,
         global_stores: int = 1,
         netns: bool = False,
