@@ -1,66 +1,207 @@
-"""Put and get throughput on one host, against numpy.copyto of the same bytes measured in the same run.
+"""Put and get on one host, against numpy.copyto of the same bytes and Ray's object store, both measured in the
+same run.
 
 Paths measured for each size:
-- put (same host): hash (BLAKE3) + one copy into the worker's shared memory + commit at the global store;
+- put (same host): BLAKE3 digests, then the bytes written once into the worker's shared memory (``pwrite``),
+  then the commit at the global store; up to 256 KiB, one request that carries the bytes;
 - put (remote): the same bytes streamed over loopback TCP (client pretends to be on another host);
-- tensor() (same host): map the pool's segment copy-on-write; must stay flat as size grows (no copy);
+- tensor() (same host): map the pool's memory copy-on-write; must stay flat as size grows (no copy);
 - tensor() (remote): streamed into a fresh buffer and digest-checked;
-- baseline: np.copyto into an already-touched buffer of the same size.
+- baseline: np.copyto into an already-touched buffer of the same size;
+- Ray (if installed; ``pip install .[bench]``): ``ray.put`` of the same array, and ``ray.get`` (zero-copy numpy)
+  of an object this process put.
+Then many small tensors: one artifact of 2,000 tensors of 4 KiB against 2,000 ``ray.put`` calls (objects/s).
 
-``--metrics off`` runs the cluster and this process with metrics recording off (``benchmarks/metrics_cost.py``
-compares the two in one run).
+Each put holds new content (no deduplication), is timed alone and deleted (untimed) before the next; before each
+size the worker's pre-faulted stock is given ``worker.prefault_idle_seconds`` to refill, as between bursts of
+puts in service. Times are medians (best in the JSON); ratios are to the same run's memcpy and Ray: above 1 is
+faster than Ray. ``gs ms``: of each same-host put, the time the global store took to record it (a durable
+SQLite commit every put waits for, whatever its size). ``--metrics off`` runs the cluster and this process
+with metrics recording off (``benchmarks/metrics_cost.py`` compares the two in one run).
 
-Usage: python benchmarks/put_get.py [--quick] [--json PATH] [--metrics on|off]
+Usage: python benchmarks/put_get.py [--quick] [--json PATH] [--metrics on|off] [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import statistics
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 import tensorcast as tc
-from benchlib import best_of, fmt_size, metrics_switch, write_json
+from benchlib import fmt_size, metrics_switch, write_json
+
+SMALL, SMALL_COUNT = 4 << 10, 2000
 
 
-def measure(sizes: list[int], metrics_on: bool = True) -> list[dict[str, float]]:
-    """Put and get times per size (best of a few), and memcpy's, on a fresh one-worker cluster."""
+def times(fn: Callable[[], object], reps: int, after: Callable[[object], object] = lambda _: None) -> list[float]:
+    """Wall times of ``reps`` calls of ``fn``; ``after`` gets each result, untimed (e.g. to delete it)."""
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        got = fn()
+        out.append(time.perf_counter() - t0)
+        after(got)
+    return out
+
+
+def fresh(data: np.ndarray[Any, Any], i: int) -> np.ndarray[Any, Any]:
+    """``data`` with its first 8 bytes replaced by ``i``: new content, so a put deduplicates nothing."""
+    data[:8] = np.frombuffer(np.int64(i).tobytes(), np.uint8)
+    return data
+
+
+def _quiet(cluster: tc.LocalCluster) -> None:
+    """Let the worker refill its pre-faulted stock (it does so after a quiet spell)."""
+    time.sleep(tc.Config().worker.prefault_idle_seconds + 1.0)
+
+
+def gs_commits(cluster: tc.LocalCluster) -> tuple[float, float]:
+    """Seconds the global store spent serving CommitArtifact so far, and how many (0, 0 with metrics off):
+    every put waits for one (a durable SQLite commit), whatever its size."""
+    url = cluster.metrics_urls.get("gs")
+    if not url:
+        return 0.0, 0.0
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    got = {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^tensorcast_rpc_served_seconds_(sum|count)\{method="CommitArtifact"\} (\S+)$', text, re.M)}
+    return got.get("sum", 0.0), got.get("count", 0.0)
+
+
+def measure(sizes: list[int], metrics_on: bool = True, reps: int = 5,
+            overrides: dict[str, str] | None = None) -> list[dict[str, float]]:
+    """Put and get times per size (median and best of ``reps``), and memcpy's, on a fresh one-worker cluster
+    (configured with ``overrides`` too)."""
     rows = []
-    config = metrics_switch(metrics_on)
+    config = {**metrics_switch(metrics_on), **(overrides or {})}
     remote_cfg = tc.Config.from_flat({"client.host_id": "bench-remote-host"})
     with tc.LocalCluster(workers=1, memory_capacity="6GiB", config=config) as cluster, \
             tc.connect(cluster.address) as local, tc.connect(cluster.address, config=remote_cfg) as remote:
         for size in sizes:
-            reps = 5 if size <= 16 << 20 else 3 if size <= 256 << 20 else 2
+            n = reps if size <= 16 << 20 else max(3, reps // 2) if size <= 64 << 20 else 3
             data = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
             dst = np.ones_like(data)
-            t_copy = best_of(lambda: np.copyto(dst, data), reps)  # noqa: B023
-
-            def put_local() -> None:
-                art = local.put(data)  # noqa: B023
-                local.delete(art.id)
-
-            def put_remote() -> None:
-                art = remote.put(data)  # noqa: B023
-                remote.delete(art.id)
-
-            t_put_local = best_of(put_local, reps)
-            t_put_remote = best_of(put_remote, reps)
+            counter = iter(range(1 << 30))
+            t_copy = times(lambda: np.copyto(dst, data), n)  # noqa: B023
+            _quiet(cluster)
+            gs0 = gs_commits(cluster)
+            t_put = times(lambda: local.put(fresh(data, next(counter))), n, lambda a: local.delete(a.id))  # noqa: B023
+            gs1 = gs_commits(cluster)
+            t_put_remote = times(lambda: remote.put(fresh(data, next(counter))), n,  # noqa: B023
+                                 lambda a: remote.delete(a.id))
             art = local.put(data)
-            t_get_local = best_of(lambda: art.tensor(like="numpy"), reps)  # noqa: B023
-            t_get_remote = best_of(lambda: remote.artifact(art.id).tensor(like="numpy"), reps)  # noqa: B023
+            t_get = times(lambda: art.tensor(like="numpy"), n)  # noqa: B023
+            t_get_remote = times(lambda: remote.artifact(art.id).tensor(like="numpy"), n)  # noqa: B023
             got = art.tensor(like="numpy")
             assert np.array_equal(got[:: max(1, size // 4096)], data[:: max(1, size // 4096)])
             local.delete(art.id)
-            gbps = lambda t: size / t / 1e9  # noqa: E731, B023
-            rows.append({
-                "size": size, "memcpy_s": t_copy, "put_local_s": t_put_local, "put_remote_s": t_put_remote,
-                "get_local_s": t_get_local, "get_remote_s": t_get_remote,
-                "memcpy_GBps": gbps(t_copy), "put_local_GBps": gbps(t_put_local),
-                "put_remote_GBps": gbps(t_put_remote), "get_remote_GBps": gbps(t_get_remote),
-                "put_local_vs_memcpy": t_copy / t_put_local, "get_remote_vs_memcpy": t_copy / t_get_remote,
-            })
+            rows.append(_row(size, t_copy, t_put, t_put_remote, t_get, t_get_remote))
+            rows[-1]["gs_commit_s"] = (gs1[0] - gs0[0]) / max(gs1[1] - gs0[1], 1)
     return rows
+
+
+def _row(size: int, t_copy: list[float], t_put: list[float], t_put_remote: list[float], t_get: list[float],
+         t_get_remote: list[float]) -> dict[str, float]:
+    med = statistics.median
+    copy, put, put_remote, get, get_remote = (med(t) for t in (t_copy, t_put, t_put_remote, t_get, t_get_remote))
+    return {
+        "size": size, "memcpy_s": copy, "put_local_s": put, "put_remote_s": put_remote,
+        "get_local_s": get, "get_remote_s": get_remote,
+        "put_local_best_s": min(t_put), "get_local_best_s": min(t_get), "memcpy_best_s": min(t_copy),
+        "memcpy_GBps": size / copy / 1e9, "put_local_GBps": size / put / 1e9,
+        "put_remote_GBps": size / put_remote / 1e9, "get_remote_GBps": size / get_remote / 1e9,
+        "put_local_vs_memcpy": copy / put, "get_remote_vs_memcpy": copy / get_remote,
+    }
+
+
+def measure_many_small(metrics_on: bool = True, reps: int = 3,
+                       overrides: dict[str, str] | None = None) -> dict[str, float]:
+    """One artifact of ``SMALL_COUNT`` tensors of ``SMALL`` bytes: put (tensors/s) and tensor_dict."""
+    rng = np.random.default_rng(0)
+    config = {**metrics_switch(metrics_on), **(overrides or {})}
+    with tc.LocalCluster(workers=1, memory_capacity="6GiB", config=config) as cluster, \
+            tc.connect(cluster.address) as client:
+        _quiet(cluster)
+        sets = [{f"t{i}": rng.integers(0, 255, SMALL, dtype=np.uint8) for i in range(SMALL_COUNT)} for _ in range(reps)]
+        puts = iter(sets)
+        arts: list[Any] = []
+        t_put = times(lambda: client.put(next(puts)), reps, arts.append)
+        t_get = times(lambda: arts[-1].tensor_dict(like="numpy"), reps)
+        got = arts[-1].tensor_dict(like="numpy")
+        assert all(np.array_equal(got[k], v) for k, v in list(sets[-1].items())[:100])
+        for a in arts:
+            client.delete(a.id)
+    return {"tensors": SMALL_COUNT, "tensor_bytes": SMALL, "put_s": statistics.median(t_put),
+            "put_tensors_per_s": SMALL_COUNT / statistics.median(t_put), "tensor_dict_s": statistics.median(t_get)}
+
+
+def measure_ray(sizes: list[int], reps: int = 5) -> dict[str, Any] | None:
+    """``ray.put`` / ``ray.get`` of the same arrays, and ``SMALL_COUNT`` puts of ``SMALL`` bytes one by one;
+    None when Ray is not installed."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    ray.init(num_cpus=1, include_dashboard=False, logging_level="error", object_store_memory=2 << 30)
+    try:
+        rows = []
+        for size in sizes:
+            n = reps if size <= 16 << 20 else max(3, reps // 2) if size <= 64 << 20 else 3
+            data = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
+            refs: list[Any] = []
+            t_put = times(lambda: ray.put(data), n, refs.append)  # noqa: B023
+            t_get = times(lambda: ray.get(refs[-1]), n)  # noqa: B023
+            refs.clear()
+            rows.append({"size": size, "put_s": statistics.median(t_put), "get_s": statistics.median(t_get),
+                         "put_best_s": min(t_put), "get_best_s": min(t_get)})
+        small = np.ones(SMALL, np.uint8)
+        t0 = time.perf_counter()
+        many = [ray.put(small) for _ in range(SMALL_COUNT)]
+        rate = SMALL_COUNT / (time.perf_counter() - t0)
+        del many
+        return {"version": ray.__version__, "rows": rows, "small_puts_per_s": rate}
+    finally:
+        ray.shutdown()
+
+
+def show(rows: list[dict[str, float]], ray: dict[str, Any] | None, small: dict[str, float]) -> None:
+    """The table, with each TensorCast row's ratios to memcpy and Ray (added to ``rows``)."""
+    by_size = {r["size"]: r for r in ray["rows"]} if ray else {}
+    hdr = (f"{'size':>8} {'memcpy GB/s':>11} {'put GB/s':>9} {'x memcpy':>8} {'gs ms':>6} {'ray put':>8} {'x ray':>6} "
+           f"{'put tcp':>8} {'get ms':>7} {'ray.get ms':>10} {'x ray':>6} {'get tcp GB/s':>12}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        rr = by_size.get(r["size"])
+        if rr:
+            r["ray_put_GBps"] = r["size"] / rr["put_s"] / 1e9
+            r["put_local_vs_ray"] = rr["put_s"] / r["put_local_s"]
+            r["get_local_vs_ray"] = rr["get_s"] / r["get_local_s"]
+        na = f"{'-':>8} {'-':>6}"
+        ray_put = f"{r['ray_put_GBps']:>8.2f} {r['put_local_vs_ray']:>6.2f}" if rr else na
+        ray_get = f"{rr['get_s'] * 1e3:>10.3f} {r['get_local_vs_ray']:>6.2f}" if rr else f"{'-':>10} {'-':>6}"
+        print(f"{fmt_size(int(r['size'])):>8} {r['memcpy_GBps']:>11.2f} {r['put_local_GBps']:>9.2f} "
+              f"{r['put_local_vs_memcpy']:>8.2f} {r.get('gs_commit_s', 0) * 1e3:>6.2f} {ray_put} "
+              f"{r['put_remote_GBps']:>8.2f} {r['get_local_s'] * 1e3:>7.3f} "
+              f"{ray_get} {r['get_remote_GBps']:>12.2f}")
+    first, last = rows[0], rows[-1]
+    print(f"\nsame-host tensor(): {first['get_local_s'] * 1e3:.3f} ms at {fmt_size(int(first['size']))}, "
+          f"{last['get_local_s'] * 1e3:.3f} ms at {fmt_size(int(last['size']))} (mapped, not copied)")
+    line = (f"{SMALL_COUNT} tensors of {fmt_size(SMALL)} in one artifact: put {small['put_tensors_per_s']:,.0f} "
+            f"tensors/s, tensor_dict {small['tensor_dict_s'] * 1e3:.1f} ms")
+    if ray:
+        small["vs_ray_puts"] = small["put_tensors_per_s"] / ray["small_puts_per_s"]
+        line += f"; ray.put one by one {ray['small_puts_per_s']:,.0f}/s (x{small['vs_ray_puts']:.1f})"
+    print(line)
+    if not ray:
+        print("ray: not installed, no Ray columns (pip install .[bench])")
 
 
 def main() -> None:
@@ -68,25 +209,19 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (about a minute)")
     ap.add_argument("--json", default=None, help="write results to this JSON file")
     ap.add_argument("--metrics", choices=["on", "off"], default="on", help="metrics recording (default on)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="cluster configuration, e.g. gs.sqlite_synchronous=NORMAL (repeatable)")
     args = ap.parse_args()
+    overrides = dict(kv.split("=", 1) for kv in args.set)
 
-    sizes = [4 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20] if args.quick else \
-        [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]
-    rows = measure(sizes, args.metrics == "on")
-    hdr = (f"{'size':>8} {'memcpy GB/s':>11} {'put shm GB/s':>12} {'(x memcpy)':>10} {'put tcp GB/s':>12} "
-           f"{'get shm ms':>10} {'get tcp GB/s':>12} {'(x memcpy)':>10}")
-    print(hdr)
-    print("-" * len(hdr))
-    for r in rows:
-        print(f"{fmt_size(r['size']):>8} {r['memcpy_GBps']:>11.2f} {r['put_local_GBps']:>12.2f} "
-              f"{r['put_local_vs_memcpy']:>10.2f} {r['put_remote_GBps']:>12.2f} {r['get_local_s'] * 1e3:>10.3f} "
-              f"{r['get_remote_GBps']:>12.2f} {r['get_remote_vs_memcpy']:>10.2f}")
-    small, large = rows[0], rows[-1]
-    flat = large["get_local_s"] / small["get_local_s"]
-    print(f"\nsame-host tensor(): {small['get_local_s'] * 1e3:.3f} ms at {fmt_size(small['size'])}, "
-          f"{large['get_local_s'] * 1e3:.3f} ms at {fmt_size(large['size'])} "
-          f"({large['size'] // small['size']}x the bytes, {flat:.1f}x the time: mapped, not copied)")
-    write_json(args.json, "put_get", args.quick, metrics=args.metrics, rows=rows)
+    sizes = [4 << 10, 1 << 20, 16 << 20, 64 << 20] + ([] if args.quick else [256 << 20])
+    reps = 5 if args.quick else 9
+    ray = measure_ray(sizes, reps)
+    rows = measure(sizes, args.metrics == "on", reps, overrides)
+    small = measure_many_small(args.metrics == "on", overrides=overrides)
+    show(rows, ray, small)
+    write_json(args.json, "put_get", args.quick, metrics=args.metrics, config=overrides, rows=rows, many_small=small,
+               ray=ray or {"skipped": "ray is not installed (pip install .[bench])"})
 
 
 if __name__ == "__main__":

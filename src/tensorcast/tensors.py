@@ -1,9 +1,10 @@
 """Tensor identity and conversion: dtypes, per-tensor metadata, content digests, artifact ids.
 
 Owns: the table of supported dtypes (names shared by numpy, ml_dtypes and torch), turning caller inputs
-(numpy arrays, torch CPU tensors, mappings of them) into contiguous byte views plus ``TensorMeta``, the
-canonical artifact id, and wrapping raw bytes back into numpy arrays or torch tensors without copying.
-Does not own: where bytes live (``pool``), how they travel (``wire``).
+(numpy arrays, torch CPU tensors, mappings of them) into contiguous byte views plus ``TensorMeta`` (digests
+on demand: a same-host put hashes while it copies), the canonical artifact id, and wrapping raw bytes back
+into numpy arrays or torch tensors without copying. Does not own: where bytes live (``pool``), how they
+travel (``wire``).
 
 Identity: a tensor's digest is BLAKE3 of its bytes (row-major, little-endian); an artifact's id is BLAKE3
 of its sorted ``(name, dtype, shape, digest)`` list. Equal content gives equal ids on every host, which is
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import blake3
@@ -114,12 +114,36 @@ def artifact_id(metas: list[TensorMeta] | tuple[TensorMeta, ...]) -> str:
     return "tc-" + str(blake3.blake3(_ENCODER.encode(canon)).hexdigest())[:32]
 
 
-@dataclass(frozen=True, slots=True)
 class TensorInput:
-    """One caller tensor ready to store: metadata plus a contiguous uint8 view of its bytes."""
+    """One caller tensor ready to store: a contiguous uint8 view of its bytes plus its metadata.
 
-    meta: TensorMeta
-    data: np.ndarray[Any, np.dtype[np.uint8]]
+    The digest (BLAKE3 of the bytes: the one pass over them that costs as much as copying them) is computed
+    when ``meta`` is first asked for, unless a writer that hashed the bytes itself, while copying them,
+    set ``digest`` first."""
+
+    __slots__ = ("data", "digest", "dtype", "name", "shape")
+
+    def __init__(self, name: str, dtype: str, shape: tuple[int, ...], data: np.ndarray[Any, np.dtype[np.uint8]],
+                 digest: str = "") -> None:
+        self.name = name
+        self.dtype = dtype
+        self.shape = shape
+        self.data = data
+        self.digest = digest
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    @property
+    def meta(self) -> TensorMeta:
+        """Its metadata, digest included (hashing the bytes now if nobody has)."""
+        if not self.digest:
+            self.digest = digest_bytes(self.data)
+        return self.meta_without_digest(self.digest)
+
+    def meta_without_digest(self, digest: str = "") -> TensorMeta:
+        return TensorMeta(name=self.name, dtype=self.dtype, shape=self.shape, nbytes=self.nbytes, digest=digest)
 
 
 def _torch_to_numpy(t: Any) -> np.ndarray[Any, Any]:
@@ -163,7 +187,7 @@ def _as_numpy(name: str, value: Any) -> np.ndarray[Any, Any]:
 
 
 def normalize_tensors(tensors: Any) -> list[TensorInput]:
-    """Caller input -> sorted list of ``TensorInput`` (digests computed)."""
+    """Caller input -> list of ``TensorInput`` sorted by name (digests computed when first asked for)."""
     if isinstance(tensors, Mapping):
         items = list(tensors.items())
         if not items:
@@ -178,17 +202,9 @@ def normalize_tensors(tensors: Any) -> list[TensorInput]:
         dtype_name = _NAME_BY_NUMPY.get(arr.dtype)
         if dtype_name is None:
             raise InvalidArgument(f"tensor {clip(name)}: unsupported dtype {arr.dtype}")
-        contiguous = np.ascontiguousarray(arr)
-        raw = contiguous.reshape(-1).view(np.uint8)
-        meta = TensorMeta(
-            name=name,
-            dtype=dtype_name,
-            shape=tuple(int(s) for s in arr.shape),
-            nbytes=int(raw.nbytes),
-            digest=digest_bytes(raw),
-        )
-        out.append(TensorInput(meta, raw))
-    out.sort(key=lambda t: t.meta.name)
+        raw = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+        out.append(TensorInput(name, dtype_name, tuple(int(s) for s in arr.shape), raw))
+    out.sort(key=lambda t: t.name)
     return out
 
 

@@ -111,3 +111,33 @@ def test_bad_groups_are_refused() -> None:
         GroupSwap(("a", "a"), deadline=None)
     with pytest.raises(InvalidArgument):
         GroupSwap(("a",), deadline=None, max_attempts=0)
+
+
+def test_ranks_already_on_the_version_count_as_activated_and_get_no_activation() -> None:
+    # Completing a partial swap: r0 activated last time, r1 did not. r0's prepare answers "noop".
+    g = GroupSwap(RANKS, deadline=None)
+    g.actions(0)
+    g.done("r0", PREPARE, 1, {"status": "noop"})
+    assert g.decision == ""  # r1 has not prepared yet
+    g.done("r1", PREPARE, 2, {"status": "prepared"})
+    assert g.decision == "commit"
+    assert g.actions(3) == [("r1", ACTIVATE)]  # nothing staged on r0: activating there would be refused
+    g.done("r1", ACTIVATE, 4)
+    assert g.finished and g.status == "activated"
+
+
+def test_a_repeated_swap_where_every_rank_is_on_the_version_is_activated_at_once() -> None:
+    g = GroupSwap(RANKS, deadline=10.0, reserve=1.0)
+    for r, a in g.actions(0):
+        g.done(r, a, 0.5, {"status": "noop"})
+    assert g.finished and g.status == "activated" and g.actions(1) == []
+
+
+def test_an_abort_is_not_sent_to_a_rank_already_on_the_version() -> None:
+    g = GroupSwap(RANKS, deadline=None)
+    g.actions(0)
+    g.done("r0", PREPARE, 1, {"status": "noop"})
+    g.failed("r1", PREPARE, retryable=False, message="NOT_FOUND", now=1)
+    assert g.decision == "abort" and g.actions(2) == [("r1", ABORT)]
+    g.done("r1", ABORT, 3)
+    assert g.finished and g.status == "aborted"

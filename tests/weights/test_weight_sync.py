@@ -115,6 +115,9 @@ def test_group_swaps_delta_and_gc(sync: tuple[LocalCluster, dict[int, dict[str, 
     assert active(ctl) == [1, 1]
     ptrs = addresses(ctl)
     assert_holds(ctl, published[1], ptrs)
+    again = ctl.group_swap(RANKS, MODEL, 1, timeout=60)  # a repeated swap: every rank is on it already
+    assert again.version == 1 and active(ctl) == [1, 1]
+    assert all(r["phase"] == "active" and r["status"] == "noop" for r in again.ranks.values())
 
     published[2] = {n: t + 1.0 for n, t in published[1].items()}  # every tensor changes
     assert pub.publish(published[2]).version == 2

@@ -132,3 +132,48 @@ def test_every_async_method_has_a_sync_twin(aio: type, sync: type) -> None:
         twin = getattr(sync, name, None)
         assert twin is not None, f"{sync.__name__}.{name} is missing"
         assert _params(twin) == _params(fn), name
+
+
+def test_publisher_digests_reuse_only_what_is_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+
+    import tensorcast.tensors as tensors_mod
+    from tensorcast.tensors import digest_bytes, normalize_tensors
+
+    hashed: list[int] = []
+    real = tensors_mod.digest_bytes
+    monkeypatch.setattr(tensors_mod, "digest_bytes", lambda data: hashed.append(len(data)) or real(data))
+    pub = AsyncWeightPublisher(client=None, model="m")  # type: ignore[arg-type]  # _digests needs no client
+    rng = np.random.default_rng(0)
+    state = {f"w{i}": rng.standard_normal(256, dtype=np.float32) for i in range(4)}
+
+    def digests(changed: list[str] | None = None) -> dict[str, str]:
+        inputs = normalize_tensors(state)
+        pub._digests(inputs, changed)
+        return {t.name: t.digest for t in inputs}
+
+    first = digests()
+    assert len(hashed) == 4 and all(first[n] == digest_bytes(v) for n, v in state.items())
+    hashed.clear()
+    state["w1"][7] += 1.0  # changed in place: same array, same address
+    second = digests()
+    assert hashed == [1024]  # only w1 was hashed with BLAKE3
+    assert all(second[n] == digest_bytes(v) for n, v in state.items()) and second["w1"] != first["w1"]
+    hashed.clear()
+    state["w2"] = state["w2"].reshape(16, 16)  # same bytes, another shape: a tensor of another kind
+    assert digests()["w2"] == first["w2"] and hashed == [1024]
+    hashed.clear()
+    state["w0"][0] += 1.0
+    state["w3"][0] += 1.0  # changed, but the caller says only w0 did: w3 is taken at its word, not read
+    third = digests(changed=["w0"])
+    assert hashed == [1024] and third["w3"] == second["w3"] != digest_bytes(state["w3"])
+
+
+def test_publish_refuses_changed_names_the_state_dict_lacks() -> None:
+    import asyncio
+
+    import numpy as np
+
+    pub = AsyncWeightPublisher(client=None, model="m")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="lacks"):
+        asyncio.run(pub.publish({"a": np.ones(2)}, changed=["b"]))

@@ -9,7 +9,7 @@ which lives once in ``client.publisher`` and ``client.binding``.
 from __future__ import annotations
 
 import threading
-from collections.abc import Coroutine, Mapping
+from collections.abc import Collection, Coroutine, Mapping
 from typing import Any, Protocol, TypeVar
 
 from tensorcast.client.binding import AsyncBinding, SwapReport
@@ -44,9 +44,11 @@ class WeightPublisher:
         return self.inner.last
 
     def publish(self, state_dict: Mapping[str, Any], version: int | None = None, *,
-                timeout: float | None = None) -> Published:
-        """Put a version (unchanged tensors cost no copy), then collect old unused versions."""
-        return self._run(self.inner.publish(state_dict, version, timeout=timeout))
+                changed: Collection[str] | None = None, timeout: float | None = None) -> Published:
+        """Put a version (unchanged tensors cost no copy), then collect old unused versions; ``changed``: the
+        names of the tensors changed since this publisher's previous publish, if known (see
+        ``AsyncWeightPublisher.publish``)."""
+        return self._run(self.inner.publish(state_dict, version, changed=changed, timeout=timeout))
 
     def gc(self, *, timeout: float | None = None) -> tuple[int, ...]:
         return self._run(self.inner.gc(timeout=timeout))

@@ -205,6 +205,13 @@ class MemoryTier:
         elif used < seg.size:
             self._untrimmed.append((seg, used))
 
+    def prefaulted_room(self) -> int:
+        """Bytes a pack can take without creating a segment (the open chunk's room and the stock's), roughly:
+        a pack that fits is carved at memory speed and may be allocated inline."""
+        with self.lock:
+            room = self._open[0].size - self._open[1] if self._open is not None else 0
+        return room + self.stock.ready_bytes
+
     def trim(self) -> int:
         """Give back the unused tail pages of the chunks that packs were carved from; returns the bytes
         given back. Blocking (call it off the event loop, when the hot path is done)."""

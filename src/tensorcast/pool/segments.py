@@ -5,7 +5,8 @@ directory for the disk tier) mapped shared by the worker. Creation reserves its 
 ``posix_fallocate``, so a full /dev/shm or disk is a clean ``ResourceExhausted`` at allocation and never
 a SIGBUS mid-copy. ``SegmentStock`` keeps a budget of pre-faulted segments so that filling one on the hot
 path pays no first-touch page faults (here first touch costs about as much as the copy itself).
-Deleting a segment unlinks its name immediately but keeps the mapping until no reader in this process
+Same-host writers fill their targets with ``write_at`` (``pwrite``: no mapping, no page faults of their
+own). Deleting a segment unlinks its name immediately but keeps the mapping until no reader in this process
 still uses it; callers that mapped it (copy-on-write) keep their pages: a segment's memory is never
 reused for other bytes. Does not own: accounting (``pool.state``).
 """
@@ -27,8 +28,8 @@ from collections.abc import Callable, Sequence
 
 from tensorcast.errors import NotFound, ResourceExhausted
 
-__all__ = ["SHM_DIR", "Segment", "SegmentGone", "SegmentStock", "map_private", "map_shared",
-           "remove_stale_segments"]
+__all__ = ["SHM_DIR", "Segment", "SegmentGone", "SegmentStock", "map_private", "map_shared", "remove_stale_segments",
+           "write_at"]
 
 SHM_DIR = "/dev/shm"
 log = logging.getLogger("tensorcast.pool")
@@ -37,6 +38,7 @@ _POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 # Pages are faulted in steps of this many bytes: each step holds the process's mmap lock only briefly, so
 # the event loop (which maps and unmaps memory too) never waits long behind the pre-faulting thread.
 _PREFAULT_STEP = 2 * 1024 * 1024
+_IOV_MAX = 1024  # buffers one pwritev takes (Linux's IOV_MAX)
 # ctypes calls release the GIL: the event loop runs on while a page-populating call is in the kernel.
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -370,6 +372,54 @@ def map_private(path: str, spans: Sequence[tuple[int, int]]) -> list[memoryview]
 def map_shared(path: str, size: int) -> mmap.mmap:
     """Writable shared mapping, used by a same-host writer to fill a segment the worker allocated."""
     return _map(path, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def write_at(path: str, writes: Sequence[tuple[int, memoryview]]) -> None:
+    """Copy each ``(offset, bytes)`` into the file at ``path`` (a same-host writer filling the targets a worker
+    allocated for it, e.g. the blobs of one put side by side in a pack chunk) with ``pwrite``: the kernel
+    copies straight into the file's pages. Mapping the file instead costs a page fault (or a populate step)
+    per 4 KiB page plus an unmap, which together cost more than the copy; and ``pwrite`` writes into pages
+    that were only reserved (``posix_fallocate``) as fast as into pre-faulted ones. Targets that follow one
+    another without a gap (a pack's page-sized tensors) go in one ``pwritev``: a syscall per small tensor
+    would cost more than its bytes. Never writes past the end of the file: a file shorter than a target
+    raises ``SegmentGone``, like a missing one."""
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except (FileNotFoundError, PermissionError):
+        raise SegmentGone(f"segment {path} is gone (deleted, or on another host)") from None
+    try:
+        size = os.fstat(fd).st_size
+        runs: list[tuple[int, list[memoryview]]] = []  # (offset, buffers back to back)
+        end = -1
+        for offset, data in sorted(writes, key=lambda w: w[0]):
+            view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+            if offset < 0 or offset + len(view) > size:
+                raise SegmentGone(f"segment {path} is smaller than expected")
+            if runs and offset == end:
+                runs[-1][1].append(view)
+            else:
+                runs.append((offset, [view]))
+            end = offset + len(view)
+        for offset, views in runs:
+            _pwrite_all(fd, views, offset)
+    finally:
+        os.close(fd)
+
+
+def _pwrite_all(fd: int, views: list[memoryview], offset: int) -> None:
+    """Write ``views`` back to back from ``offset``, up to IOV_MAX buffers a call, resuming partial writes."""
+    views = [v for v in views if len(v)]
+    while views:
+        batch = views[:_IOV_MAX]
+        n = os.pwritev(fd, batch, offset) if len(batch) > 1 else os.pwrite(fd, batch[0], offset)
+        offset += n
+        done = 0
+        while done < len(batch) and n >= len(batch[done]):
+            n -= len(batch[done])
+            done += 1
+        views = views[done:]
+        if n:
+            views[0] = views[0][n:]
 
 
 def remove_stale_segments(prefix: str, directory: str = SHM_DIR) -> int:

@@ -9,7 +9,8 @@ Owns: the two-phase protocol a gateway runs over the ranks (bindings) of one eng
    the activations need). Later than that, the decision is abort: all ranks stay on the old version.
 3. **activate** on every rank (staging -> bound tensors: the only step that touches live tensors). A
    retryable failure is retried while the deadline allows; a rank that cannot be activated is reported
-   (the swap is then ``partial``: running the same swap again completes it, activated ranks being no-ops).
+   (the swap is then ``partial``: running the same swap again completes it: a rank whose prepare answers
+   that the version is active already counts as activated, and is sent nothing more).
 4. **abort** (after an abort decision) goes to every rank once, so that none keeps staging and a late
    prepare of this swap is refused; a failed abort is reported (the rank's staging expires by itself).
 
@@ -104,10 +105,15 @@ class GroupSwap:
         r.in_flight = ""
         if action == PREPARE:
             r.result = dict(result or {})
-            if self.decision == ABORTED:
+            if r.result.get("status") == "noop":
+                # The rank runs this version already (a retried or repeated swap, or one that completes a
+                # partial one): nothing is staged there, so it is neither activated nor aborted.
+                r.phase = ACTIVE
+            elif self.decision == ABORTED:
                 return  # prepared after the decision: its abort is sent next
-            r.phase = PREPARED
-            if all(s.phase == PREPARED for s in self.state.values()):
+            else:
+                r.phase = PREPARED
+            if not self.decision and all(s.phase in (PREPARED, ACTIVE) for s in self.state.values()):
                 if self.commit_by is None or now <= self.commit_by:
                     self._decide(COMMIT)
                 else:

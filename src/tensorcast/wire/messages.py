@@ -31,7 +31,8 @@ from tensorcast.records import (
 )
 
 # 2: records moved out of messages; ArtifactInfo travels inside ArtifactReply; payload checksums.
-PROTOCOL_VERSION = 2
+# 3: small puts in one request (PutBegin.inline with the bytes as its payload; PutPlan.artifact).
+PROTOCOL_VERSION = 3
 
 
 class Msg(msgspec.Struct, frozen=True, tag=True, kw_only=True, omit_defaults=True):
@@ -81,6 +82,10 @@ class PutBegin(Msg):
     same_host: bool = False
     # A preset name ("cache", "durable", "ha", "cold", "warm", "pinned") or a general Placement.
     placement: str | Placement | None = None
+    # A small put in one request: every tensor's bytes follow as this request's payload, one after another
+    # in this order; digests may be left empty (the worker computes them from the bytes). The worker stores
+    # and commits at once; PutPlan.artifact is the committed record.
+    inline: bool = False
 
 
 class PutPlan(Msg):
@@ -92,6 +97,7 @@ class PutPlan(Msg):
     # True: bytes go as PutData payloads over this connection instead of through shared memory.
     stream: bool = False
     exists: bool = False
+    artifact: ArtifactInfo | None = None  # an inline put's committed record
 
 
 class PutData(Msg):

@@ -2,21 +2,26 @@
 
 Owns: ``PutBegin`` (dedup against local replicas, then the placement's decision — ``pool.placement.
 decide_put``: memory after evicting, the disk tier when memory is full and the placement allows it, or a
-refusal — applied: evictions made and upload targets allocated), receiving
-bytes (same-host callers write the targets directly; remote callers stream ``PutData`` payloads straight
-into them), and ``PutCommit`` (digest checks for bytes that crossed a network, storing blobs, the disk
-copy a durable placement requires before the put returns). Abandoned puts are reclaimed. Does not own:
-recording at the global store or extra replicas (``worker.server``).
+refusal — applied: evictions made and upload targets allocated, memory ones as one pack carved out of the
+pre-faulted stock), receiving bytes (same-host callers write the targets directly; remote callers stream
+``PutData`` payloads straight into them), and ``PutCommit`` (digest checks for bytes that crossed a network,
+storing blobs, the disk copy a durable placement requires before the put returns); a small put's bytes may
+come with its ``PutBegin`` (``inline``: one request, digests computed here). Abandoned puts are reclaimed.
+Does not own: recording at the global store or extra replicas (``worker.storage``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
+import re
 import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+import msgspec
 
 from tensorcast.config import WorkerConfig
 from tensorcast.errors import InvalidArgument, NotFound, Unavailable, clip
@@ -32,6 +37,11 @@ from tensorcast.worker.store import LocalStore
 __all__ = ["PendingPut", "PutManager", "validate_tensors"]
 
 log = logging.getLogger("tensorcast.worker")
+# Puts of at least this many new bytes that the pre-faulted stock cannot take are allocated on a thread, and
+# received bytes of at least _INLINE_HASH_BYTES hashed on one: the event loop serves other requests meanwhile.
+_INLINE_ALLOC_BYTES = 8 * 1024 * 1024
+_INLINE_HASH_BYTES = 1024 * 1024
+_DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass
@@ -46,6 +56,7 @@ class PendingPut:
     expires: float
     to_memory: bool
     to_disk: bool
+    hashed_here: bool = False  # an inline put: this worker computed the digests from the bytes it stored
     memory_targets: dict[int, BlobLoc] = field(default_factory=dict)  # tensor index -> upload target
     disk_targets: dict[int, Segment] = field(default_factory=dict)
     received: dict[int, int] = field(default_factory=dict)
@@ -79,23 +90,8 @@ class PutManager:
                          placement=placement, stream=not msg.same_host,
                          expires=time.time() + self.config.put_timeout,
                          to_memory=decision.to_memory, to_disk=decision.to_disk)
-        refs: list[SegmentRef | None] = []
-        seen: set[str] = set()
         try:
-            for i, t in enumerate(tensors):
-                ref = None
-                if t.nbytes and t.digest not in seen:
-                    seen.add(t.digest)
-                    if put.to_memory and not memory.has_blob(t.digest):
-                        loc = memory.allocate(t.nbytes)
-                        put.memory_targets[i] = loc
-                        ref = SegmentRef(path=loc.segment.path, size=t.nbytes, offset=loc.offset)
-                    elif (put.to_disk and not put.to_memory and not memory.has_blob(t.digest)
-                          and not self.store.require_disk().has_blob(t.digest)):
-                        seg = self.store.require_disk().new_upload(t.nbytes)
-                        put.disk_targets[i] = seg
-                        ref = SegmentRef(path=seg.path, size=t.nbytes, tier="disk")
-                refs.append(ref)
+            refs = await self._allocate_targets(put)
         except BaseException:
             self.abandon(put)
             raise
@@ -103,6 +99,93 @@ class PutManager:
         exists = not put.to_memory and not put.to_disk
         return PutPlan(put_id=put.put_id, artifact_id=aid, segments=() if exists else tuple(refs),
                        stream=put.stream, exists=exists)
+
+    async def _allocate_targets(self, put: PendingPut) -> list[SegmentRef | None]:
+        """Upload targets for the put's tensors whose bytes the chosen tier does not hold yet (each distinct
+        digest once), one entry per tensor (None: nothing to write). Memory targets are one pack: carved side
+        by side out of the pre-faulted stock (no first-touch faults, no chunk cut down per put) and mappable
+        by callers, small tensors included."""
+        memory, tensors = self.store.memory, put.tensors
+        refs: list[SegmentRef | None] = [None] * len(tensors)
+        seen: set[str] = set()
+        new: list[int] = []
+        for i, t in enumerate(tensors):
+            if t.nbytes and t.digest not in seen:
+                seen.add(t.digest)
+                if not memory.has_blob(t.digest):
+                    new.append(i)
+        if put.to_memory and new:
+            locs = await self._allocate_pack([tensors[i].nbytes for i in new])
+            for i, loc in zip(new, locs, strict=True):
+                put.memory_targets[i] = loc
+                refs[i] = SegmentRef(path=loc.segment.path, size=loc.size, offset=loc.offset)
+        elif put.to_disk:
+            disk = self.store.require_disk()
+            for i in new:
+                if not disk.has_blob(tensors[i].digest):
+                    seg = disk.new_upload(tensors[i].nbytes)
+                    put.disk_targets[i] = seg
+                    refs[i] = SegmentRef(path=seg.path, size=tensors[i].nbytes, tier="disk")
+        return refs
+
+    async def _allocate_pack(self, sizes: list[int]) -> list[BlobLoc]:
+        """``MemoryTier.allocate_pack``; one that needs fresh segments (posix_fallocate takes milliseconds per
+        100 MiB) on a thread, so the event loop serves other requests meanwhile. If this request is cancelled
+        meanwhile, what the thread allocated is given back when it finishes."""
+        memory = self.store.memory
+        if sum(sizes) < _INLINE_ALLOC_BYTES or (max(sizes) <= memory.stock.chunk_bytes and
+                                                sum(sizes) + len(sizes) * mmap.PAGESIZE <= memory.prefaulted_room()):
+            return memory.allocate_pack(sizes)
+        fut = asyncio.get_running_loop().run_in_executor(None, memory.allocate_pack, sizes)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            def give_back(f: asyncio.Future[list[BlobLoc]]) -> None:
+                if not f.cancelled() and f.exception() is None:
+                    for loc in f.result():
+                        memory.discard(loc)
+
+            fut.add_done_callback(give_back)
+            raise
+
+    def inline_sink(self, msg: PutBegin) -> None:
+        """Where an inline put's payload goes: a fresh buffer of the connection's (bounded by
+        ``wire.max_unsolicited_payload_bytes``); other puts take none."""
+        if not msg.inline:
+            raise InvalidArgument("PutBegin takes a payload only with inline=True")
+
+    async def begin_inline(self, msg: PutBegin, placement: Placement, payload: memoryview | None) -> PutPlan:
+        """A small put in one request: its bytes came as the payload, tensor after tensor. The digests are
+        computed here from those bytes (one the caller sent must match), the put begins as any other, and the
+        bytes are copied into its targets; the caller (``worker.storage``) commits it next."""
+        validate_tensors(msg.tensors, digests=False)
+        data = memoryview(payload if payload is not None else b"").cast("B")
+        if sum(t.nbytes for t in msg.tensors) != len(data):
+            raise InvalidArgument(f"inline put: {len(data)} payload bytes for tensors of "
+                                  f"{sum(t.nbytes for t in msg.tensors)}")
+        views: dict[str, memoryview] = {}
+        metas: list[TensorMeta] = []
+        for t in msg.tensors:
+            views[t.name], data = data[: t.nbytes], data[t.nbytes :]
+            digest = digest_bytes(views[t.name])
+            if t.digest and t.digest != digest:
+                raise InvalidArgument(f"tensor {clip(t.name)}: content digest mismatch; nothing was stored")
+            metas.append(msgspec.structs.replace(t, digest=digest))
+        # The bytes came over the connection (stream=True), and were hashed here (nothing to check at commit).
+        plan = await self.begin(msgspec.structs.replace(msg, tensors=tuple(metas), same_host=False, inline=False),
+                                placement)
+        put = self.pending[plan.put_id]
+        put.hashed_here = True
+        try:
+            for i, t in enumerate(put.tensors):
+                target = put.target_view(i)
+                if target is not None:
+                    target[:] = views[t.name]
+                    put.received[i] = t.nbytes
+        except BaseException:
+            self.abandon(put)
+            raise
+        return plan
 
     def get(self, put_id: str) -> PendingPut:
         put = self.pending.get(put_id)
@@ -129,7 +212,7 @@ class PutManager:
         del self.pending[put.put_id]
         memory = self.store.memory
         try:
-            verify = put.stream or self.config.verify_local_puts
+            verify = (put.stream and not put.hashed_here) or self.config.verify_local_puts
             for i in [*put.memory_targets, *put.disk_targets]:
                 meta = put.tensors[i]
                 if put.stream and put.received.get(i, 0) != meta.nbytes:
@@ -137,7 +220,7 @@ class PutManager:
                                           f"{meta.nbytes} bytes")
                 view = put.target_view(i)
                 assert view is not None
-                if verify and await asyncio.to_thread(digest_bytes, view) != meta.digest:
+                if verify and await _digest(view) != meta.digest:
                     raise InvalidArgument(f"tensor {clip(meta.name)}: content digest mismatch (bytes corrupted or "
                                           "written incompletely); nothing was stored")
             for i, loc in put.memory_targets.items():
@@ -177,6 +260,11 @@ class PutManager:
             self.abandon(put)
 
 
+async def _digest(view: memoryview) -> str:
+    """The BLAKE3 digest of received bytes: on a thread, unless they are few (a thread hop costs more)."""
+    return digest_bytes(view) if len(view) < _INLINE_HASH_BYTES else await asyncio.to_thread(digest_bytes, view)
+
+
 def _distinct_bytes(tensors: Iterable[TensorMeta]) -> int:
     seen: dict[str, int] = {}
     for t in tensors:
@@ -184,8 +272,9 @@ def _distinct_bytes(tensors: Iterable[TensorMeta]) -> int:
     return sum(seen.values())
 
 
-def validate_tensors(tensors: tuple[TensorMeta, ...]) -> tuple[TensorMeta, ...]:
-    """Check a put's tensor list; return it sorted by name."""
+def validate_tensors(tensors: tuple[TensorMeta, ...], digests: bool = True) -> tuple[TensorMeta, ...]:
+    """Check a put's tensor list (``digests=False``: all but the digests, which come later); return it
+    sorted by name."""
     if not tensors:
         raise InvalidArgument("an artifact needs at least one tensor")
     names = [t.name for t in tensors]
@@ -193,13 +282,18 @@ def validate_tensors(tensors: tuple[TensorMeta, ...]) -> tuple[TensorMeta, ...]:
         raise InvalidArgument("tensor names must be unique and non-empty")
     for t in tensors:
         itemsize = numpy_dtype(t.dtype).itemsize
-        if any(s < 0 for s in t.shape):
-            raise InvalidArgument(f"tensor {clip(t.name)}: negative dimension in shape {t.shape}")
         numel = 1
         for s in t.shape:
+            if s < 0:
+                raise InvalidArgument(f"tensor {clip(t.name)}: negative dimension in shape {t.shape}")
             numel *= s
         if numel * itemsize != t.nbytes:
             raise InvalidArgument(f"tensor {clip(t.name)}: {t.nbytes} bytes do not match shape {t.shape} of {t.dtype}")
-        if len(t.digest) != 64 or any(c not in "0123456789abcdef" for c in t.digest):
-            raise InvalidArgument(f"tensor {clip(t.name)}: digest must be 64 lowercase hex characters")
+        if digests:
+            _check_digest(t)
     return tuple(sorted(tensors, key=lambda t: t.name))
+
+
+def _check_digest(t: TensorMeta) -> None:
+    if _DIGEST.fullmatch(t.digest) is None:
+        raise InvalidArgument(f"tensor {clip(t.name)}: digest must be 64 lowercase hex characters")

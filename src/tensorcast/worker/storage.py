@@ -22,6 +22,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import msgspec
+
 from tensorcast.context import CallContext
 from tensorcast.errors import NotFound, TensorCastError
 from tensorcast.obs import metrics
@@ -89,7 +91,7 @@ class StorageRole:
                                               initializer=_low_priority)
 
     def register(self, registry: HandlerRegistry) -> None:
-        registry.register(PutBegin, self.put_begin)
+        registry.register(PutBegin, self.put_begin, sink=lambda msg, conn: self.puts.inline_sink(msg))
         registry.register(PutData, self.put_data, sink=lambda msg, conn: self.puts.data_sink(msg))
         registry.register(PutCommit, self.put_commit)
         registry.register(PutAbort, self.put_abort)
@@ -199,7 +201,13 @@ class StorageRole:
     # ----------------------------------------------------------------- put
     async def put_begin(self, msg: PutBegin, req: Request) -> PutPlan:
         placement = resolve_placement(msg.placement, self.parts.config.worker.cold_memory_ttl)
-        return await self.puts.begin(msg, placement)
+        if not msg.inline:
+            return await self.puts.begin(msg, placement)
+        assert req.payload is None or isinstance(req.payload, memoryview)
+        plan = await self.puts.begin_inline(msg, placement, req.payload)  # a small put in one request
+        self.moved["rpc", "received"] += req.payload.nbytes if req.payload is not None else 0
+        done = await self.put_commit(PutCommit(put_id=plan.put_id), req)
+        return msgspec.structs.replace(plan, artifact=done.artifact)
 
     async def put_data(self, msg: PutData, req: Request) -> Ack:
         assert isinstance(req.payload, memoryview)

@@ -1,0 +1,977 @@
+"""RL weight sync on a CPU host: TensorCast's publish + group swap against the default updater (the paper's
+Fig 7, scaled to one 2-core machine), all measured in one run.
+
+A trainer (this process) holds a Qwen2-shaped bf16 model with random weights: Qwen2.5-1.5B's dimensions (hidden
+1536, 12 heads, 2 KV heads, MLP 8960, vocabulary 151936, tied embeddings, q/k/v biases) with 18 of its 28 layers,
+~1.08B parameters, 2.0 GiB (``--quick``: Qwen2.5-0.5B's dimensions, 9 of its 24 layers, 0.5 GiB). It runs on
+host A; an engine of TP = 1, 2 and 4 ranks (one process per rank, each holding its slices as plain torch tensors,
+one CPU thread each) runs on host B. Every update is a training step's new weights reaching every rank, in place:
+- **full**: every tensor changed (each bf16 value moves by one unit in the last place);
+- **delta**: 10% of the tensors changed, holding just under 10% of the bytes (largest first, layers picked
+  at random, seeded); the goal is a time of about 10% of a full update.
+Time per update: from the trainer starting to publish until every rank reports the new version active.
+
+Systems:
+- **TensorCast**: ``client.publisher(model, keep_last=2).publish(state_dict)`` into host A's worker (w0;
+  shared memory, only changed tensors copied), then ``client.group_swap(ranks, model, version)`` through host
+  B's gateway (w1): every rank (``tensorcast.testing.weight_rank``: a binding served as an instance) prepares
+  (w1 pulls that rank's slices of the changed tensors from w0 over TCP; the rank maps them) and, once all have,
+  activates (copies them into its tensors).
+- **default updater** (the paper's "Default", what RL frameworks do without a weight service): the trainer
+  saves the state dict as safetensors shards (<= 1 GiB each) to a directory shared with host B (``--files-dir``;
+  by default a tmpfs under /dev/shm: the baseline at its best, and free of this host's disk write-back,
+  which made saves to ext4 take 0.2-1.7 s for 0.5 GiB from one step to the next); every rank
+  opens every file, reads each tensor whole (``safe_open().get_tensor``, as vLLM's and SGLang's default
+  loaders do), narrows it to its shard and copies it into its tensor. It has no delta path: a delta update
+  rewrites and rereads everything, so its delta time is its full time (only full updates are timed).
+  Also measured: **sliced reads** (``get_slice``: each rank reads only its shard), a stronger variant; and
+  **files over TCP**: every rank streams every file from host A (an HTTP server in this process,
+  ``sendfile``) and narrows each tensor as it arrives, into a buffer reused across tensors: what reading
+  from a network file system without a local cache costs. The first two read the local page cache: on one
+  machine host B reads what host A just wrote at memory speed, with no network in between (in the paper the
+  files cross the network from a shared file system, JuiceFS); the third puts that network back (loopback
+  TCP, as TensorCast's w0 -> w1 traffic; with ``--netns`` the ranks run in host B's namespace and the files
+  cross its veth and the bridge).
+- **checkpoint-engine** (MoonshotAI, PyPI 0.4.2): its ``ParameterServer`` is constructed in a subprocess; it
+  needs CUDA or an Ascend NPU, so without a GPU its exact error is reported instead of a time.
+
+Hosts: ``running_cluster(workers=2, hosts=2)``: two workers with distinct host ids on this machine, so that
+w0 -> w1 traffic takes the network path (TCP over loopback), never shared memory. ``--netns`` instead puts each
+host in its own network namespace (root only): w0 -> w1 crosses a veth pair and a bridge.
+
+Steady state between updates (untimed, as between training steps): the trainer's tensors are changed; view
+artifacts w1 materialized for the previous version are deleted, and versions older than the active one (before
+a full update, the active one too: nothing deduplicates against it); then the workers' pre-faulted stock
+(``worker.prefault_bytes``, sized to the model with ``--stock model``, the default, as the worker
+documentation advises for a host's largest burst; ``--stock default`` keeps 512 MiB) is let refill.
+This keeps host A at one or two versions rather than keep_last=2's three during a publish: a memory limit of
+this host, not a speed-up (a put's cost does not depend on the versions already held). One untimed full update
+(TensorCast) or load (default updater) per TP warms up before the timed ones.
+After the last update of each TP, every rank's tensors are checked (BLAKE3) against the trainer's slices.
+
+Also reported: the trainer's hashing alone. ``publish`` needs every tensor's BLAKE3 digest before its put (to
+find the unchanged tensors); it reuses its previous publish's digest for a tensor whose XXH3-128 is unchanged.
+So BLAKE3 of every tensor is a floor under a full update, and XXH3-128 of every tensor plus BLAKE3 of the
+changed ones one under a delta update.
+
+CPU seconds per update (user + system, summed over every process involved: the trainer, the workers, the
+global store and the ranks; for the default updater, the trainer, its file server and the ranks) are reported
+beside the times: on a host shared with other work they are steadier than wall time. TensorCast's workers
+also re-fault their stock between updates (untimed, reported apart).
+
+Statistics: ``--reps`` updates per case (3; quick 2): the table gives the median and the range; ratios are
+default/TensorCast of medians, with the range from the extremes. Goals (reported, not enforced): TensorCast
+>= 2.63x the default updater at TP = 4 (the paper's best speed-up, on H800 nodes with files read over a
+network), and a delta update ~10% of a full one.
+
+Memory: the trainer's model, the ranks' copies, a version (two during a delta) on w0 and one rank-sliced copy
+on w1, plus the stocks: about 5x the model plus 2.5 GiB at peak (the default updater runs after the cluster has
+stopped, except with ``--netns``). The run refuses to start when /proc/meminfo's MemAvailable is below that
+(``--force`` overrides), and stops (cleanly) rather than start an update when other work on the host has taken
+the memory it needs, so as not to drive the host into its OOM killer.
+
+Usage: python benchmarks/weight_sync.py [--quick] [--tp 1,2,4] [--reps N] [--size-gib G] [--stock model|default]
+       [--netns] [--files-dir DIR] [--json PATH] [--plot PATH] [--force]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import http.client
+import http.server
+import json
+import math
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+GiB = 1 << 30
+MODEL = "qwen-rl"
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")  # split dim 0
+ROW = ("o_proj", "down_proj")  # split dim 1; everything else (norms) is replicated
+# Qwen2.5-1.5B and -0.5B (config.json): hidden, heads, KV heads, MLP, vocabulary; both tie lm_head to the embedding.
+QWEN_FULL = {"name": "Qwen2.5-1.5B", "hidden": 1536, "heads": 12, "kv_heads": 2, "inter": 8960, "vocab": 151936,
+             "layers": 28}
+QWEN_QUICK = {"name": "Qwen2.5-0.5B", "hidden": 896, "heads": 14, "kv_heads": 2, "inter": 4864, "vocab": 151936,
+              "layers": 24}
+
+
+# ----------------------------------------------------------------------------------------------- the model
+def qwen2_shapes(dims: dict[str, Any], layers: int) -> dict[str, tuple[int, ...]]:
+    """Qwen2ForCausalLM's state-dict names and shapes (tied embeddings: no lm_head), ``layers`` layers."""
+    h, inter, vocab = dims["hidden"], dims["inter"], dims["vocab"]
+    kv = dims["kv_heads"] * (h // dims["heads"])
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out.update({
+            p + "self_attn.q_proj.weight": (h, h), p + "self_attn.q_proj.bias": (h,),
+            p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.k_proj.bias": (kv,),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.v_proj.bias": (kv,),
+            p + "self_attn.o_proj.weight": (h, h),
+            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+    out["model.norm.weight"] = (h,)
+    return out
+
+
+def layers_for(dims: dict[str, Any], target: int) -> int:
+    """The fewest layers (at most the real model's) that make the model at least ``target`` bytes."""
+    fixed = sum(math.prod(s) for s in qwen2_shapes(dims, 0).values()) * 2
+    per = sum(math.prod(s) for s in qwen2_shapes(dims, 1).values()) * 2 - fixed
+    return max(1, min(dims["layers"], -(-(target - fixed) // per)))
+
+
+def nbytes_of(shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * 2  # bf16
+
+
+def make_state(shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            out[name] = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            out[name] = torch.empty(shape, dtype=torch.bfloat16).uniform_(-0.02, 0.02, generator=g)
+    return out
+
+
+def pick_delta(shapes: dict[str, tuple[int, ...]], frac: float = 0.1, seed: int = 7) -> list[str]:
+    """``frac`` of the tensors, holding just under ``frac`` of the bytes: largest first while the byte budget
+    allows (which layers: seeded at random), until the count is reached."""
+    names = sorted(shapes)
+    random.Random(seed).shuffle(names)
+    names.sort(key=lambda n: -nbytes_of(shapes[n]))  # stable: equal sizes stay in random order
+    want = max(1, round(frac * len(names)))
+    budget = frac * sum(nbytes_of(s) for s in shapes.values())
+    chosen: list[str] = []
+    used = 0
+    for n in names:
+        if len(chosen) < want and used + nbytes_of(shapes[n]) <= budget:
+            chosen.append(n)
+            used += nbytes_of(shapes[n])
+    for n in reversed(names):  # the budget ran out first: the smallest others make up the count
+        if len(chosen) >= want:
+            break
+        if n not in chosen:
+            chosen.append(n)
+    return sorted(chosen)
+
+
+def train_step(state: dict[str, Any], names: list[str]) -> None:
+    """New weights for ``names``, in place: every value moves by one bf16 unit in the last place (new content
+    at every step, so that no version deduplicates against an older one)."""
+    import torch
+
+    for n in names:
+        state[n].view(torch.int16).add_(1)
+
+
+def split_dim(name: str) -> int | None:
+    if any(p in name for p in COLUMN):
+        return 0
+    if any(p in name for p in ROW):
+        return 1
+    return None
+
+
+def shard_range(n: int, rank: int, world: int) -> tuple[int, int]:
+    """``torch.chunk(x, world)[rank]`` along a dimension of size ``n``, as (start, stop)."""
+    per = -(-n // world)
+    lo = min(rank * per, n)
+    return lo, min(lo + per, n)
+
+
+def shard_shape(name: str, shape: tuple[int, ...], rank: int, world: int) -> tuple[int, ...]:
+    dim = split_dim(name)
+    if dim is None:
+        return tuple(shape)
+    lo, hi = shard_range(shape[dim], rank, world)
+    return tuple(hi - lo if d == dim else s for d, s in enumerate(shape))
+
+
+def shard_of(name: str, full: Any, rank: int, world: int) -> Any:
+    dim = split_dim(name)
+    if dim is None:
+        return full
+    lo, hi = shard_range(full.shape[dim], rank, world)
+    return full.narrow(dim, lo, hi - lo)
+
+
+def digest(t: Any) -> str:
+    import blake3
+    import torch
+
+    return blake3.blake3(t.contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU time (user + system) the processes ``pids`` have used so far; gone ones count 0. On a host shared
+    with other work, the CPU an update costs is steadier than its wall time."""
+    return sum(cpu_by_pid(pids).values())
+
+
+def cpu_by_pid(pids: list[int]) -> dict[int, float]:
+    out = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: proc(5) 14, 15
+    return out
+
+
+def cpu_by_role(before: dict[int, float], after: dict[int, float], roles: dict[int, str]) -> dict[str, float]:
+    """CPU seconds used between two ``cpu_by_pid`` readings, summed by role (trainer, w0, w1, ranks...)."""
+    out: dict[str, float] = {}
+    for pid, t in after.items():
+        out[roles.get(pid, "other")] = out.get(roles.get(pid, "other"), 0.0) + t - before.get(pid, t)
+    return {k: round(v, 3) for k, v in out.items()}
+
+
+def ensure_memory(need: int, what: str, wait: float = 60.0) -> None:
+    """Before each update: other work on this host may have taken the memory the run counted on. Wait a while
+    for it to come back, then stop rather than push the host into its OOM killer (it may pick another's
+    process)."""
+    end = time.monotonic() + wait
+    while (avail := mem_available()) < need:
+        if time.monotonic() > end:
+            raise SystemExit(f"stopping before {what}: {avail / GiB:.1f} GiB available, {need / GiB:.1f} GiB needed")
+        time.sleep(2.0)
+
+
+def summarize(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def ratio(base: dict[str, float], other: dict[str, float]) -> dict[str, float]:
+    """base/other: the speed-up of ``other`` over ``base``, of medians, with the range from the extremes."""
+    return {"median": base["median"] / other["median"], "min": base["min"] / other["max"],
+            "max": base["max"] / other["min"]}
+
+
+# ----------------------------------------------------------------------------------------------- TensorCast
+class TensorCastSide:
+    """The trainer's publisher (host A, w0), the controller (host B's gateway, w1), and a TP engine's ranks."""
+
+    def __init__(self, cluster: Any, trainer: Any, ctl: Any, stock: int) -> None:
+        self.cluster, self.trainer, self.ctl, self.stock = cluster, trainer, ctl, stock
+        self.pub = trainer.publisher(MODEL, keep_last=2)
+        self.ranks: list[str] = []
+        self.own: dict[str, tuple[subprocess.Popen[bytes], Any]] = {}  # --netns: rank processes started here
+        self.version = 0  # the trainer's step: version numbers stay increasing although old ones are deleted
+
+    def publish(self, state: dict[str, Any]) -> Any:
+        self.version += 1
+        return self.pub.publish(state, version=self.version)
+
+    def start_ranks(self, tp: int) -> None:
+        ids = [f"tc-tp{tp}-r{r}" for r in range(tp)]
+        args = ["--model", MODEL, "--world", str(tp), "--host-id", self.cluster.host_id_of(1), "--rules", "qwen2"]
+        if self.cluster.net is not None:
+            self._start_in_namespace(ids, args)
+            return
+        with concurrent.futures.ThreadPoolExecutor(tp) as pool:
+            starts = [pool.submit(self.cluster.start_instance, rid, "w1", [*args, "--rank", str(r)],
+                                  module="tensorcast.testing.weight_rank") for r, rid in enumerate(ids)]
+            for s in starts:
+                s.result()
+        self.ranks = ids
+
+    def _start_in_namespace(self, ids: list[str], args: list[str]) -> None:
+        """``--netns``: the ranks run in host B's namespace (``start_instance`` runs them here, where w1 could
+        not reach the 127.0.0.1 address they serve on)."""
+        w1 = self.cluster.workers["w1"].address
+        env = {**os.environ, "TENSORCAST_TOKEN": self.cluster.token or ""}
+        for r, rid in enumerate(ids):
+            ready = self.cluster.data_dir / f"{rid}.ready"
+            ready.unlink(missing_ok=True)
+            cmd = [*self.cluster.net.exec_args(1), sys.executable, "-m", "tensorcast.testing.weight_rank",
+                   "--worker", w1, "--id", rid, "--ready-file", str(ready), *args, "--rank", str(r)]
+            log = open(self.cluster.data_dir / "logs" / f"{rid}.log", "ab")  # noqa: SIM115 - the child's lifetime
+            self.own[rid] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                              stdin=subprocess.DEVNULL), log)
+        end = time.monotonic() + 120
+        for rid in ids:
+            while not (self.cluster.data_dir / f"{rid}.ready").exists():
+                if self.own[rid][0].poll() is not None or time.monotonic() > end:
+                    raise RuntimeError(f"rank {rid} did not start (log: {self.cluster.data_dir}/logs/{rid}.log)")
+                time.sleep(0.05)
+        self.ranks = ids
+
+    def stop_ranks(self) -> None:
+        for rid in self.ranks:
+            if rid in self.own:
+                proc, log = self.own.pop(rid)
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                log.close()
+            else:
+                handle = self.cluster.instances.get(rid)
+                try:
+                    self.cluster.stop_instance(rid)
+                except subprocess.TimeoutExpired:  # slow to exit (a loaded host): it must not outlive the run
+                    handle.popen.kill()
+                    handle.popen.wait()
+        self.ranks = []
+
+    def pids(self) -> list[int]:
+        """This process (the trainer and the controller), the global store, the workers and the ranks."""
+        return list(self.roles())
+
+    def roles(self) -> dict[int, str]:
+        out = {os.getpid(): "trainer"}  # the trainer and the controller: this process
+        out.update({pid: "ranks" if name in self.ranks else name for name, pid in self.cluster.pids().items()})
+        out.update({p.pid: "ranks" for p, _ in self.own.values()})
+        return out
+
+    def engine(self, rank: str, command: str) -> dict[str, Any]:
+        return self.ctl.call_instance(rank, "engine", args={"command": command}, timeout=300).result
+
+    def active(self) -> int:
+        versions = {self.engine(r, "weights.status")["active_version"] or 0 for r in self.ranks}
+        assert len(versions) == 1, f"ranks disagree on the active version: {versions}"
+        return versions.pop()
+
+    def update(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Publish ``state`` and swap every rank to it; the timed update."""
+        expected = self.active()
+        roles = self.roles()
+        c0 = cpu_by_pid(list(roles))
+        t0 = time.perf_counter()
+        p = self.publish(state)
+        t1 = time.perf_counter()
+        res = self.ctl.group_swap(self.ranks, MODEL, p.version, expected=expected, timeout=600)
+        t2 = time.perf_counter()
+        by = cpu_by_role(c0, cpu_by_pid(list(roles)), roles)
+        cpu = sum(by.values())
+        reports = list(res.ranks.values())
+        assert all(r["phase"] == "active" and r["version"] == p.version for r in reports), reports
+        return {"seconds": t2 - t0, "cpu_s": cpu, "cpu_by": by, "publish_s": t1 - t0, "swap_s": t2 - t1,
+                "version": p.version,
+                "changed_tensors": p.changed_tensors, "changed_bytes": p.changed_bytes,
+                "fetched_bytes": sum(int(r["fetched_bytes"]) for r in reports),
+                "copied_bytes": sum(int(r["copied_bytes"]) for r in reports),
+                "prepare_s": max(float(r["prepare_s"]) for r in reports),
+                "activate_s": max(float(r["activate_s"]) for r in reports),
+                "path": sorted({str(r["path"]) for r in reports})}
+
+    def tidy(self, keep_active: bool) -> None:
+        """Between updates: drop w1's views and the versions no update will deduplicate against."""
+        versions = self.pub.versions()
+        latest = max(versions, default=0)
+        from tensorcast.errors import NotFound
+
+        for a in self.ctl.ls():
+            if a.info.meta.get("view_of"):
+                with contextlib.suppress(NotFound):  # evicted meanwhile
+                    self.ctl.delete(a.info.id)
+        for v in versions:
+            if v < latest or not keep_active:
+                with contextlib.suppress(NotFound):  # collected by the publisher meanwhile
+                    self.ctl.delete(f"{MODEL}@v{v}")
+
+    def settle(self, timeout: float = 90.0) -> None:
+        """Let both workers' pre-faulted stock refill: it starts after an idle spell, and the signal comes with
+        heartbeats (only those sent after that spell count). Done when it is full, or has stopped growing for
+        two heartbeats (size classes demanded by large tensors can keep it a little under its budget)."""
+        from tensorcast.config import Config
+
+        since = time.time() + Config().worker.prefault_idle_seconds + 0.2
+        end = time.monotonic() + timeout
+        last: tuple[int, ...] = ()
+        steady = time.monotonic()
+        while time.monotonic() < end:
+            workers = self.ctl.list_workers()
+            now = tuple(w.memory_prefaulted for w in workers)
+            full = all(x >= self.stock for x in now) or (now == last and time.monotonic() - steady > 2.2)
+            if full and all(w.last_heartbeat > since for w in workers):
+                return
+            if now != last:
+                last, steady = now, time.monotonic()
+            time.sleep(0.25)
+        got = {w.worker_id: round(w.memory_prefaulted / GiB, 2) for w in self.ctl.list_workers()}
+        print(f"    (the pre-faulted stock did not settle in {timeout:.0f} s: {got} GiB)")
+
+    def verify(self, state: dict[str, Any], tp: int) -> None:
+        for r, rid in enumerate(self.ranks):
+            got = self.engine(rid, "test.digests")
+            want = {n: digest(shard_of(n, t, r, tp)) for n, t in state.items()}
+            bad = [n for n in want if got.get(n, {}).get("digest") != want[n]]
+            assert not bad, f"TensorCast rank {r}/{tp} holds wrong bytes for {len(bad)} tensors, e.g. {bad[:3]}"
+
+
+def run_tensorcast(side: TensorCastSide, state: dict[str, Any], delta: list[str], tp: int,
+                   reps: int) -> dict[str, list[dict[str, Any]]]:
+    everything = sorted(state)
+    side.start_ranks(tp)
+    try:
+        side.ctl.group_swap(side.ranks, MODEL, expected=0, timeout=600)  # the ranks' first load
+        out: dict[str, list[dict[str, Any]]] = {"full": [], "delta": []}
+        plan = [("warm-up", everything)] + [("full", everything)] * reps + [("delta", delta)] * reps
+        for kind, names in plan:
+            c0 = cpu_seconds(side.pids())
+            side.tidy(keep_active=kind == "delta")
+            side.settle()
+            between = cpu_seconds(side.pids()) - c0  # mostly the workers re-faulting their stock
+            # New memory: the changed bytes on w0 and again (sliced) on w1, less what the stocks hold ready.
+            changed = sum(state[n].nbytes for n in names)
+            ensure_memory(max(0, 2 * changed - 2 * side.stock) + GiB, f"TensorCast TP={tp} {kind}")
+            train_step(state, names)
+            row = side.update(state)
+            row["between_cpu_s"] = between
+            if kind != "warm-up":
+                out[kind].append(row)
+            print(f"    TensorCast TP={tp} {kind:<7} {row['seconds']:7.3f} s, {row['cpu_s']:6.2f} CPU s  (publish "
+                  f"{row['publish_s']:.3f} s, "
+                  f"{row['changed_bytes'] / GiB:.3f} GiB new; swap {row['swap_s']:.3f} s, prepare "
+                  f"{row['prepare_s']:.3f}, activate {row['activate_s']:.3f}; {row['fetched_bytes'] / GiB:.3f} GiB "
+                  f"fetched, {','.join(row['path'])}; CPU s {row['cpu_by']})", flush=True)
+        side.verify(state, tp)
+        side.tidy(keep_active=True)  # the next TP's ranks are allocated from the newest version
+        return out
+    finally:
+        side.stop_ranks()
+
+
+# ----------------------------------------------------------------------------------------------- default updater
+def save_checkpoint(state: dict[str, Any], path: Path, shard_bytes: int = GiB) -> list[str]:
+    """The trainer's save: safetensors shards of <= ``shard_bytes`` and an index, as ``save_pretrained``."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True)
+    files: list[dict[str, Any]] = [{}]
+    for name, t in state.items():
+        if files[-1] and sum(x.nbytes for x in files[-1].values()) + t.nbytes > shard_bytes:
+            files.append({})
+        files[-1][name] = t
+    names, weight_map = [], {}
+    for i, f in enumerate(files):
+        fname = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        save_file(f, str(path / fname), metadata={"format": "pt"})
+        names.append(str(path / fname))
+        weight_map.update({k: fname for k in f})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return names
+
+
+def rank_server(spec_path: str) -> None:
+    """One rank of the default updater (a process of its own): its tensors, and a load command on stdin."""
+    import torch
+    from safetensors import safe_open
+
+    torch.set_num_threads(1)  # as the TensorCast ranks (one CPU thread each)
+    spec = json.loads(Path(spec_path).read_text())
+    rank, world = spec["rank"], spec["world"]
+    bound = {n: torch.zeros(shard_shape(n, tuple(s), rank, world), dtype=torch.bfloat16)
+             for n, s in spec["shapes"].items()}
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "quit":
+            break
+        if cmd["op"] == "digests":
+            print(json.dumps({n: digest(t) for n, t in bound.items()}), flush=True)
+            continue
+        t0 = time.perf_counter()
+        if cmd["mode"] == "tcp":
+            loaded = load_over_tcp(cmd["url"], cmd["files"], bound, rank, world)
+            print(json.dumps({"seconds": time.perf_counter() - t0, "copied_bytes": loaded}), flush=True)
+            continue
+        loaded = 0
+        for f in cmd["files"]:
+            with safe_open(f, framework="pt") as fh:
+                for name in fh.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+                    if cmd["mode"] == "whole":  # the default loaders: the whole tensor, then this rank's part
+                        part = shard_of(name, fh.get_tensor(name), rank, world)
+                    else:  # sliced reads: only this rank's part
+                        sl = fh.get_slice(name)
+                        shape = tuple(sl.get_shape())
+                        dim = split_dim(name)
+                        if dim is None:
+                            part = sl[:]
+                        else:
+                            lo, hi = shard_range(shape[dim], rank, world)
+                            part = sl[lo:hi] if dim == 0 else sl[:, lo:hi]
+                    bound[name].copy_(part)
+                    loaded += part.nbytes
+        print(json.dumps({"seconds": time.perf_counter() - t0, "copied_bytes": loaded}), flush=True)
+
+
+def _read_exact(resp: http.client.HTTPResponse, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = resp.readinto(view[got:])
+        if not n:
+            raise ConnectionError("the file server closed the stream early")
+        got += n
+
+
+def load_over_tcp(url: str, files: list[str], bound: dict[str, Any], rank: int, world: int) -> int:
+    """Stream each safetensors file from ``url`` (host A) and copy this rank's part of every tensor as it
+    arrives; one buffer, the size of the largest tensor, is reused."""
+    import torch
+
+    host, port = url.rsplit(":", 1)
+    buf = torch.empty(0, dtype=torch.uint8)
+    loaded = 0
+    for fname in files:
+        conn = http.client.HTTPConnection(host, int(port), timeout=600)
+        try:
+            conn.request("GET", "/" + fname)
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise ConnectionError(f"GET {fname}: HTTP {resp.status}")
+            head = bytearray(8)
+            _read_exact(resp, memoryview(head))
+            header = bytearray(int.from_bytes(head, "little"))
+            _read_exact(resp, memoryview(header))
+            metas = json.loads(header)
+            metas.pop("__metadata__", None)
+            pos = 0
+            for name, meta in sorted(metas.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                start, stop = meta["data_offsets"]
+                assert start == pos and meta["dtype"] == "BF16", (name, start, pos, meta["dtype"])
+                if buf.numel() < stop - start:
+                    buf = torch.empty(stop - start, dtype=torch.uint8)
+                _read_exact(resp, memoryview(buf.numpy())[: stop - start])
+                full = buf[: stop - start].view(torch.bfloat16).view(meta["shape"])
+                part = shard_of(name, full, rank, world)
+                bound[name].copy_(part)
+                loaded += part.nbytes
+                pos = stop
+        finally:
+            conn.close()
+    return loaded
+
+
+class _FileHandler(http.server.BaseHTTPRequestHandler):
+    """GET /NAME: the file NAME of the server's directory, sent with sendfile (no copy through Python)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:  # the name http.server calls
+        path = Path(self.server.root) / self.path.lstrip("/")  # type: ignore[attr-defined]
+        self.send_response(200)
+        self.send_header("Content-Length", str(path.stat().st_size))
+        self.end_headers()
+        with open(path, "rb") as f:
+            self.connection.sendfile(f)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def file_server(root: Path, host: str) -> Iterator[str]:
+    """Host A's files over HTTP; yields ``host:port``."""
+    server = http.server.ThreadingHTTPServer((host, 0), _FileHandler)
+    server.root = str(root)  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"{host}:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class DefaultSide:
+    """The default updater's ranks: processes of their own, each with its tensors, driven over pipes."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], tmp: Path, url: str, prefix: list[str]) -> None:
+        self.shapes, self.tmp, self.url, self.prefix = shapes, tmp, url, prefix  # prefix: run on host B
+        self.procs: list[subprocess.Popen[str]] = []
+        self.step = 0
+
+    def start_ranks(self, tp: int) -> None:
+        for r in range(tp):
+            spec = self.tmp / f"rank-{tp}-{r}.json"
+            spec.write_text(json.dumps({"rank": r, "world": tp, "shapes": self.shapes}))
+            proc = subprocess.Popen([*self.prefix, sys.executable, __file__, "--rank-server", str(spec)],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            self.procs.append(proc)
+        for p in self.procs:
+            self._read(p)
+
+    @staticmethod
+    def _read(p: subprocess.Popen[str]) -> dict[str, Any]:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"default-updater rank exited ({p.wait()})")
+        return dict(json.loads(line))
+
+    def _all(self, cmd: dict[str, Any]) -> list[dict[str, Any]]:
+        for p in self.procs:
+            assert p.stdin is not None
+            p.stdin.write(json.dumps(cmd) + "\n")
+            p.stdin.flush()
+        return [self._read(p) for p in self.procs]
+
+    def stop_ranks(self) -> None:
+        for p in self.procs:
+            with contextlib.suppress(OSError, ValueError):
+                assert p.stdin is not None
+                p.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                p.stdin.close()
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs = []
+
+    def update(self, state: dict[str, Any], mode: str) -> dict[str, Any]:
+        self.step += 1
+        path = self.tmp / f"step-{self.step}"
+        roles = {os.getpid(): "trainer", **{p.pid: "ranks" for p in self.procs}}  # trainer: + the file server
+        c0 = cpu_by_pid(list(roles))
+        t0 = time.perf_counter()
+        files = save_checkpoint(state, path)
+        t1 = time.perf_counter()
+        if mode == "tcp":  # the same files, named relative to the server's directory
+            files = [str(Path(f).relative_to(self.tmp)) for f in files]
+        got = self._all({"op": "load", "files": files, "mode": mode, "url": self.url})
+        t2 = time.perf_counter()
+        by = cpu_by_role(c0, cpu_by_pid(list(roles)), roles)
+        cpu = sum(by.values())
+        shutil.rmtree(path)  # untimed: the next step writes a new directory
+        return {"seconds": t2 - t0, "cpu_s": cpu, "cpu_by": by, "save_s": t1 - t0, "load_s": t2 - t1,
+                "rank_load_s": max(g["seconds"] for g in got), "copied_bytes": sum(g["copied_bytes"] for g in got)}
+
+    def verify(self, state: dict[str, Any], tp: int) -> None:
+        for r, got in enumerate(self._all({"op": "digests"})):
+            bad = [n for n, t in state.items() if got[n] != digest(shard_of(n, t, r, tp))]
+            assert not bad, f"default-updater rank {r}/{tp} holds wrong bytes for {len(bad)} tensors, e.g. {bad[:3]}"
+
+
+def run_default(side: DefaultSide, state: dict[str, Any], tp: int, reps: int) -> dict[str, list[dict[str, Any]]]:
+    everything = sorted(state)
+    side.start_ranks(tp)
+    try:
+        out: dict[str, list[dict[str, Any]]] = {k: [] for k in SYSTEMS_DEFAULT}
+        for mode in out:
+            for i in range(reps + 1):  # the first: warm-up
+                # The files, and per rank one tensor read whole at a time (at most the largest).
+                largest = max(t.nbytes for t in state.values())
+                ensure_memory(sum(t.nbytes for t in state.values()) + tp * largest + GiB, f"default TP={tp} {mode}")
+                train_step(state, everything)
+                row = side.update(state, mode)
+                if i:
+                    out[mode].append(row)
+                print(f"    default TP={tp} {mode:<6} {'warm-up' if not i else 'full':<7} {row['seconds']:7.3f} s, "
+                      f"{row['cpu_s']:6.2f} CPU s  "
+                      f"(save {row['save_s']:.3f} s, load {row['load_s']:.3f} s; CPU s {row['cpu_by']})", flush=True)
+        side.verify(state, tp)
+        return out
+    finally:
+        side.stop_ranks()
+
+
+# ----------------------------------------------------------------------------------------------- checkpoint-engine
+CKPT_ENGINE_PROBE = """
+import os
+os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")  # ParameterServer reads rank 0 from $RANK
+from checkpoint_engine.ps import ParameterServer
+ps = ParameterServer(rank=0, world_size=1, auto_pg=False)
+print("constructed")
+"""
+
+
+def probe_checkpoint_engine() -> dict[str, Any]:
+    """Whether checkpoint-engine's parameter server starts here; its exact error when it does not."""
+    try:
+        from importlib.metadata import version
+
+        ver = version("checkpoint-engine")
+    except Exception:
+        return {"runs": False, "error": "not installed (pip install -c <(echo torch==2.13.0) checkpoint-engine==0.4.2)"}
+    try:
+        proc = subprocess.run([sys.executable, "-c", CKPT_ENGINE_PROBE], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return {"version": ver, "runs": False, "error": "ParameterServer() did not return in 120 s"}
+    if proc.returncode == 0 and "constructed" in proc.stdout:
+        return {"version": ver, "runs": True, "error": "", "note": "constructed; no CPU update path measured"}
+    lines = [x for x in (proc.stderr or proc.stdout).strip().splitlines() if x.strip()]
+    where = next((x.strip() for x in reversed(lines) if x.strip().startswith("File ")), "")
+    return {"version": ver, "runs": False, "error": lines[-1] if lines else f"exit code {proc.returncode}",
+            "where": where}
+
+
+# ----------------------------------------------------------------------------------------------- report
+SYSTEMS_DEFAULT = ("whole", "sliced", "tcp")
+LABELS = {"tensorcast_full": "TensorCast, full", "tensorcast_delta": "TensorCast, delta (10% of tensors)",
+          "default_whole": "default updater, whole reads (page cache)",
+          "default_sliced": "default updater, sliced reads (page cache)",
+          "default_tcp": "default updater, whole files over TCP"}
+
+
+def plot(path: str, summary: list[dict[str, Any]], title: str, footnote: str) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot (pip install matplotlib)"
+    colors = {"tensorcast_full": "C0", "tensorcast_delta": "C9", "default_whole": "0.25", "default_sliced": "0.55",
+              "default_tcp": "0.8"}
+    series = [(k, label, colors[k]) for k, label in LABELS.items()]
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    width = 0.8 / len(series)
+    for k, (key, label, color) in enumerate(series):
+        xs, ys, lo, hi = [], [], [], []
+        for i, s in enumerate(summary):
+            if key in s["times"]:
+                t = s["times"][key]
+                xs.append(i + (k - (len(series) - 1) / 2) * width)
+                ys.append(t["median"])
+                lo.append(t["median"] - t["min"])
+                hi.append(t["max"] - t["median"])
+        bars = ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=label, color=color)
+        if key.startswith("tensorcast"):
+            for b, s in zip(bars, [s for s in summary if key in s["times"]], strict=True):
+                r = s["ratios"].get(f"{key}_vs_default_whole")
+                if r:
+                    ax.annotate(f"{r['median']:.2f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
+                                ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(summary)), [f"TP={s['tp']}" for s in summary])
+    ax.set_ylabel("seconds per update (median; bar: range)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.text(0.01, 0.01, footnote, fontsize=7)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path, dpi=120)
+    return None
+
+
+def fmt(t: dict[str, float]) -> str:
+    return f"{t['median']:7.3f} s [{t['min']:.3f}-{t['max']:.3f}]"
+
+
+def fmt_ratio(r: dict[str, float] | None) -> str:
+    return "   n/a" if r is None else f"{r['median']:5.2f}x [{r['min']:.2f}-{r['max']:.2f}]"
+
+
+@contextlib.contextmanager
+def cluster_of(args: argparse.Namespace, capacity: int, config: dict[str, Any]) -> Iterator[Any]:
+    if args.netns:
+        from tensorcast.cluster import LocalCluster
+
+        with LocalCluster(workers=2, hosts=2, netns=True, memory_capacity=capacity, config=config) as cluster:
+            yield cluster
+    else:
+        from tensorcast.testing import running_cluster
+
+        with running_cluster(workers=2, hosts=2, memory_capacity=capacity, config=config) as cluster:
+            yield cluster
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a 0.5 GiB model, 2 repetitions")
+    ap.add_argument("--tp", default="1,2,4", help="comma-separated TP sizes (default 1,2,4)")
+    ap.add_argument("--reps", type=int, default=None, help="timed updates per case (default 3; quick 2)")
+    ap.add_argument("--size-gib", type=float, default=None, help="model size (default 2.0; quick 0.5)")
+    ap.add_argument("--stock", choices=("model", "default"), default="model",
+                    help="workers' pre-faulted stock: sized to the model (default) or the worker default")
+    ap.add_argument("--netns", action="store_true", help="hosts in network namespaces (root)")
+    ap.add_argument("--files-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
+                    help="where the default updater's checkpoints go (default: /dev/shm, a tmpfs)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None, help="PNG path (needs matplotlib)")
+    ap.add_argument("--force", action="store_true", help="run even if MemAvailable looks too small")
+    ap.add_argument("--rank-server", default=None, help=argparse.SUPPRESS)  # a default-updater rank process
+    args = ap.parse_args()
+    if args.rank_server:
+        rank_server(args.rank_server)
+        return
+
+    import tensorcast as tc
+    from benchlib import write_json
+    from tensorcast.netns import ROOT
+    from tensorcast.tensors import normalize_tensors
+
+    tps = [int(x) for x in args.tp.split(",")]
+    reps = args.reps or (2 if args.quick else 3)
+    dims = QWEN_QUICK if args.quick else QWEN_FULL
+    target = int((args.size_gib or (0.5 if args.quick else 2.0)) * GiB)
+    layers = layers_for(dims, target)
+    shapes = qwen2_shapes(dims, layers)
+    total = sum(nbytes_of(s) for s in shapes.values())
+    params = sum(math.prod(s) for s in shapes.values())
+    delta = pick_delta(shapes)
+    delta_bytes = sum(nbytes_of(shapes[n]) for n in delta)
+    chunk = 256 << 20  # worker.prefault_chunk_bytes: the stock fills in whole chunks
+    stock = (-(-total // chunk) + 1) * chunk if args.stock == "model" else tc.Config().worker.prefault_bytes
+    need = 5 * total + (2 * stock - 2 * total if stock > total else 0) + int(2.5 * GiB)
+    model_desc = (f"{dims['name']} shapes, {layers} of {dims['layers']} layers, {params / 1e9:.2f}B params, "
+                  f"{total / GiB:.2f} GiB bf16, {len(shapes)} tensors")
+    print(f"model: {model_desc}")
+    print(f"delta: {len(delta)} tensors ({len(delta) / len(shapes):.1%}), {delta_bytes / GiB:.3f} GiB "
+          f"({delta_bytes / total:.1%} of the bytes)")
+    print(f"hosts: {'network namespaces (veth + bridge)' if args.netns else 'running_cluster(hosts=2): loopback TCP'};"
+          f" worker stock {stock / GiB:.2f} GiB; TP {tps}; {reps} timed updates per case")
+    avail = mem_available()
+    print(f"memory: ~{need / GiB:.1f} GiB needed at peak, {avail / GiB:.1f} GiB available")
+    if avail < need and not args.force:
+        sys.exit(f"not enough memory for this run ({avail / GiB:.1f} < {need / GiB:.1f} GiB): wait, use --quick, "
+                 "--size-gib or --stock default, or --force")
+
+    ckpt = probe_checkpoint_engine()
+    print(f"checkpoint-engine {ckpt.get('version', '')}: "
+          + ("runs" if ckpt["runs"] else f"does not run here: {ckpt['error']}"))
+    t0 = time.perf_counter()
+    state = make_state(shapes)
+    print(f"trainer's model generated in {time.perf_counter() - t0:.1f} s")
+    hash_s = []
+    for _ in range(reps):  # what publish does first: every tensor's digest (BLAKE3)
+        t0 = time.perf_counter()
+        _ = [t.meta for t in normalize_tensors(state)]
+        hash_s.append(time.perf_counter() - t0)
+    hashing = summarize(hash_s)
+    quick_s = []
+    for _ in range(reps):  # what a delta publish does first: every tensor's XXH3-128 (BLAKE3 only where changed)
+        t0 = time.perf_counter()
+        _ = [xxhash.xxh3_128_hexdigest(t.data.data) for t in normalize_tensors(state)]
+        quick_s.append(time.perf_counter() - t0)
+    quick = summarize(quick_s)
+    print(f"trainer's hashing alone: BLAKE3 of every tensor (a full publish) {fmt(hashing)} "
+          f"({total / hashing['median'] / 1e9:.1f} GB/s); XXH3-128 of every tensor (a delta publish's check) "
+          f"{fmt(quick)} ({total / quick['median'] / 1e9:.1f} GB/s)\n")
+
+    results: dict[int, dict[str, Any]] = {tp: {} for tp in tps}
+    config = {"worker.prefault_bytes": stock, "worker.prefault_chunk_bytes": chunk}
+    def default_updater(on_b: list[str], bind: str) -> None:
+        # The files are on this machine's filesystem, which every "host" shares.
+        with tempfile.TemporaryDirectory(prefix="tc-weight-sync-", dir=args.files_dir) as tmp, \
+                file_server(Path(tmp), bind) as url:
+            dside = DefaultSide(shapes, Path(tmp), url, on_b)
+            for tp in tps:
+                print(f"TP={tp}: default updater", flush=True)
+                results[tp]["default"] = run_default(dside, state, tp, reps)
+
+    # Capacity: two versions (a delta's and the one it builds on) with room to spare; it is a limit, not a
+    # reservation.
+    with cluster_of(args, 2 * total + GiB, config) as cluster:
+        trainer_cfg = tc.Config.load(overrides={"client.host_id": cluster.host_id_of(0)})
+        with tc.connect(cluster.workers["w0"].address, cluster.token, config=trainer_cfg) as trainer, \
+                tc.connect(cluster.workers["w1"].address, cluster.token) as ctl:
+            side = TensorCastSide(cluster, trainer, ctl, stock)
+            side.publish(state)  # the first version, that the ranks are allocated from
+            for tp in tps:
+                print(f"TP={tp}: TensorCast", flush=True)
+                results[tp]["tensorcast"] = run_tensorcast(side, state, delta, tp, reps)
+            for v in side.pub.versions():  # TensorCast is done: its memory goes back before the files come
+                ctl.delete(f"{MODEL}@v{v}")
+        if cluster.net is not None:  # its ranks in host B's namespace, fetching over the bridge
+            default_updater(cluster.net.exec_args(1), cluster.net.address(ROOT))
+    if not args.netns:  # once the cluster is gone: its workers' stock would hold memory the files need
+        default_updater([], "127.0.0.1")
+
+    # ------------------------------------------------------------------ summary
+    summary = []
+    print(f"\nTime per update, from publish/save until every rank holds the new version; {model_desc}; "
+          f"median [range] of {reps}. Speed-up = the default updater's time / this one's (above 1: faster).")
+    print(f"{'TP':>3}  {'system':<44} {'seconds per update':>26} {'vs default (whole)':>22} "
+          f"{'vs default (TCP)':>22} {'CPU s':>8}")
+    for tp in tps:
+        r = results[tp]
+        times = {f"tensorcast_{k}": summarize([x["seconds"] for x in r["tensorcast"][k]]) for k in ("full", "delta")}
+        times.update({f"default_{k}": summarize([x["seconds"] for x in r["default"][k]]) for k in SYSTEMS_DEFAULT})
+        cpu = {f"tensorcast_{k}": summarize([x["cpu_s"] for x in r["tensorcast"][k]]) for k in ("full", "delta")}
+        cpu.update({f"default_{k}": summarize([x["cpu_s"] for x in r["default"][k]]) for k in SYSTEMS_DEFAULT})
+        between = summarize([x["between_cpu_s"] for k in ("full", "delta") for x in r["tensorcast"][k]])
+        ratios = {f"{a}_vs_{b}": ratio(times[b], times[a]) for a in times for b in times
+                  if a.startswith("tensorcast") and b.startswith("default")}
+        full, part = times["tensorcast_full"], times["tensorcast_delta"]
+        ratios["delta_over_full"] = {"median": part["median"] / full["median"], "min": part["min"] / full["max"],
+                                     "max": part["max"] / full["min"]}
+        summary.append({"tp": tp, "times": times, "ratios": ratios, "cpu_s": cpu, "tensorcast_between_cpu_s": between})
+        for key, label in LABELS.items():
+            vs = [fmt_ratio(ratios.get(f"{key}_vs_{b}")) if key.startswith("tensorcast") else
+                  fmt_ratio(ratio(times[b], times[key])) for b in ("default_whole", "default_tcp")]
+            extra = f"   (delta/full {ratios['delta_over_full']['median']:.1%})" if key == "tensorcast_delta" else ""
+            print(f"{tp:>3}  {label:<44} {fmt(times[key]):>26} {vs[0]:>22} {vs[1]:>22} "
+                  f"{cpu[key]['median']:8.2f}{extra}")
+        print(f"{tp:>3}  {'checkpoint-engine ' + ckpt.get('version', ''):<44} "
+              f"{'runs' if ckpt['runs'] else 'did not run (see below)':>26}")
+    for tp in tps:  # where TensorCast's CPU goes, against the default updater's
+        parts = []
+        for label, rows in (("TensorCast full", results[tp]["tensorcast"]["full"]),
+                            ("delta", results[tp]["tensorcast"]["delta"]),
+                            ("default whole", results[tp]["default"]["whole"]),
+                            ("default TCP", results[tp]["default"]["tcp"])):
+            roles = sorted({k for x in rows for k in x["cpu_by"]})
+            parts.append(f"{label} " + " ".join(
+                f"{k} {statistics.median(x['cpu_by'].get(k, 0.0) for x in rows):.2f}" for k in roles))
+        print(f"CPU s by process, TP={tp} (medians): " + "; ".join(parts))
+    print("The default updater has no delta path (it rewrites and rereads everything): its delta time is its full "
+          "time.\nCPU s: user + system CPU seconds of every process involved during the update (median); TensorCast's "
+          "workers also re-fault their stock between updates, untimed: "
+          + ", ".join(f"TP={x['tp']} {x['tensorcast_between_cpu_s']['median']:.2f}" for x in summary) + " CPU s.")
+    print(f"checkpoint-engine {ckpt.get('version', '')}: {'runs' if ckpt['runs'] else 'error: ' + ckpt['error']}"
+          + (f" ({ckpt['where']})" if ckpt.get("where") else ""))
+    goals = {}
+    if 4 in tps:
+        s4 = next(x for x in summary if x["tp"] == 4)["ratios"]
+        for base in ("default_whole", "default_tcp"):
+            r4 = s4[f"tensorcast_full_vs_{base}"]
+            goals[f"tp4_full_vs_{base}_ge_2.63x"] = {**r4, "met": r4["median"] >= 2.63}
+            print(f"goal: TensorCast >= 2.63x the default updater ({LABELS[base].split(', ', 1)[1]}) at TP=4, full "
+                  f"update: {fmt_ratio(r4).strip()} -> {'met' if r4['median'] >= 2.63 else 'not met'}")
+    worst = max(x["ratios"]["delta_over_full"]["median"] for x in summary)
+    goals["delta_about_10pct_of_full"] = {"worst_tp_median": worst, "met": worst <= 0.15}
+    print(f"goal: a delta update ~10% of a full one ({delta_bytes / total:.1%} of the bytes change; met when "
+          f"<= 15%): worst TP {worst:.1%} -> {'met' if worst <= 0.15 else 'not met'}")
+    title = (f"Weight sync, {model_desc}\nhost A trainer -> host B TP engine "
+             f"({'netns' if args.netns else 'loopback TCP'}), 2 vCPU, no GPU")
+    foot = "labels: speed-up over the default updater (whole reads); checkpoint-engine: " + (
+        "runs" if ckpt["runs"] else f"did not run ({ckpt['error'][:60]})")
+    note = plot(args.plot, summary, title, foot) if args.plot else None
+    if note:
+        print(note)
+    write_json(args.json, "weight_sync", args.quick, model=model_desc, model_bytes=total, tensors=len(shapes),
+               delta_tensors=len(delta), delta_bytes=delta_bytes, hosts="netns" if args.netns else "loopback",
+               stock_bytes=stock, reps=reps, files_dir=args.files_dir, hashing=hashing, quick_check=quick,
+               checkpoint_engine=ckpt,
+               goals=goals, summary=summary, runs={str(tp): results[tp] for tp in tps}, plot=note or args.plot)
+
+
+if __name__ == "__main__":
+    main()

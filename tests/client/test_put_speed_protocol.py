@@ -1,0 +1,117 @@
+"""The faster put paths keep content identity sound: a same-host put written with ``pwrite`` into a pack of
+targets, and a small put in one request (bytes with ``PutBegin``, hashed by the worker). The worker's side
+runs in process over a real memory tier; the last tests go through a cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+
+import msgspec
+import numpy as np
+import pytest
+
+import tensorcast as tc
+from tensorcast.client.puts import _write_segments
+from tensorcast.config import Config
+from tensorcast.errors import InvalidArgument
+from tensorcast.pool.placement import PRESETS
+from tensorcast.tensors import artifact_id, normalize_tensors
+from tensorcast.testing import running_cluster
+from tensorcast.wire.messages import PutBegin
+from tensorcast.worker.puts import PutManager
+from tensorcast.worker.store import LocalStore
+
+MiB = 1 << 20
+
+
+async def _gone(artifact_id: str, tier: str) -> None:
+    return None
+
+
+@pytest.fixture()
+def puts() -> Iterator[PutManager]:
+    cfg = Config.from_flat({"worker.memory_capacity": 64 * MiB, "worker.prefault_bytes": 0,
+                            "worker.shm_prefix": f"tc-test-{uuid.uuid4().hex[:8]}"})
+    store = LocalStore(cfg.worker, "w", _gone)
+    yield PutManager(cfg.worker, store)
+    store.close()
+
+
+def _inputs(**tensors: np.ndarray) -> list:  # type: ignore[type-arg]
+    return normalize_tensors(tensors)
+
+
+def test_equal_tensors_are_written_and_stored_once(puts: PutManager) -> None:
+    x = np.random.default_rng(1).integers(0, 255, 3 * MiB, dtype=np.uint8)
+    inputs = _inputs(a=x, b=x.copy(), c=x[:1000].copy(), e=np.empty(0, np.float32))
+    plan = asyncio.run(puts.begin(PutBegin(tensors=tuple(t.meta for t in inputs), same_host=True), PRESETS["cache"]))
+    assert [ref is not None for ref in plan.segments] == [True, False, True, False]  # b is a's bytes; e is empty
+    _write_segments(plan, inputs)
+    put = asyncio.run(puts.commit(plan.put_id))
+    memory = puts.store.memory
+    assert put.artifact_id == plan.artifact_id == artifact_id([t.meta for t in inputs])
+    assert memory.state.used == 3 * MiB + 1000 and memory.state.reserved == 0
+    for t, item in zip(inputs, inputs, strict=True):
+        if t.nbytes:
+            assert bytes(memory.blob(t.digest).view()) == item.data.tobytes()
+
+
+def test_a_small_put_in_one_request_is_hashed_by_the_worker(puts: PutManager) -> None:
+    inputs = _inputs(a=np.arange(300, dtype=np.int16), b=np.ones(5, np.float64))
+    payload = memoryview(b"".join(t.data.tobytes() for t in inputs))
+    msg = PutBegin(tensors=tuple(t.meta_without_digest() for t in inputs), same_host=True, inline=True)
+    plan = asyncio.run(puts.begin_inline(msg, PRESETS["cache"], payload))
+    put = asyncio.run(puts.commit(plan.put_id))
+    assert put.artifact_id == plan.artifact_id == artifact_id([t.meta for t in inputs])
+    with pytest.raises(InvalidArgument, match="payload bytes"):
+        asyncio.run(puts.begin_inline(msg, PRESETS["cache"], payload[:-1]))
+    lying = msgspec.structs.replace(msg, tensors=(inputs[0].meta, msgspec.structs.replace(inputs[1].meta,
+                                                                                          digest="0" * 64)))
+    with pytest.raises(InvalidArgument, match="digest mismatch"):
+        asyncio.run(puts.begin_inline(lying, PRESETS["cache"], payload))
+    with pytest.raises(InvalidArgument, match="inline"):
+        puts.inline_sink(msgspec.structs.replace(msg, inline=False))  # other puts take no payload
+    assert puts.store.memory.state.reserved == 0 and not puts.pending
+
+
+def test_every_path_gives_the_same_artifact_for_the_same_content(client: tc.Client,
+                                                                 remote_client: tc.Client) -> None:
+    rng = np.random.default_rng(7)
+    data = {"big": rng.integers(0, 255, 3 * MiB, dtype=np.uint8), "mid": rng.standard_normal(40_000),
+            "small": np.arange(10, dtype=np.int32), "empty": np.empty((0, 3), np.float16)}
+    small = {"small": data["small"], "empty": data["empty"]}
+    arts = [client.put(data), remote_client.put(data), client.put(small), remote_client.put(small)]
+    assert arts[0].id == arts[1].id and arts[2].id == arts[3].id
+    assert arts[0].id == artifact_id([t.meta for t in normalize_tensors(data)])
+    for art, want in ((arts[0], data), (arts[2], small)):
+        got = art.tensor_dict(like="numpy")
+        assert all(np.array_equal(got[k], v) and got[k].shape == v.shape for k, v in want.items())
+    for art in arts[::2]:
+        client.delete(art.id)
+
+
+def test_putting_held_content_into_full_memory_deduplicates_instead_of_evicting() -> None:
+    with running_cluster(workers=1, memory_capacity="64MiB") as cluster, tc.connect(cluster.address) as c:
+        a = np.random.default_rng(1).integers(0, 255, 40 * MiB, dtype=np.uint8)
+        b = np.random.default_rng(2).integers(0, 255, 20 * MiB, dtype=np.uint8)
+        first = c.put(a, key="a")
+        c.put(b, key="b")
+        again = c.put({"tensor": a.copy()}, key="a2")  # 40 MiB more would not fit: the digests say it is here
+        assert again.id == first.id
+        assert np.array_equal(c.artifact("b").tensor(like="numpy"), b)  # nobody was evicted
+        c.put(np.ones(30 * MiB, np.uint8), key="c")  # new bytes that do not fit: the least recently used goes
+        assert {x.key for x in c.ls()} == {"b", "c"}  # a (with its second key) was read longest ago
+
+
+def test_small_puts_in_one_request_keep_their_placement() -> None:
+    with running_cluster(workers=1, memory_capacity="64MiB") as cluster, tc.connect(cluster.address) as c:
+        kept = c.put({"w": np.arange(1000, dtype=np.float32)}, key="small/durable", policy="durable")
+        leased = c.put(np.arange(10), key="small/leased", ttl=60.0)
+        assert {r.tier for r in kept.refresh().replicas} == {"memory", "disk"}  # the disk copy before returning
+        assert c.artifact("small/leased").id == leased.id
+        cluster.kill_worker("w0")
+        cluster.restart_worker("w0")
+        got = c.artifact("small/durable").tensor_dict(like="numpy")
+        assert np.array_equal(got["w"], np.arange(1000, dtype=np.float32))
