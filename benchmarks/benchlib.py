@@ -38,3 +38,12 @@ def metrics_switch(on: bool) -> dict[str, str]:
 
     metrics.set_enabled(on)
     return {"metrics.enabled": "true" if on else "false"}
+
+
+def mem_available() -> int:
+    """Bytes the kernel says can be allocated without swapping (/proc/meminfo's MemAvailable); 0 if unknown."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0

@@ -75,7 +75,7 @@ from typing import Any
 
 import numpy as np
 
-from benchlib import write_json
+from benchlib import mem_available, write_json
 from tensorcast.testing import running_cluster
 from tensorcast.testing.vllm_engine import SMOLLM2_135M, EngineProcess, llama_dir
 
@@ -143,14 +143,6 @@ def log_error(path: Path | None, pattern: str) -> str | None:
 
 ENGINE_BYTES = 2 << 30  # an instance's own memory at 8k tokens here (1 GiB of KV cache, weights, vLLM)
 WORKER_BYTES = 1 << 30  # a TensorCast worker's KV pages (kv.memory_capacity)
-
-
-def mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def batches(groups: dict[str, list[dict[str, Any]]], n: int) -> list[list[str]]:

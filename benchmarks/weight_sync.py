@@ -98,6 +98,8 @@ from typing import Any
 
 import xxhash
 
+from benchlib import mem_available, write_json
+
 GiB = 1 << 30
 MODEL = "qwen-rl"
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")  # split dim 0
@@ -223,14 +225,6 @@ def digest(t: Any) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-def mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def cpu_seconds(pids: list[int]) -> float:
     """CPU time (user + system) the processes ``pids`` have used so far; gone ones count 0. On a host shared
     with other work, the CPU an update costs is steadier than its wall time."""
@@ -823,7 +817,6 @@ def main() -> None:
         return
 
     import tensorcast as tc
-    from benchlib import write_json
     from tensorcast.netns import ROOT
     from tensorcast.tensors import normalize_tensors
 

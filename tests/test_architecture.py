@@ -81,6 +81,10 @@ RULES: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
      ("tensorcast.worker", "tensorcast.gs", "tensorcast.cluster", "tensorcast.kv.home", "tensorcast.wire",
       "tensorcast.transport", "tensorcast.cli"),
      "engine-facing APIs and engine plugins sit on the caller SDK"),
+    (("tensorcast.policies", "tensorcast.workloads", "tensorcast.sim"),
+     ("tensorcast.worker", "tensorcast.gs", "tensorcast.cluster", "tensorcast.kv", "tensorcast.wire",
+      "tensorcast.transport", "tensorcast.cli", "tensorcast.pool", "tensorcast.client", "tensorcast.instance"),
+     "caller policies, workloads and the simulator use the public API and its signals only"),
 ]
 
 

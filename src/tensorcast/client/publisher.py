@@ -6,7 +6,7 @@ Owns: ``AsyncWeightPublisher`` — ``publish(state_dict, version=None)`` puts on
 deleted. Tensors unchanged since an earlier version cost no copy: the pool is content-addressed per tensor,
 and the publisher knows every tensor's digest before the put begins, so that the worker that takes it skips
 each tensor whose digest it already holds (only changed tensors are copied, or sent from another host). A
-digest costs a BLAKE3 pass over the bytes; a tensor whose XXH3-128 (six times cheaper) equals the one it had
+digest costs a BLAKE3 pass over the bytes; a tensor whose XXH3-128 (about three times cheaper) equals the one it had
 at this publisher's previous publish keeps that publish's digest, and one the caller names as unchanged
 costs nothing. Also the
 listing every party shares: the versions of a model, the versions in use, and ``wait_newer`` (polling with

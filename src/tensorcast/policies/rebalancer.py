@@ -1,0 +1,93 @@
+"""The TensorCast rebalancer: which idle sessions to move off the most loaded instance, and where.
+
+Owns: the session record the rebalancer reads (``SessionInfo``), the decision it returns (``Move``) and the
+policy itself (``Rebalancer.decide``), fed a clock value, the instances' signals (``list_instances()``) and
+the caller's sessions; it returns moves and keeps only its own memory (when it last ticked, when each session
+last moved). No sockets, files or clocks: the class is short enough to read whole, and ``docs/policies.md``
+shows it.
+
+Does not own: executing a move (``policies.moves``: one plan per move, then the session table is rewritten)
+or routing turns (``policies.routers``, ``policies.sessions``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tensorcast.errors import InvalidArgument
+from tensorcast.policies.routers import load
+from tensorcast.records import InstanceInfo
+
+__all__ = ["Move", "Rebalancer", "SessionInfo"]
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """A session as the caller knows it: where its KV cache is, how large, whether a turn is in flight, and
+    the request whose KV cache holds its context (``""``: the session id names it)."""
+
+    session_id: str
+    instance_id: str
+    kv_tokens: int
+    busy: bool
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class Move:
+    """Move ``session_id``'s KV cache (held by ``request_id``) from ``source`` to ``target``; decided at
+    ``decided_at`` (the clock value ``decide`` was given)."""
+
+    session_id: str
+    source: str
+    target: str
+    kv_tokens: int
+    request_id: str
+    decided_at: float
+
+
+class Rebalancer:
+    """Every ``interval_s``, while load(most loaded) - load(least loaded) > ``gap``, move an idle session
+    from the first to the second, at most ``max_moves_per_tick`` per tick, the session with the most KV first
+    (its turns are the longest prefills and it frees the most cache). A session mid-turn never moves. A move
+    counts as one request of load (the session's next turn) and happens only if the source stays at least as
+    loaded as the target afterwards, so it can never reverse the gap that justified it; a moved session stays
+    put for ``cooldown_s``. Together: no session goes back and forth."""
+
+    def __init__(self, interval_s: float = 1.0, gap: int = 4, max_moves_per_tick: int = 2,
+                 cooldown_s: float = 30.0) -> None:
+        if interval_s < 0 or gap < 0 or max_moves_per_tick < 1 or cooldown_s < 0:
+            raise InvalidArgument(f"bad rebalancer settings: interval_s={interval_s}, gap={gap}, "
+                                  f"max_moves_per_tick={max_moves_per_tick}, cooldown_s={cooldown_s}")
+        self.interval_s, self.gap = interval_s, gap
+        self.max_moves_per_tick, self.cooldown_s = max_moves_per_tick, cooldown_s
+        self.next_tick = -math.inf
+        self.moved_at: dict[str, float] = {}  # session -> when it last moved (within its cooldown)
+
+    def decide(self, now: float, instances: Sequence[InstanceInfo],
+               sessions: Sequence[SessionInfo]) -> list[Move]:
+        if now < self.next_tick:
+            return []
+        self.next_tick = now + self.interval_s
+        self.moved_at = {s: t for s, t in self.moved_at.items() if now < t + self.cooldown_s}
+        loads = {i.instance_id: load(i) for i in instances if i.alive}
+        room = {i.instance_id: i.kv_tokens_capacity - i.kv_tokens_used if i.kv_tokens_capacity else math.inf
+                for i in instances}
+        idle = sorted((s for s in sessions if not s.busy and s.session_id not in self.moved_at),
+                      key=lambda s: (-s.kv_tokens, s.session_id))
+        moves: list[Move] = []
+        while len(moves) < self.max_moves_per_tick and len(loads) > 1:
+            src, dst = max(loads, key=loads.__getitem__), min(loads, key=loads.__getitem__)
+            # Would the move invert the imbalance? Then it is not worth making.
+            if loads[src] - loads[dst] <= self.gap or loads[src] - 1 < loads[dst] + 1:
+                break
+            pick = next((s for s in idle if s.instance_id == src and s.kv_tokens <= room[dst]), None)
+            if pick is None:
+                break
+            idle.remove(pick)
+            loads[src], loads[dst], room[dst] = loads[src] - 1, loads[dst] + 1, room[dst] - pick.kv_tokens
+            self.moved_at[pick.session_id] = now
+            moves.append(Move(pick.session_id, src, dst, pick.kv_tokens, pick.request_id or pick.session_id, now))
+        return moves

@@ -1,0 +1,81 @@
+"""Sticky sessions: which instance each session is on, consulted before any router.
+
+Owns: ``SessionTable`` (session id -> instance id, what a move rewrites) and ``StickySessions``, which routes
+a session's turns to the instance it is on while that instance is alive and asks the wrapped router only for
+sessions it does not place yet (or whose instance died). Pure state fed decisions; no I/O, no clock.
+
+Does not own: the routing decision for unplaced requests (``policies.routers``) or when to move a session
+(``policies.rebalancer``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from tensorcast.policies.routers import Request, Router, live
+from tensorcast.records import InstanceInfo
+
+__all__ = ["SessionTable", "StickySessions"]
+
+
+class SessionTable:
+    """Session id -> the instance its KV cache (and so its next turn) is on."""
+
+    def __init__(self) -> None:
+        self._where: dict[str, str] = {}
+
+    def get(self, session_id: str) -> str | None:
+        return self._where.get(session_id)
+
+    def assign(self, session_id: str, instance_id: str) -> None:
+        """Place (or move) ``session_id`` on ``instance_id``; its next turn goes there."""
+        self._where[session_id] = instance_id
+
+    def forget(self, session_id: str) -> None:
+        """The session ended."""
+        self._where.pop(session_id, None)
+
+    def on(self, instance_id: str) -> list[str]:
+        """The sessions placed on ``instance_id``."""
+        return [s for s, i in self._where.items() if i == instance_id]
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._where
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        return iter(list(self._where.items()))
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+class StickySessions(Router):
+    """Route a session's turns to the instance in ``table``; the wrapped ``router`` places new sessions
+    (and sessions whose instance is no longer alive), and the placement is recorded. Requests without a
+    session id always go to the wrapped router. The wrapped router still ``observe``s sticky turns, so a
+    cache-aware index learns the session's growing prefix."""
+
+    def __init__(self, router: Router, table: SessionTable | None = None) -> None:
+        self.router = router
+        self.table = table if table is not None else SessionTable()
+
+    def pinned(self, request: Request, instances: Sequence[InstanceInfo]) -> str | None:
+        """The live instance the request's session is on, or None."""
+        where = self.table.get(request.session_id) if request.session_id else None
+        if where is not None and any(i.instance_id == where for i in live(instances)):
+            return where
+        return None
+
+    def choose(self, request: Request, instances: Sequence[InstanceInfo]) -> str:
+        where = self.pinned(request, instances)
+        return where if where is not None else self.router.choose(request, instances)
+
+    def route(self, request: Request, instances: Sequence[InstanceInfo]) -> str:
+        where = self.pinned(request, instances)
+        if where is not None:
+            self.router.observe(request, where)
+            return where
+        chosen = self.router.route(request, instances)
+        if request.session_id:
+            self.table.assign(request.session_id, chosen)
+        return chosen
