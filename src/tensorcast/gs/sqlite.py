@@ -153,10 +153,11 @@ class SqliteBackend(MetadataBackend):
         """One write transaction: committed when the block ends (``return`` included), rolled back if it
         raises, so a failed statement never leaves the connection inside a transaction.
 
-        ``durable=False`` is for state that a power loss makes moot anyway: heartbeats, and the locations of
-        *memory* replicas (which do not survive a power loss either; restarted workers re-register and
-        their memory replicas are cleared). Those commits survive a crash of this process (WAL) without
-        waiting for an fsync; everything else waits for the configured ``synchronous`` level."""
+        ``durable=False`` is for state that a power loss makes moot anyway: heartbeats, the locations of
+        *memory* replicas and the records of artifacts held only in memory (which do not survive a power loss
+        either; restarted workers re-register and their memory replicas are cleared). Those commits survive a
+        crash of this process (WAL) without waiting for an fsync; everything else waits for the configured
+        ``synchronous`` level."""
         db = self.db
         relaxed = not durable and self.synchronous in ("FULL", "EXTRA")
         if relaxed:
@@ -298,7 +299,12 @@ class SqliteBackend(MetadataBackend):
     async def commit_artifact(self, info: ArtifactInfo, worker_id: str, key: str | None,
                               lease_expiry: float | None, now: float, tiers: tuple[str, ...] = ("memory",),
                               restored: bool = False) -> bool:
-        with self._tx() as db:
+        # An artifact held in memory only is gone after a power loss whether or not its record survives, so
+        # its commit need not wait for an fsync (it still survives a crash of this process) -- unless it
+        # rebinds a key in use, which a lost commit would silently point back at the older artifact.
+        durable = set(tiers) != {"memory"} or (key is not None and self.db.execute(
+            "SELECT 1 FROM keys WHERE key=?", (key,)).fetchone() is not None)
+        with self._tx(durable=durable) as db:
             row = db.execute("SELECT lease_expiry FROM artifacts WHERE artifact_id=?", (info.id,)).fetchone()
             if restored and self._deleted_here(db, info.id, worker_id):
                 return False
