@@ -40,6 +40,12 @@ from benchlib import fmt_size, metrics_switch, write_json
 SMALL, SMALL_COUNT = 4 << 10, 2000
 
 
+def count(size: int, reps: int) -> int:
+    """Repetitions for ``size``: small ones are quick and noisier (a vCPU waking up, a thread hop), so more."""
+    return max(reps, 30) if size <= 1 << 20 else reps if size <= 16 << 20 else max(3, reps // 2) \
+        if size <= 64 << 20 else 3
+
+
 def times(fn: Callable[[], object], reps: int, after: Callable[[object], object] = lambda _: None) -> list[float]:
     """Wall times of ``reps`` calls of ``fn``; ``after`` gets each result, untimed (e.g. to delete it)."""
     out = []
@@ -85,12 +91,13 @@ def measure(sizes: list[int], metrics_on: bool = True, reps: int = 5,
     with tc.LocalCluster(workers=1, memory_capacity="6GiB", config=config) as cluster, \
             tc.connect(cluster.address) as local, tc.connect(cluster.address, config=remote_cfg) as remote:
         for size in sizes:
-            n = reps if size <= 16 << 20 else max(3, reps // 2) if size <= 64 << 20 else 3
+            n = count(size, reps)
             data = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
             dst = np.ones_like(data)
             counter = iter(range(1 << 30))
             t_copy = times(lambda: np.copyto(dst, data), n)  # noqa: B023
             _quiet(cluster)
+            local.delete(local.put(fresh(data, next(counter))).id)  # untimed: the first request after a quiet spell
             gs0 = gs_commits(cluster)
             t_put = times(lambda: local.put(fresh(data, next(counter))), n, lambda a: local.delete(a.id))  # noqa: B023
             gs1 = gs_commits(cluster)
@@ -153,9 +160,9 @@ def measure_ray(sizes: list[int], reps: int = 5) -> dict[str, Any] | None:
     try:
         rows = []
         for size in sizes:
-            n = reps if size <= 16 << 20 else max(3, reps // 2) if size <= 64 << 20 else 3
+            n = count(size, reps)
             data = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
-            refs: list[Any] = []
+            refs: list[Any] = [ray.put(data)]  # untimed, like TensorCast's first put of each size
             t_put = times(lambda: ray.put(data), n, refs.append)  # noqa: B023
             t_get = times(lambda: ray.get(refs[-1]), n)  # noqa: B023
             refs.clear()
@@ -174,7 +181,8 @@ def measure_ray(sizes: list[int], reps: int = 5) -> dict[str, Any] | None:
 def show(rows: list[dict[str, float]], ray: dict[str, Any] | None, small: dict[str, float]) -> None:
     """The table, with each TensorCast row's ratios to memcpy and Ray (added to ``rows``)."""
     by_size = {r["size"]: r for r in ray["rows"]} if ray else {}
-    hdr = (f"{'size':>8} {'memcpy GB/s':>11} {'put GB/s':>9} {'x memcpy':>8} {'gs ms':>6} {'ray put':>8} {'x ray':>6} "
+    hdr = (f"{'size':>8} {'memcpy GB/s':>11} {'put ms':>7} {'put GB/s':>9} {'x memcpy':>8} {'gs ms':>6} "
+           f"{'ray put ms':>10} {'x ray':>6} "
            f"{'put tcp':>8} {'get ms':>7} {'ray.get ms':>10} {'x ray':>6} {'get tcp GB/s':>12}")
     print(hdr)
     print("-" * len(hdr))
@@ -184,10 +192,11 @@ def show(rows: list[dict[str, float]], ray: dict[str, Any] | None, small: dict[s
             r["ray_put_GBps"] = r["size"] / rr["put_s"] / 1e9
             r["put_local_vs_ray"] = rr["put_s"] / r["put_local_s"]
             r["get_local_vs_ray"] = rr["get_s"] / r["get_local_s"]
-        na = f"{'-':>8} {'-':>6}"
-        ray_put = f"{r['ray_put_GBps']:>8.2f} {r['put_local_vs_ray']:>6.2f}" if rr else na
+        na = f"{'-':>10} {'-':>6}"
+        ray_put = f"{rr['put_s'] * 1e3:>10.3f} {r['put_local_vs_ray']:>6.2f}" if rr else na
         ray_get = f"{rr['get_s'] * 1e3:>10.3f} {r['get_local_vs_ray']:>6.2f}" if rr else f"{'-':>10} {'-':>6}"
-        print(f"{fmt_size(int(r['size'])):>8} {r['memcpy_GBps']:>11.2f} {r['put_local_GBps']:>9.2f} "
+        print(f"{fmt_size(int(r['size'])):>8} {r['memcpy_GBps']:>11.2f} {r['put_local_s'] * 1e3:>7.3f} "
+              f"{r['put_local_GBps']:>9.2f} "
               f"{r['put_local_vs_memcpy']:>8.2f} {r.get('gs_commit_s', 0) * 1e3:>6.2f} {ray_put} "
               f"{r['put_remote_GBps']:>8.2f} {r['get_local_s'] * 1e3:>7.3f} "
               f"{ray_get} {r['get_remote_GBps']:>12.2f}")
