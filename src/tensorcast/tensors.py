@@ -33,6 +33,7 @@ __all__ = [
     "digest_bytes",
     "dtype_name",
     "import_torch",
+    "input_bytes_hint",
     "normalize_tensors",
     "numpy_dtype",
     "raw_dtype",
@@ -206,6 +207,21 @@ def normalize_tensors(tensors: Any) -> list[TensorInput]:
         out.append(TensorInput(name, dtype_name, tuple(int(s) for s in arr.shape), raw))
     out.sort(key=lambda t: t.name)
     return out
+
+
+def input_bytes_hint(tensors: Any) -> int | None:
+    """Bytes of a caller input, when telling costs nothing (numpy arrays and torch tensors, or a mapping of
+    them); None otherwise. Lets a caller normalize a small input where it is instead of on a thread."""
+    values = list(tensors.values()) if isinstance(tensors, Mapping) else [tensors]
+    total = 0
+    for v in values:
+        if isinstance(v, np.ndarray):
+            total += v.nbytes
+        elif hasattr(v, "element_size") and hasattr(v, "numel"):  # a torch tensor, without importing torch
+            total += int(v.numel()) * int(v.element_size())
+        else:
+            return None
+    return total
 
 
 def import_torch() -> Any:

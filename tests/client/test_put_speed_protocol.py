@@ -115,3 +115,14 @@ def test_small_puts_in_one_request_keep_their_placement() -> None:
         cluster.restart_worker("w0")
         got = c.artifact("small/durable").tensor_dict(like="numpy")
         assert np.array_equal(got["w"], np.arange(1000, dtype=np.float32))
+
+
+def test_input_bytes_hint_only_where_it_costs_nothing() -> None:
+    import torch
+
+    from tensorcast.tensors import input_bytes_hint
+
+    assert input_bytes_hint(np.ones(10, np.float32)) == 40
+    assert input_bytes_hint({"a": np.ones(3, np.int16), "b": torch.ones(2, 3, dtype=torch.bfloat16)}) == 18
+    assert input_bytes_hint(torch.ones(4, 4).t()) == 64  # not contiguous: normalizing copies, still 64 bytes
+    assert input_bytes_hint({"a": [1, 2, 3]}) is None  # not a tensor: normalizing refuses it, where it runs
