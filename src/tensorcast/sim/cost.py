@@ -1,0 +1,211 @@
+"""The simulator's cost model: how long a prefill, a decode step and a KV transfer take, and fitting it.
+
+Owns: ``CostModel`` (coefficients in the style of DistServe and Vidur: a prefill costs ``a + b·L + c·L² +
+e·L·C`` for ``L`` uncached prompt tokens on top of ``C`` cached ones; a decode step costs ``d0 + d1·batch +
+d2·Σcontext``; moving ``n`` tokens of KV costs ``latency + n·kv_bytes_per_token / bandwidth``), the measured
+samples a live run yields (``PrefillSample``, ``DecodeSample``) and ``fit``: non-negative least squares on
+relative error, reported with its error on held-out samples. Pure arithmetic on numbers passed in.
+
+Why ``e·L·C``: on top of a cached context each new token attends to the ``C`` cached tokens, so an agent
+turn (a few hundred new tokens on a context of thousands) pays attention work that ``L²`` alone misses.
+
+Does not own: when work happens (``sim.engine`` schedules it) or measuring samples (a live run does).
+The defaults are **placeholders** for a small model on CPU, not measurements: replace them with ``fit`` on a
+live run's samples (``CostModel.from_dict`` reads what ``to_dict`` wrote).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields, replace
+
+import numpy as np
+import numpy.typing as npt
+
+from tensorcast.errors import InvalidArgument
+
+__all__ = ["CostModel", "DecodeSample", "Fit", "FitError", "PrefillSample", "fit", "relative_errors"]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per unit of work. Placeholder defaults: a ~0.5B-parameter model on a few CPU cores (about 500
+    prefill tokens/s, 30 ms per decode step), 12 KiB of KV per token (24 layers x 2 KV heads x 64 x K,V x
+    2 bytes), 2 GB/s between an engine and TensorCast and 2 ms per transfer. Uncalibrated."""
+
+    prefill_base_s: float = 0.02          # a: per prefill (launch, sampling)
+    prefill_per_token_s: float = 2e-3     # b: per uncached token (weights x tokens)
+    prefill_per_token2_s: float = 2e-7    # c: per pair of uncached tokens (their attention to each other)
+    prefill_per_cached_s: float = 2e-7    # e: per (uncached, cached) pair (attention to the cached context)
+    decode_base_s: float = 0.03           # d0: per step (reading the weights)
+    decode_per_seq_s: float = 2e-3        # d1: per sequence in the batch
+    decode_per_context_s: float = 4e-7    # d2: per context token over the batch (reading its KV)
+    kv_bytes_per_token: int = 12288
+    transfer_bandwidth: float = 2e9       # bytes/s, one copy between an engine and a worker (or two workers)
+    transfer_latency_s: float = 2e-3      # per copy
+
+    def __post_init__(self) -> None:
+        bad = [f.name for f in fields(self) if not math.isfinite(getattr(self, f.name)) or getattr(self, f.name) < 0]
+        if bad or self.transfer_bandwidth <= 0:
+            raise InvalidArgument(f"cost model coefficients must be finite and >= 0 (bandwidth > 0): {bad}")
+
+    def prefill_s(self, uncached: int, cached: int = 0) -> float:
+        """One prefill of ``uncached`` prompt tokens whose first ``cached`` tokens' KV is already present."""
+        L = uncached
+        return (self.prefill_base_s + self.prefill_per_token_s * L + self.prefill_per_token2_s * L * L
+                + self.prefill_per_cached_s * L * cached)
+
+    def decode_step_s(self, batch: int, context_tokens: int) -> float:
+        """One decode step of ``batch`` sequences holding ``context_tokens`` tokens of KV between them."""
+        return self.decode_base_s + self.decode_per_seq_s * batch + self.decode_per_context_s * context_tokens
+
+    def kv_bytes(self, tokens: int) -> int:
+        return tokens * self.kv_bytes_per_token
+
+    def transfer_s(self, tokens: int) -> float:
+        """One copy of ``tokens`` tokens of KV (a fetch from the shared store into an engine is one)."""
+        return self.transfer_latency_s + self.kv_bytes(tokens) / self.transfer_bandwidth
+
+    def move_s(self, tokens: int) -> float:
+        """A rebalancing move: publish (engine -> its worker), prefetch (-> the target's worker) and hydrate
+        (-> the target engine), three copies one after another."""
+        return 3 * self.transfer_s(tokens)
+
+    def to_dict(self) -> dict[str, float]:
+        return {k: float(v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, object]) -> CostModel:
+        """A model from ``to_dict``'s output (unknown keys refused; missing ones keep their default)."""
+        known = {f.name: f.type for f in fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise InvalidArgument(f"unknown cost model fields: {unknown}")
+        out: dict[str, float | int] = {}
+        for key, value in values.items():
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise InvalidArgument(f"cost model field {key!r} must be a number, got {value!r}")
+            out[key] = int(value) if key == "kv_bytes_per_token" else float(value)
+        return cls(**out)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class PrefillSample:
+    """A measured prefill: ``uncached`` tokens computed on top of ``cached`` ones took ``seconds``."""
+
+    uncached: int
+    cached: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class DecodeSample:
+    """A measured decode step of ``batch`` sequences with ``context_tokens`` tokens between them."""
+
+    batch: int
+    context_tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class FitError:
+    """Relative error |predicted - measured| / measured over ``samples`` held-out samples."""
+
+    median: float
+    p90: float
+    samples: int
+
+
+@dataclass(frozen=True)
+class Fit:
+    model: CostModel
+    prefill_error: FitError
+    decode_error: FitError
+
+
+Matrix = npt.NDArray[np.float64]
+
+
+def _nnls_relative(x: Matrix, y: Matrix) -> Matrix:
+    """Non-negative coefficients minimising the squared *relative* error of ``x @ w`` against ``y``.
+
+    Rows are divided by their target, so a 5 ms step counts as much as a 5 s prefill. Exact for the few
+    features here: the best least-squares solution over every subset of features whose solution is
+    non-negative (one of them is the constrained optimum)."""
+    xw, yw = x / y[:, None], np.ones_like(y)
+    best, best_res = np.zeros(x.shape[1]), math.inf
+    for k in range(1, x.shape[1] + 1):
+        for cols in itertools.combinations(range(x.shape[1]), k):
+            sol, *_ = np.linalg.lstsq(xw[:, cols], yw, rcond=None)
+            if np.any(sol < 0):
+                continue
+            res = float(np.sum((xw[:, cols] @ sol - yw) ** 2))
+            if res < best_res:
+                best_res, best = res, np.zeros(x.shape[1])
+                best[list(cols)] = sol
+    return best
+
+
+def _prefill_rows(samples: Sequence[PrefillSample]) -> tuple[Matrix, Matrix]:
+    x = np.array([[1.0, s.uncached, float(s.uncached) ** 2, float(s.uncached) * s.cached] for s in samples])
+    return x.reshape(-1, 4), np.array([s.seconds for s in samples], dtype=np.float64)
+
+
+def _decode_rows(samples: Sequence[DecodeSample]) -> tuple[Matrix, Matrix]:
+    x = np.array([[1.0, s.batch, s.context_tokens] for s in samples], dtype=np.float64)
+    return x.reshape(-1, 3), np.array([s.seconds for s in samples], dtype=np.float64)
+
+
+def relative_errors(predicted: Sequence[float], measured: Sequence[float]) -> FitError:
+    """Median and 90th percentile of |predicted - measured| / measured."""
+    p, m = np.asarray(predicted, dtype=np.float64), np.asarray(measured, dtype=np.float64)
+    if len(m) == 0:
+        return FitError(math.nan, math.nan, 0)
+    rel = np.abs(p - m) / m
+    return FitError(float(np.median(rel)), float(np.percentile(rel, 90)), len(m))
+
+
+def _split(n: int, test_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    order = np.random.default_rng(seed).permutation(n)
+    n_test = max(1, round(n * test_fraction))
+    return sorted(int(i) for i in order[n_test:]), sorted(int(i) for i in order[:n_test])
+
+
+def _check(samples: Sequence[PrefillSample] | Sequence[DecodeSample], what: str, need: int) -> None:
+    if len(samples) < need:
+        raise InvalidArgument(f"need at least {need} {what} samples to fit, got {len(samples)}")
+    if any(not s.seconds > 0 or not math.isfinite(s.seconds) for s in samples):
+        raise InvalidArgument(f"{what} samples must have finite seconds > 0")
+
+
+def fit(prefill: Sequence[PrefillSample], decode: Sequence[DecodeSample], *, base: CostModel | None = None,
+        test_prefill: Sequence[PrefillSample] | None = None, test_decode: Sequence[DecodeSample] | None = None,
+        test_fraction: float = 0.25, seed: int = 0) -> Fit:
+    """Fit the prefill and decode coefficients (``base`` keeps the rest: KV size, bandwidth, latency).
+
+    The error is measured on held-out samples: ``test_prefill``/``test_decode`` when given (samples of another
+    live run), else a seeded random ``test_fraction`` of each list, which is then left out of the fit."""
+    if not 0 < test_fraction < 1:
+        raise InvalidArgument(f"test_fraction must be in (0, 1), got {test_fraction}")
+    _check(prefill, "prefill", 5 if test_prefill is None else 4)
+    _check(decode, "decode", 4 if test_decode is None else 3)
+    if test_prefill is None:
+        train, test = _split(len(prefill), test_fraction, seed)
+        prefill, test_prefill = [prefill[i] for i in train], [prefill[i] for i in test]
+    if test_decode is None:
+        train, test = _split(len(decode), test_fraction, seed + 1)
+        decode, test_decode = [decode[i] for i in train], [decode[i] for i in test]
+    _check(test_prefill, "held-out prefill", 1)
+    _check(test_decode, "held-out decode", 1)
+    a, b, c, e = _nnls_relative(*_prefill_rows(prefill))
+    d0, d1, d2 = _nnls_relative(*_decode_rows(decode))
+    model = replace(base or CostModel(), prefill_base_s=float(a), prefill_per_token_s=float(b),
+                    prefill_per_token2_s=float(c), prefill_per_cached_s=float(e), decode_base_s=float(d0),
+                    decode_per_seq_s=float(d1), decode_per_context_s=float(d2))
+    return Fit(model,
+               relative_errors([model.prefill_s(s.uncached, s.cached) for s in test_prefill],
+                               [s.seconds for s in test_prefill]),
+               relative_errors([model.decode_step_s(s.batch, s.context_tokens) for s in test_decode],
+                               [s.seconds for s in test_decode]))

@@ -1,0 +1,117 @@
+"""The simulator's cost model: its arithmetic, its JSON form, and the fit recovering known coefficients from
+synthetic samples with its error reported on held-out samples."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tensorcast.errors import InvalidArgument
+from tensorcast.sim import CostModel, DecodeSample, PrefillSample, fit, relative_errors
+
+TRUE = CostModel(prefill_base_s=0.05, prefill_per_token_s=1.5e-3, prefill_per_token2_s=3e-7,
+                 prefill_per_cached_s=1e-7, decode_base_s=0.025, decode_per_seq_s=1.2e-3,
+                 decode_per_context_s=3e-7)
+
+
+def samples(model: CostModel, n: int, noise: float, seed: int) -> tuple[list[PrefillSample], list[DecodeSample]]:
+    """Prefills and decode steps spread over the shapes a live run sees, times multiplied by 1 +- noise."""
+    rng = np.random.default_rng(seed)
+    prefill, decode = [], []
+    for _ in range(n):
+        L, C = int(rng.integers(1, 4096)), int(rng.integers(0, 8192))
+        prefill.append(PrefillSample(L, C, model.prefill_s(L, C) * (1 + noise * rng.standard_normal())))
+        B = int(rng.integers(1, 33))
+        ctx = B * int(rng.integers(64, 4096))
+        decode.append(DecodeSample(B, ctx, model.decode_step_s(B, ctx) * (1 + noise * rng.standard_normal())))
+    return prefill, decode
+
+
+def test_costs_are_the_formulas() -> None:
+    m = CostModel(prefill_base_s=0.1, prefill_per_token_s=0.01, prefill_per_token2_s=1e-4, prefill_per_cached_s=1e-5,
+                  decode_base_s=0.02, decode_per_seq_s=0.003, decode_per_context_s=1e-6, kv_bytes_per_token=1000,
+                  transfer_bandwidth=1e6, transfer_latency_s=0.001)
+    assert m.prefill_s(100, 50) == pytest.approx(0.1 + 1.0 + 1.0 + 0.05)
+    assert m.decode_step_s(4, 2000) == pytest.approx(0.02 + 0.012 + 0.002)
+    assert m.kv_bytes(300) == 300_000
+    assert m.transfer_s(300) == pytest.approx(0.001 + 0.3)
+    assert m.move_s(300) == pytest.approx(3 * 0.301)
+
+
+def test_fit_recovers_noise_free_coefficients_exactly() -> None:
+    prefill, decode = samples(TRUE, 40, 0.0, seed=1)
+    result = fit(prefill, decode)
+    for name in ("prefill_base_s", "prefill_per_token_s", "prefill_per_token2_s", "prefill_per_cached_s",
+                 "decode_base_s", "decode_per_seq_s", "decode_per_context_s"):
+        assert getattr(result.model, name) == pytest.approx(getattr(TRUE, name), rel=1e-6), name
+    assert result.prefill_error.median < 1e-9 and result.decode_error.p90 < 1e-9
+    assert result.prefill_error.samples == 10 and result.decode_error.samples == 10  # 25% held out
+
+
+def test_fit_with_noise_is_close_and_reports_held_out_error() -> None:
+    prefill, decode = samples(TRUE, 400, 0.03, seed=2)
+    result = fit(prefill, decode, seed=7)
+    m = result.model
+    assert m.prefill_per_token_s == pytest.approx(TRUE.prefill_per_token_s, rel=0.05)
+    assert m.prefill_per_token2_s == pytest.approx(TRUE.prefill_per_token2_s, rel=0.1)
+    assert m.prefill_per_cached_s == pytest.approx(TRUE.prefill_per_cached_s, rel=0.1)
+    assert m.decode_base_s == pytest.approx(TRUE.decode_base_s, rel=0.05)
+    assert m.decode_per_context_s == pytest.approx(TRUE.decode_per_context_s, rel=0.1)
+    # 3% noise: the held-out relative error is the noise, about 0.67 * 3% at the median and 1.64 * 3% at p90.
+    assert 0.005 < result.prefill_error.median < 0.04 and result.prefill_error.p90 < 0.08
+    assert 0.005 < result.decode_error.median < 0.04 and result.decode_error.p90 < 0.08
+    assert result.model.kv_bytes_per_token == CostModel().kv_bytes_per_token  # untouched by the fit
+
+
+def test_fit_uses_given_held_out_samples_and_keeps_the_base_transfer_terms() -> None:
+    prefill, decode = samples(TRUE, 30, 0.01, seed=3)
+    test_prefill, test_decode = samples(TRUE, 12, 0.01, seed=4)
+    base = CostModel(kv_bytes_per_token=4096, transfer_bandwidth=5e9)
+    result = fit(prefill, decode, base=base, test_prefill=test_prefill, test_decode=test_decode)
+    assert result.prefill_error.samples == 12 and result.decode_error.samples == 12
+    assert result.model.kv_bytes_per_token == 4096 and result.model.transfer_bandwidth == 5e9
+
+
+def test_fit_never_returns_negative_coefficients() -> None:
+    # No quadratic or cached-context term, and noise: unconstrained least squares would go negative on some.
+    flat = CostModel(prefill_base_s=0.01, prefill_per_token_s=2e-3, prefill_per_token2_s=0.0,
+                     prefill_per_cached_s=0.0, decode_base_s=0.03, decode_per_seq_s=0.0, decode_per_context_s=0.0)
+    prefill, decode = samples(flat, 60, 0.05, seed=5)
+    m = fit(prefill, decode).model
+    assert min(m.to_dict().values()) >= 0
+    assert m.prefill_per_token_s == pytest.approx(2e-3, rel=0.1)
+    assert m.decode_base_s == pytest.approx(0.03, rel=0.1)
+
+
+def test_fit_refuses_bad_samples() -> None:
+    prefill, decode = samples(TRUE, 10, 0.0, seed=6)
+    with pytest.raises(InvalidArgument):
+        fit(prefill[:3], decode)
+    with pytest.raises(InvalidArgument):
+        fit([*prefill, PrefillSample(10, 0, 0.0)], decode)
+    with pytest.raises(InvalidArgument):
+        fit(prefill, decode, test_fraction=1.0)
+    with pytest.raises(InvalidArgument):
+        fit(prefill, decode, test_decode=[])
+
+
+def test_relative_errors() -> None:
+    err = relative_errors([1.1, 2.0, 2.7], [1.0, 2.0, 3.0])
+    assert err.samples == 3 and err.median == pytest.approx(0.1)
+    assert np.isnan(relative_errors([], []).median)
+
+
+def test_the_model_round_trips_through_json_and_refuses_nonsense() -> None:
+    m = CostModel(prefill_per_token_s=1e-3, kv_bytes_per_token=2048)
+    assert CostModel.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    assert CostModel.from_dict({"decode_base_s": 0.5}).decode_base_s == 0.5
+    with pytest.raises(InvalidArgument):
+        CostModel.from_dict({"prefill_per_tokens": 1.0})
+    with pytest.raises(InvalidArgument):
+        CostModel.from_dict({"decode_base_s": "fast"})
+    with pytest.raises(InvalidArgument):
+        CostModel(decode_base_s=-1.0)
+    with pytest.raises(InvalidArgument):
+        CostModel(transfer_bandwidth=0.0)
