@@ -1,8 +1,9 @@
 """KV rebalancing: median and p90 TTFT and cache hit rate vs concurrent agent sessions, for each routing policy
 and each inter-turn gap preset, plus a Mooncake-format trace replay.
 
-``--sim`` (this file today) runs the discrete-event simulator (``tensorcast.sim``, ``docs/simulator.md``) with
-the policy classes of ``tensorcast.policies`` unchanged:
+``--live`` runs the same policies on four live engine instances (``rebalance_live.py``, whose docstring says
+how; ``docs/policies.md`` "Live evaluation"). ``--sim`` runs the discrete-event simulator (``tensorcast.sim``,
+``docs/simulator.md``) with the policy classes of ``tensorcast.policies`` unchanged:
 
 - ``power-of-two``: ``PowerOfTwo`` on load; no shared store (what is not in the instance's cache is recomputed);
 - ``cache-aware``: ``CacheAware()`` with SGLang's gateway defaults; no shared store;
@@ -34,6 +35,8 @@ cannot keep up with the trace's ~3 requests/s) and keeps its arrival times.
 
 Usage: python benchmarks/rebalance.py --sim [--quick] [--json PATH] [--plot PREFIX] [--trace PATH]
        [--cost PATH] [--scale S] [--seed N] [--interval S] [--gap N] [--max-moves N] [--cooldown S]
+       python benchmarks/rebalance.py --live [--quick] [--json PATH] [--plot PREFIX] [--sessions 8,16,32]
+       [--gaps fast|medium|slow] [--live-gap N] ... (``rebalance_live.py --help``)
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import math
 import time
 from typing import Any
 
+import rebalance_live
 from benchlib import write_json
 from tensorcast.policies import CacheAware, LoadAwareShared, PowerOfTwo, Rebalancer, StickySessions
 from tensorcast.sim import ClosedLoop, CostModel, Policy, Replay, SimConfig, simulate
@@ -230,16 +234,11 @@ def plot(rows: list[dict[str, Any]], prefix: str) -> None:
         print(f"plot: {prefix}_{suffix}.png")
 
 
-def run_live(args: argparse.Namespace) -> dict[str, Any]:
-    """The live half (4 engine instances, a gateway, a driver replaying the workload): not built yet."""
-    raise SystemExit("--live: not built yet (only --sim runs today)")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--sim", action="store_true", help="run the discrete-event simulator")
-    mode.add_argument("--live", action="store_true", help="run on live engine instances (not built yet)")
+    mode.add_argument("--live", action="store_true", help="run on four live engine instances")
     ap.add_argument("--quick", action="store_true", help="16 and 64 sessions, shorter sessions (about a minute)")
     ap.add_argument("--json", default=None, help="write the results as JSON here")
     ap.add_argument("--plot", default=None, metavar="PREFIX", help="write PREFIX_ttft.png and PREFIX_hit.png")
@@ -254,11 +253,18 @@ def main() -> None:
     ap.add_argument("--gap", type=int, default=4, help="rebalancer load gap that triggers a move")
     ap.add_argument("--max-moves", type=int, default=2, help="rebalancer moves per tick at most")
     ap.add_argument("--cooldown", type=float, default=30.0, help="seconds a moved session stays put")
+    rebalance_live.add_live_arguments(ap)
     args = ap.parse_args()
     if args.quick and args.lifetimes == 4.0:
         args.lifetimes = 3.0
-    results = run_live(args) if args.live else run_sim(args)
     settings = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
+    if args.live:
+        results = rebalance_live.run_live(args)
+        if args.plot:
+            rebalance_live.plot(results["rows"], f"{args.plot}_live.png")
+        write_json(args.json, "rebalance", args.quick, mode="live", settings=settings, **results)
+        return
+    results = run_sim(args)
     print(f"\nrebalancer: Rebalancer(interval_s={args.interval}, gap={args.gap}, max_moves_per_tick={args.max_moves}, "
           f"cooldown_s={args.cooldown}); cost model: {'from ' + args.cost if args.cost else 'placeholder defaults'}")
     if args.plot:

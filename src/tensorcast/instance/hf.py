@@ -12,6 +12,19 @@ page format are ``instance.hf_pages``; the store is ``kv=`` (e.g. ``client.kv``)
 instance runtime's client (``bind_kv``). Pages are keyed by a model id: ``kv_model_id`` (e.g. repo@revision),
 else a fingerprint of the config and weights, recomputed after ``transform_into``.
 
+Local prefix cache (``continue_from``, per request): a prefill may name an earlier request on this instance
+whose KV cache it starts from, as a real engine's prefix cache would. The new request *takes over* that
+request's cache — the earlier request is removed, its cache cropped to the longest common prefix of its tokens
+(prompt plus generated) and the new prompt, and only the rest is forwarded. Taking over rather than copying
+costs no memory or time proportional to the context, and an agent's next turn supersedes its previous one; a
+caller that still needs the earlier request must not name it. The match is the longest common prefix rather
+than "the whole earlier request is a prefix", since the next prompt of a session need not repeat the exact
+tokens the model generated (a replayed workload's outputs are drawn, not the model's); every cached token
+kept is one whose K/V equals a recompute's. No match (unknown request, or nothing in common) falls back to
+the normal path (shared pages if ``kv_reuse``, else full recompute); the report (``PrefillReport``) says how
+many tokens came from the local cache, the shared store, or were computed. Memory stays bounded only if
+callers ``drop`` requests they no longer need (e.g. a session's previous turn left on another instance).
+
 Layout of a published request (all contiguous, so equal caches give equal bytes and the same artifact):
 ``input_ids`` (the whole prompt, int64), and ``layers.{i}.keys`` / ``layers.{i}.values`` shaped
 ``[batch, kv_heads, tokens - 1, head_dim]`` — the cache of every prompt token but the last. The receiver
@@ -30,10 +43,19 @@ from typing import Any
 
 from tensorcast.errors import InvalidArgument, NotFound, clip
 from tensorcast.instance.adaptor import InstanceLoad
-from tensorcast.instance.hf_pages import PageIO, ReuseReport, ReuseStats, fetch_prefix, layout_of, store_pages
-from tensorcast.kv.keys import KVLayout
+from tensorcast.instance.hf_pages import (
+    PageIO,
+    Prefix,
+    ReuseReport,
+    ReuseStats,
+    fetch_prefix,
+    layout_of,
+    plan_prefill,
+    store_pages,
+)
+from tensorcast.kv.keys import KVLayout, page_keys
 
-__all__ = ["HFCausalLMAdaptor", "tiny_llama"]
+__all__ = ["HFCausalLMAdaptor", "PrefillReport", "tiny_llama"]
 
 
 def _sync_kv(kv: PageIO) -> PageIO:
@@ -43,6 +65,24 @@ def _sync_kv(kv: PageIO) -> PageIO:
         raise InvalidArgument("kv must make synchronous calls: pass a Client's kv (tc.connect(...).kv), "
                               "not an AsyncClient's")
     return kv
+
+
+@dataclass
+class PrefillReport(ReuseReport):
+    """A prefill's ``ReuseReport`` plus the local prefix cache: ``local_tokens`` came from the cache of
+    ``continued_from`` (``""``: none was used), ``reused_tokens`` from the shared page store, and
+    ``prefilled_tokens`` were computed; the three add up to ``prompt_tokens``."""
+
+    local_tokens: int = 0
+    continued_from: str = ""
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 @dataclass
@@ -136,9 +176,12 @@ class HFCausalLMAdaptor:
         return [(layer.keys, layer.values) for layer in cache.layers]
 
     # ----------------------------------------------------------------- engine commands
-    def prefill(self, request_id: str, input_ids: list[int], *, kv_reuse: bool | None = None) -> list[float]:
+    def prefill(self, request_id: str, input_ids: list[int], *, kv_reuse: bool | None = None,
+                continue_from: str | None = None) -> list[float]:
         """Prefill a prompt; with KV reuse (``kv_reuse``, default the adaptor's), take its longest stored prefix
-        from the page store and store its new full pages. ``kv_report(request_id)`` says what was reused."""
+        from the page store and store its new full pages. With ``continue_from`` (a request on this instance),
+        take over that request's cache for the longest common prefix first (see the module docstring).
+        ``kv_report(request_id)`` says what came from where."""
         import torch
 
         input_ids = [int(t) for t in input_ids]  # page keys hash the tokens as plain ints
@@ -146,12 +189,25 @@ class HFCausalLMAdaptor:
         if ids.shape[1] < 2:
             raise InvalidArgument("a prompt needs at least two tokens")
         reuse = self.kv_reuse if kv_reuse is None else kv_reuse
-        report = ReuseReport(enabled=reuse, prompt_tokens=ids.shape[1])
+        if reuse and self.kv is None:
+            raise InvalidArgument("KV reuse needs a KV-page store: pass kv= or serve the adaptor")
+        report = PrefillReport(enabled=reuse, prompt_tokens=ids.shape[1])
         cache, start = self._new_cache(), 0
         kv, layout, prefix = self.kv, None, None
-        if reuse:
-            if kv is None:
-                raise InvalidArgument("KV reuse needs a KV-page store: pass kv= or serve the adaptor")
+        local = self._take_over(continue_from, input_ids) if continue_from is not None else None
+        if local is not None:
+            cache, start = local
+            report.local_tokens, report.continued_from = start, str(continue_from)
+            if reuse:
+                # The shared store is not read (the local cache already holds the prefix), but this prompt's
+                # new full pages are still stored, so a later turn elsewhere can fetch them. Pages of the
+                # taken-over prefix were stored by the turn that computed them.
+                layout = self.kv_layout()
+                report.page_size = layout.page_size
+                prefix = Prefix(page_keys(input_ids, layout), plan_prefill(len(input_ids), layout.page_size,
+                                                                            start // layout.page_size), [])
+        elif reuse:
+            assert kv is not None  # checked above
             layout = self.kv_layout()
             report.page_size = layout.page_size
             prefix = fetch_prefix(kv, layout, input_ids, report)
@@ -167,6 +223,21 @@ class HFCausalLMAdaptor:
         self.requests[request_id] = req
         self.kv_stats.add(report)
         return [float(x) for x in req.logits]
+
+    def _take_over(self, previous_id: str, input_ids: list[int]) -> tuple[Any, int] | None:
+        """``previous_id``'s cache cropped to its longest common prefix with ``input_ids`` (never the whole
+        prompt: the last token is forwarded for the logits), removing ``previous_id``; None, leaving it in
+        place, if it is not on this instance or shares no token with the prompt."""
+        prev = self.requests.get(previous_id)
+        if prev is None:
+            return None
+        held = [int(t) for t in prev.input_ids[0, : prev.cached].tolist()]  # tokens the cache covers
+        keep = min(_common_prefix(held, input_ids), len(input_ids) - 1)
+        if keep < 1:
+            return None
+        del self.requests[previous_id]
+        prev.cache.crop(keep)
+        return prev.cache, keep
 
     def kv_report(self, request_id: str) -> ReuseReport | None:
         """What prefix reuse did for the request's prefill (None: hydrated, not prefilled here)."""
@@ -200,8 +271,9 @@ class HFCausalLMAdaptor:
 
     def engine_command(self, command: str, args: Mapping[str, Any]) -> dict[str, Any]:
         if command == "prefill":
-            rid, reuse = str(args["request_id"]), args.get("kv_reuse")
-            logits = self.prefill(rid, list(args["input_ids"]), kv_reuse=None if reuse is None else bool(reuse))
+            rid, reuse, previous = str(args["request_id"]), args.get("kv_reuse"), args.get("continue_from")
+            logits = self.prefill(rid, list(args["input_ids"]), kv_reuse=None if reuse is None else bool(reuse),
+                                  continue_from=None if previous is None else str(previous))
             report = self.kv_report(rid)
             return {"logits": logits, "kv": report.as_dict() if report is not None else {}}
         if command == "kv_stats":
