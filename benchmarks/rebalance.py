@@ -37,21 +37,34 @@ Usage: python benchmarks/rebalance.py --sim [--quick] [--json PATH] [--plot PREF
        [--cost PATH] [--scale S] [--seed N] [--interval S] [--gap N] [--max-moves N] [--cooldown S]
        python benchmarks/rebalance.py --live [--quick] [--json PATH] [--plot PREFIX] [--sessions 8,16,32]
        [--gaps fast|medium|slow] [--live-gap N] ... (``rebalance_live.py --help``)
+       python benchmarks/rebalance.py --fit LIVE_JSON [--cost-out COST_JSON]   (then --sim --cost COST_JSON)
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
+import statistics
 import time
 from typing import Any
 
 import rebalance_live
 from benchlib import write_json
 from tensorcast.policies import CacheAware, LoadAwareShared, PowerOfTwo, Rebalancer, StickySessions
-from tensorcast.sim import ClosedLoop, CostModel, Policy, Replay, SimConfig, simulate
+from tensorcast.sim import (
+    ClosedLoop,
+    CostModel,
+    DecodeSample,
+    Policy,
+    PrefillSample,
+    Replay,
+    SimConfig,
+    fit,
+    simulate,
+)
 from tensorcast.workloads import AgentWorkload, load_trace
 
 PRESETS = ("fast", "medium", "slow")
@@ -131,6 +144,54 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
     verdicts = compare(rows, counts)
     trace_rows = run_trace(args, config)
     return {"rows": rows, "trace": trace_rows, "verdicts": verdicts}
+
+
+def fit_live(path: str, out: str | None) -> dict[str, Any]:
+    """Fit the simulator's cost model to a live run's samples (``--live --json PATH`` writes them): prefill on
+    (computed, cached tokens) -> the forward's seconds, a decode step on (batch, context) -> seconds per token,
+    the KV bytes per token from the moves, and a copy's latency from the shared-store reads. Held out: the live
+    run's last repeat (a run the fit never saw), or a random quarter when there was one repeat. Writes the
+    model (``--cost`` reads it) to ``out``."""
+    with open(path) as f:
+        live = json.load(f)
+    turns = live["calibration_samples"]["turns"]
+    moves = [m for m in live["calibration_samples"]["moves"] if m.get("ok") and m["kv_tokens"]]
+
+    def prefill(rows: list[dict[str, Any]]) -> list[PrefillSample]:
+        return [PrefillSample(r["computed_tokens"], r["local_tokens"] + r["shared_tokens"], r["prefill_s"])
+                for r in rows if r["prefill_s"] > 0]
+
+    def decode(rows: list[dict[str, Any]]) -> list[DecodeSample]:
+        return [DecodeSample(r["decode_batch"], r["decode_context"], r["decode_call_s"] / r["decode_tokens"])
+                for r in rows if r["decode_tokens"] > 0]
+
+    last = max(r["repeat"] for r in turns)
+    train = [r for r in turns if r["repeat"] != last] if last else turns
+    held = [r for r in turns if r["repeat"] == last] if last else None
+    base = CostModel()
+    if moves:  # a move's bytes are the session's KV: what a token of context weighs in this model
+        base = dataclasses.replace(base, kv_bytes_per_token=round(sum(m["bytes"] for m in moves) /
+                                                                  sum(m["kv_tokens"] for m in moves)))
+    reads = [r for r in train if r["shared_tokens"] and r["shared_read_s"] > 0]
+    if reads:  # a load from the shared store is one copy; at these sizes mostly per-copy latency
+        latency = statistics.median(r["shared_read_s"] - r["shared_tokens"] * base.kv_bytes_per_token /
+                                    base.transfer_bandwidth for r in reads)
+        base = dataclasses.replace(base, transfer_latency_s=max(0.0, latency))
+    result = fit(prefill(train), decode(train), base=base, test_prefill=prefill(held) if held else None,
+                 test_decode=decode(held) if held else None)
+    how = f"held-out repeat {last}" if last else "a held-out random quarter"
+    print(f"cost model fitted to {path}: {len(train)} turns; error on {how}:")
+    for name, err in (("prefill", result.prefill_error), ("decode step", result.decode_error)):
+        print(f"  {name:<12} median {err.median:.1%}, p90 {err.p90:.1%} over {err.samples} samples "
+              f"({'within' if err.median < 0.15 else 'above'} the 15% goal)")
+    print(f"  {result.model}")
+    if out:
+        with open(out, "w") as f:
+            json.dump(result.model.to_dict(), f, indent=1)
+        print(f"cost model: {out} (use with --sim --cost {out})")
+    return {"model": result.model.to_dict(), "held_out": how,
+            "prefill_error": dataclasses.asdict(result.prefill_error),
+            "decode_error": dataclasses.asdict(result.decode_error)}
 
 
 def sim_config(args: argparse.Namespace) -> SimConfig:
@@ -239,6 +300,9 @@ def main() -> None:
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--sim", action="store_true", help="run the discrete-event simulator")
     mode.add_argument("--live", action="store_true", help="run on four live engine instances")
+    mode.add_argument("--fit", default=None, metavar="LIVE_JSON",
+                      help="fit the simulator's cost model to a --live run's JSON (write it with --cost-out)")
+    ap.add_argument("--cost-out", default=None, help="with --fit: write the fitted cost model here")
     ap.add_argument("--quick", action="store_true", help="16 and 64 sessions, shorter sessions (about a minute)")
     ap.add_argument("--json", default=None, help="write the results as JSON here")
     ap.add_argument("--plot", default=None, metavar="PREFIX", help="write PREFIX_ttft.png and PREFIX_hit.png")
@@ -258,6 +322,9 @@ def main() -> None:
     if args.quick and args.lifetimes == 4.0:
         args.lifetimes = 3.0
     settings = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
+    if args.fit:
+        write_json(args.json, "rebalance", args.quick, mode="fit", source=args.fit, **fit_live(args.fit, args.cost_out))
+        return
     if args.live:
         results = rebalance_live.run_live(args)
         if args.plot:
