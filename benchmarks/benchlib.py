@@ -47,3 +47,16 @@ def mem_available() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot drawing to files only (no display needed), or None when matplotlib is not installed
+    (``pip install .[bench]``); callers then say the plot was skipped."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

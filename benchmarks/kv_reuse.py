@@ -75,7 +75,7 @@ from typing import Any
 
 import numpy as np
 
-from benchlib import mem_available, write_json
+from benchlib import mem_available, pyplot, write_json
 from tensorcast.testing import running_cluster
 from tensorcast.testing.vllm_engine import SMOLLM2_135M, EngineProcess, llama_dir
 
@@ -391,12 +391,8 @@ def goals(summary: list[dict[str, Any]], instances: list[int], lengths: list[int
 
 
 def plot(path: str, summary: list[dict[str, Any]], instances: list[int]) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return "matplotlib is not installed: no plot (pip install matplotlib)"
     fig, axes = plt.subplots(1, len(instances), figsize=(6 * len(instances), 4.5), squeeze=False)
     styles = {"recompute": ("recompute (same concurrency)", "k", "o"), "recompute_alone": ("recompute alone", "0.5",

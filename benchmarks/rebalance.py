@@ -52,7 +52,7 @@ import time
 from typing import Any
 
 import rebalance_live
-from benchlib import write_json
+from benchlib import pyplot, write_json
 from tensorcast.policies import CacheAware, LoadAwareShared, PowerOfTwo, Rebalancer, StickySessions
 from tensorcast.sim import (
     ClosedLoop,
@@ -258,8 +258,7 @@ def run_trace(args: argparse.Namespace, config: SimConfig) -> list[dict[str, Any
     for name in POLICIES:
         t0 = time.perf_counter()
         result = simulate(make_policy(name, args), Replay(sessions), config, seed=args.seed)
-        row = {"policy": name, "sessions": len(sessions), "wall_s": time.perf_counter() - t0, **result.summary()}
-        row["sessions"] = len(sessions)
+        row = {**result.summary(), "policy": name, "sessions": len(sessions), "wall_s": time.perf_counter() - t0}
         rows.append(row)
         show("trace", row)
     return rows
@@ -267,13 +266,10 @@ def run_trace(args: argparse.Namespace, config: SimConfig) -> list[dict[str, Any
 
 def plot(rows: list[dict[str, Any]], prefix: str) -> None:
     """``PREFIX_ttft.png`` (median TTFT vs sessions) and ``PREFIX_hit.png`` (hit rate vs sessions)."""
-    try:
-        import matplotlib
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         print("plots: skipped (matplotlib is not installed)")
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     for suffix, key, label in (("ttft", "median_ttft_s", "median TTFT (s)"), ("hit", "hit_rate", "cache hit rate")):
         fig, axes = plt.subplots(1, len(PRESETS), figsize=(5 * len(PRESETS), 4), squeeze=False)

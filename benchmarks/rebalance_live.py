@@ -36,7 +36,6 @@ import argparse
 import contextlib
 import heapq
 import itertools
-import json
 import math
 import platform
 import queue
@@ -50,6 +49,7 @@ import msgspec
 import numpy as np
 
 import tensorcast as tc
+from benchlib import pyplot, write_json
 from tensorcast.cluster import LocalCluster
 from tensorcast.errors import InvalidArgument
 from tensorcast.policies import (
@@ -600,13 +600,10 @@ def compare(rows: list[dict[str, Any]], counts: tuple[int, ...]) -> list[str]:
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
     """One PNG: median and p90 TTFT and hit rate vs concurrent sessions, per policy."""
-    try:
-        import matplotlib
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         print("plot: skipped (matplotlib is not installed)")
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     panels: list[tuple[str, str, Callable[[float], float]]] = [
@@ -647,11 +644,7 @@ def main() -> None:
     results = run_live(args)
     if args.plot:
         plot(results["rows"], args.plot)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "rebalance", "quick": args.quick, "machine": platform.platform(), **results},
-                      f, indent=1)
-        print(f"json: {args.json}")
+    write_json(args.json, "rebalance", args.quick, mode="live", **results)
 
 
 if __name__ == "__main__":

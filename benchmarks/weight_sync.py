@@ -98,7 +98,7 @@ from typing import Any
 
 import xxhash
 
-from benchlib import mem_available, write_json
+from benchlib import mem_available, pyplot, write_json
 
 GiB = 1 << 30
 MODEL = "qwen-rl"
@@ -735,12 +735,8 @@ LABELS = {"tensorcast_full": "TensorCast, full", "tensorcast_delta": "TensorCast
 
 
 def plot(path: str, summary: list[dict[str, Any]], title: str, footnote: str) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return "matplotlib is not installed: no plot (pip install matplotlib)"
     colors = {"tensorcast_full": "C0", "tensorcast_delta": "C9", "default_whole": "0.25", "default_sliced": "0.55",
               "default_tcp": "0.8"}

@@ -13,6 +13,7 @@ decides, ``policies.moves`` executes), or fetching the signals (the caller polls
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -56,16 +57,17 @@ class Request:
     prompt: Tokens = ()
 
 
-class Router:
+class Router(abc.ABC):
     """A routing policy. ``choose`` is the decision (no side effects beyond a seeded generator's draw);
     ``observe`` records that a request went to an instance (a cache-aware router learns prefixes from it);
     ``route`` is both."""
 
-    def choose(self, request: Request, instances: Sequence[InstanceInfo]) -> str:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def choose(self, request: Request, instances: Sequence[InstanceInfo]) -> str: ...
 
     def observe(self, request: Request, instance_id: str) -> None:
         """Nothing to learn by default."""
+        return None
 
     def route(self, request: Request, instances: Sequence[InstanceInfo]) -> str:
         chosen = self.choose(request, instances)
