@@ -217,6 +217,10 @@ class ClientConfig(msgspec.Struct, frozen=True, kw_only=True):
     verify_remote_reads: bool = False
     # Try shared memory when the worker reports the same host id.
     use_shared_memory: bool = True
+    # Same-host puts write through mappings of the worker's segments kept from one put to the next (a copy
+    # into pages already faulted in); one unused for this long is unmapped, since it also keeps the memory
+    # of a segment the worker has freed meanwhile.
+    write_maps_idle_seconds: float = 5.0
 
 
 class MetricsConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,6 +1,6 @@
-"""The faster put paths keep content identity sound: a same-host put written with ``pwrite`` into a pack of
-targets, and a small put in one request (bytes with ``PutBegin``, hashed by the worker). The worker's side
-runs in process over a real memory tier; the last tests go through a cluster."""
+"""The faster put paths keep content identity sound: a same-host put written into a pack of targets, and a
+small put in one request (bytes with ``PutBegin``, hashed by the worker). The worker's side runs in process
+over a real memory tier; the last tests go through a cluster."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 
 import tensorcast as tc
 from tensorcast.client.puts import _write_segments
+from tensorcast.client.write_maps import SegmentWriter
 from tensorcast.config import Config
 from tensorcast.errors import InvalidArgument
 from tensorcast.pool.placement import PRESETS
@@ -48,7 +49,9 @@ def test_equal_tensors_are_written_and_stored_once(puts: PutManager) -> None:
     inputs = _inputs(a=x, b=x.copy(), c=x[:1000].copy(), e=np.empty(0, np.float32))
     plan = asyncio.run(puts.begin(PutBegin(tensors=tuple(t.meta for t in inputs), same_host=True), PRESETS["cache"]))
     assert [ref is not None for ref in plan.segments] == [True, False, True, False]  # b is a's bytes; e is empty
-    _write_segments(plan, inputs)
+    writer = SegmentWriter()
+    _write_segments(writer, plan, inputs)
+    writer.close()
     put = asyncio.run(puts.commit(plan.put_id))
     memory = puts.store.memory
     assert put.artifact_id == plan.artifact_id == artifact_id([t.meta for t in inputs])

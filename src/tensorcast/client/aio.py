@@ -28,6 +28,7 @@ from tensorcast.client.locality import Locality
 from tensorcast.client.publisher import AsyncWeightPublisher
 from tensorcast.client.puts import put_tensors
 from tensorcast.client.reads import Diagnostics, Reader
+from tensorcast.client.write_maps import SegmentWriter
 from tensorcast.config import Config, check_token, default_host_id
 from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, Unavailable, clip
@@ -248,6 +249,7 @@ class AsyncClient:
         self.caller = Caller(self.config.wire, token=self.token, peer_id=self.client_id, host_id=self.host_id,
                              address=addresses, timeout=self.config.client.timeout)
         self.locality = Locality(self.host_id, self.config.client.use_shared_memory)
+        self.writer = SegmentWriter(idle_s=self.config.client.write_maps_idle_seconds)
         self.transport = make_transport(self.config.transport.kind, self.config.wire, token=self.token,
                                         max_streams=self.config.transport.max_streams * 2)
         self.reader = Reader(self.caller, self.transport, self.locality, self.config)
@@ -271,6 +273,7 @@ class AsyncClient:
         await self.kv.aclose()
         await self.caller.close()
         self.transport.close()
+        self.writer.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -324,8 +327,8 @@ class AsyncClient:
         while True:
             address = self.caller.address if on is None else await self._worker_address(on)
             try:
-                info = await put_tensors(self.caller, self.locality, address, inputs, key=key, ttl=ttl,
-                                         policy=policy, ctx=ctx)
+                info = await put_tensors(self.caller, self.locality, self.writer, address, inputs, key=key,
+                                         ttl=ttl, policy=policy, ctx=ctx)
                 return AsyncArtifact(self, info)
             except (NotSent, ConnectionLost):
                 # The gateway went away mid-put: the whole put again through another one (a put is idempotent:

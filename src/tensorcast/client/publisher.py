@@ -28,6 +28,7 @@ import xxhash
 from tensorcast.client.locality import Locality
 from tensorcast.client.puts import put_tensors
 from tensorcast.client.reads import Reader
+from tensorcast.client.write_maps import SegmentWriter
 from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument, NotFound, clip
 from tensorcast.records import ArtifactInfo, Placement, WorkerInfo
@@ -60,6 +61,7 @@ class ClientPort(Protocol):
     caller: Caller
     reader: Reader
     locality: Locality
+    writer: SegmentWriter
     host_id: str
 
     async def put(self, tensors: Any, key: str | None = None, *, ttl: float | None = None,
@@ -196,8 +198,8 @@ class AsyncWeightPublisher:
                     raise NotFound(f"no worker {clip(self.on)}")
                 address = workers[self.on].address
             try:
-                return await put_tensors(caller, self.client.locality, address, inputs, key=key, ttl=None,
-                                         policy=self.policy, ctx=ctx)
+                return await put_tensors(caller, self.client.locality, self.client.writer, address, inputs,
+                                         key=key, ttl=None, policy=self.policy, ctx=ctx)
             except (NotSent, ConnectionLost):
                 if self.on is not None or not caller.fail_over(address):
                     raise

@@ -3,7 +3,8 @@
 Owns: ``PutBegin`` -> bytes -> ``PutCommit`` against the worker that takes the first replica. The digests
 come first (so that the worker skips the bytes it holds already). A small put is one request: its bytes are
 ``PutBegin``'s payload, and the worker stores and commits at once. Same host: one copy of each tensor
-straight into the shared-memory segment the worker reserved (``pwrite``, no mapping). Another host (or a
+straight into the shared-memory segment the worker reserved, through a mapping kept from one put to the
+next (``client.write_maps``; a disk-tier target: ``pwrite``). Another host (or a
 ``/dev/shm`` this process cannot see): ``PutData`` payloads that the worker receives straight into the
 segment, each checked against its chunk checksums and sent again if a chunk arrived corrupted. A failed
 put is aborted (the worker also reclaims abandoned ones). Does not own: normalizing inputs (``tensors``)
@@ -19,6 +20,7 @@ from typing import Any, TypeVar
 
 from tensorcast.checksums import ChunkCorrupted
 from tensorcast.client.locality import Locality
+from tensorcast.client.write_maps import SegmentWriter
 from tensorcast.context import CallContext
 from tensorcast.errors import InternalError, TensorCastError
 from tensorcast.pool.segments import SegmentGone, write_at
@@ -31,20 +33,22 @@ __all__ = ["PUT_DATA_ATTEMPTS", "put_tensors"]
 
 # Sends of one tensor's bytes whose chunks arrived corrupted before the put fails (ChunkCorrupted).
 PUT_DATA_ATTEMPTS = 3
-# Same-host writes and hashing of fewer bytes than this run on the event loop (a fraction of a millisecond).
-_INLINE_WRITE_BYTES = 1 << 20
+# Same-host writes and hashing of fewer bytes than this run on the event loop (a fraction of a millisecond
+# each: a copy into pages faulted in already, BLAKE3 on several threads); a thread hop costs about as much.
+_INLINE_WRITE_BYTES = 4 << 20
 # Puts of at most this many bytes send them with PutBegin (one round trip; the worker hashes them): below
 # this, a round trip costs more than moving the bytes through the connection and hashing them on the worker.
 _INLINE_PUT_BYTES = 256 << 10
 T = TypeVar("T")
 
 
-async def put_tensors(caller: Caller, locality: Locality, address: str, inputs: list[TensorInput], *,
-                      key: str | None, ttl: float | None, policy: str | Placement | None,
-                      ctx: CallContext) -> ArtifactInfo:
-    """Store ``inputs`` as one artifact on the worker at ``address``; returns its committed record."""
+async def put_tensors(caller: Caller, locality: Locality, writer: SegmentWriter, address: str,
+                      inputs: list[TensorInput], *, key: str | None, ttl: float | None,
+                      policy: str | Placement | None, ctx: CallContext) -> ArtifactInfo:
+    """Store ``inputs`` as one artifact on the worker at ``address`` (same-host bytes written through
+    ``writer``); returns its committed record."""
     welcome = await caller.connect(address)
-    put = _Put(caller, address, inputs, key, ttl, policy, ctx)
+    put = _Put(caller, writer, address, inputs, key, ttl, policy, ctx)
     if sum(t.nbytes for t in inputs) <= _INLINE_PUT_BYTES:
         return await put.inline(locality.same_host(welcome.host_id))
     if locality.same_host(welcome.host_id):
@@ -59,9 +63,9 @@ async def put_tensors(caller: Caller, locality: Locality, address: str, inputs: 
 class _Put:
     """One put's requests to one worker."""
 
-    def __init__(self, caller: Caller, address: str, inputs: list[TensorInput], key: str | None,
-                 ttl: float | None, policy: str | Placement | None, ctx: CallContext) -> None:
-        self.caller, self.address, self.inputs, self.ctx = caller, address, inputs, ctx
+    def __init__(self, caller: Caller, writer: SegmentWriter, address: str, inputs: list[TensorInput],
+                 key: str | None, ttl: float | None, policy: str | Placement | None, ctx: CallContext) -> None:
+        self.caller, self.writer, self.address, self.inputs, self.ctx = caller, writer, address, inputs, ctx
         self.key, self.ttl, self.policy = key, ttl, policy
 
     async def _call(self, msg: Any, expect: type[T]) -> T:
@@ -86,7 +90,10 @@ class _Put:
         """Write straight into the worker's shared memory, the bytes it holds already skipped."""
         await _hash(self.inputs)
         plan = await self._call(self._begin(True), PutPlan)
-        return await self._finish(plan, lambda: _write(plan, self.inputs))
+        try:
+            return await self._finish(plan, lambda: _write(self.writer, plan, self.inputs))
+        finally:
+            self.writer.schedule_sweep(asyncio.get_running_loop())
 
     async def streamed(self) -> ArtifactInfo:
         """Another host: the bytes as checksummed payloads, which the worker checks against the digests."""
@@ -144,20 +151,25 @@ def _hash_all(inputs: list[TensorInput]) -> None:
             t.digest = digest_bytes(t.data)
 
 
-async def _write(plan: PutPlan, inputs: list[TensorInput]) -> None:
+async def _write(writer: SegmentWriter, plan: PutPlan, inputs: list[TensorInput]) -> None:
     """Same host: write the bytes into the targets; on a thread unless they are few (a thread hop costs more)."""
     if sum(ref.size for ref in plan.segments if ref is not None) < _INLINE_WRITE_BYTES:
-        _write_segments(plan, inputs)
+        _write_segments(writer, plan, inputs)
     else:
-        await asyncio.to_thread(_write_segments, plan, inputs)
+        await asyncio.to_thread(_write_segments, writer, plan, inputs)
 
 
-def _write_segments(plan: PutPlan, inputs: list[TensorInput]) -> None:
+def _write_segments(writer: SegmentWriter, plan: PutPlan, inputs: list[TensorInput]) -> None:
     """Same host: copy each tensor's bytes once, straight into the segment the worker reserved (the targets
-    in one segment, a pack chunk, through one open file)."""
-    by_path: dict[str, list[tuple[int, memoryview]]] = {}
+    in one segment, a pack chunk, together): memory segments through the mappings ``writer`` keeps, disk
+    files with ``pwrite`` (their pages belong to the page cache of a file on disk)."""
+    by_path: dict[tuple[str, str], list[tuple[int, memoryview]]] = {}
     for ref, item in zip(plan.segments, inputs, strict=True):
         if ref is not None:
-            by_path.setdefault(ref.path, []).append((ref.offset, memoryview(item.data)))  # type: ignore[arg-type]
-    for path, writes in by_path.items():
-        write_at(path, writes)
+            by_path.setdefault((ref.tier, ref.path), []).append(
+                (ref.offset, memoryview(item.data)))  # type: ignore[arg-type]
+    for (tier, path), writes in by_path.items():
+        if tier == "disk":
+            write_at(path, writes)
+        else:
+            writer.write(path, writes)

@@ -291,11 +291,11 @@ class SegmentStock:
                     continue
                 dropped = []
                 while self._bytes + cls > self.budget and self._chunks:
-                    dropped.append(self._chunks.pop())
+                    dropped.append(self._chunks.pop(0))  # the least recently recycled first
                     self._bytes -= dropped[-1].size
                 if self._bytes + cls <= self.budget:
                     return cls, self._stock.setdefault(cls, []), dropped
-                self._chunks += dropped
+                self._chunks[:0] = dropped
                 self._bytes += sum(s.size for s in dropped)
             if self._bytes + self.chunk_bytes <= self.budget:
                 return self.chunk_bytes, self._chunks, []
@@ -319,7 +319,9 @@ class SegmentStock:
             complete = seg.prefault(busy)
             with self._lock:
                 if not self._closed:
-                    into.append(seg)
+                    # Behind the recycled ones (``recycle`` appends, takes pop): same-host writers keep those
+                    # mapped and faulted in (``client.write_maps``), so a put fills them at memory speed.
+                    into.insert(0, seg)
                     self._bytes += size
                     added += size
                     if complete:
