@@ -309,10 +309,10 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=1 / 16, help="agent workload token scale (default 1/16)")
     ap.add_argument("--lifetimes", type=float, default=4.0, help="run length in mean session lifetimes")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--interval", type=float, default=1.0, help="rebalancer tick, seconds")
-    ap.add_argument("--gap", type=int, default=4, help="rebalancer load gap that triggers a move")
+    ap.add_argument("--interval", type=float, default=0.5, help="rebalancer tick, seconds")
+    ap.add_argument("--gap", type=int, default=1, help="rebalancer gap in resident sessions that triggers a move")
     ap.add_argument("--max-moves", type=int, default=2, help="rebalancer moves per tick at most")
-    ap.add_argument("--cooldown", type=float, default=30.0, help="seconds a moved session stays put")
+    ap.add_argument("--cooldown", type=float, default=60.0, help="seconds a moved session stays put")
     rebalance_live.add_live_arguments(ap)
     args = ap.parse_args()
     if args.quick and args.lifetimes == 4.0:

@@ -4,6 +4,7 @@ and the plan one move becomes (built without a cluster)."""
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -29,16 +30,29 @@ def sess(sid: str, on: str, kv: int = 100, busy: bool = False) -> SessionInfo:
     return SessionInfo(sid, on, kv, busy)
 
 
+def on(instance: str, n: int, prefix: str = "", busy: bool = False) -> list[SessionInfo]:
+    """``n`` sessions of 1 KV token on ``instance``."""
+    return [sess(f"{prefix or instance}{k}", instance, 1, busy) for k in range(n)]
+
+
 def test_no_move_while_the_gap_is_within_bounds() -> None:
     r = Rebalancer(interval_s=1.0, gap=4)
-    assert r.decide(0.0, [inst("a", 6), inst("b", 2)], [sess("s1", "a")]) == []  # 6 - 2 = 4, not > 4
+    assert r.decide(0.0, [inst("a"), inst("b")], on("a", 6) + on("b", 2)) == []  # 6 - 2 = 4, not > 4
+
+
+def test_idle_sessions_are_load_and_a_momentary_burst_is_not() -> None:
+    # Every session idle: running + waiting is 0 everywhere, yet a holds 6 sessions and b none.
+    (m, n) = Rebalancer(gap=1).decide(0.0, [inst("a"), inst("b")], on("a", 6))
+    assert (m.source, m.target, n.source, n.target) == ("a", "b", "a", "b")
+    # a is busy right now, but the sessions are spread evenly: nothing to fix.
+    assert Rebalancer(gap=0).decide(0.0, [inst("a", 20), inst("b", 0)], on("a", 3) + on("b", 3)) == []
 
 
 def test_moves_idle_sessions_with_most_kv_first_from_most_to_least_loaded() -> None:
     r = Rebalancer(interval_s=1.0, gap=2, max_moves_per_tick=2)
     sessions = [sess("small", "a", 10), sess("big", "a", 900), sess("busy", "a", 5000, busy=True),
-                sess("mid", "a", 500), sess("elsewhere", "c", 9000)]
-    moves = r.decide(5.0, [inst("a", 12), inst("b", 6), inst("c", 1)], sessions)
+                sess("mid", "a", 500), *on("a", 4, "fill"), *on("b", 3), sess("elsewhere", "c", 9000)]
+    moves = r.decide(5.0, [inst("a", 12), inst("b", 6), inst("c", 1)], sessions)  # 8 / 3 / 1 sessions
     assert [(m.session_id, m.source, m.target) for m in moves] == [("big", "a", "c"), ("mid", "a", "c")]
     assert moves[0] == Move("big", "a", "c", 900, "big", 5.0)
 
@@ -46,7 +60,7 @@ def test_moves_idle_sessions_with_most_kv_first_from_most_to_least_loaded() -> N
 def test_a_busy_session_never_moves() -> None:
     r = Rebalancer(interval_s=0.0, gap=0, max_moves_per_tick=5)
     for t in range(20):
-        assert r.decide(float(t), [inst("a", 50), inst("b", 0)], [sess("s1", "a", busy=True)]) == []
+        assert r.decide(float(t), [inst("a", 50), inst("b", 0)], on("a", 10, busy=True)) == []
 
 
 def test_ticks_are_spaced_by_the_interval() -> None:
@@ -59,37 +73,40 @@ def test_ticks_are_spaced_by_the_interval() -> None:
 
 
 def test_a_move_that_would_invert_the_imbalance_is_not_made() -> None:
-    sessions = [sess(f"s{i}", "a") for i in range(9)]
-    # gap 0: 1 vs 0 exceeds the gap, but moving one request would leave 0 vs 1.
-    assert Rebalancer(gap=0, max_moves_per_tick=9).decide(0.0, [inst("a", 1), inst("b", 0)], sessions) == []
+    pair = [inst("a"), inst("b")]
+    # gap 0: 1 vs 0 sessions exceeds the gap, but moving it would leave 0 vs 1.
+    assert Rebalancer(gap=0, max_moves_per_tick=9).decide(0.0, pair, on("a", 1)) == []
     # 3 vs 0: one move (2 vs 1); a second would make it 1 vs 2.
-    assert len(Rebalancer(gap=0, max_moves_per_tick=9).decide(0.0, [inst("a", 3), inst("b", 0)], sessions)) == 1
+    assert len(Rebalancer(gap=0, max_moves_per_tick=9).decide(0.0, pair, on("a", 3))) == 1
     # 4 vs 0: two moves reach 2 vs 2 and the gap is closed.
-    assert len(Rebalancer(gap=0, max_moves_per_tick=9).decide(0.0, [inst("a", 4), inst("b", 0)], sessions)) == 2
+    assert len(Rebalancer(gap=0, max_moves_per_tick=9).decide(0.0, pair, on("a", 4))) == 2
 
 
 def test_cooldown_keeps_a_moved_session_put() -> None:
     r = Rebalancer(interval_s=0.0, gap=0, max_moves_per_tick=1, cooldown_s=30.0)
-    (m,) = r.decide(0.0, [inst("a", 5), inst("b", 0)], [sess("s1", "a")])
-    # The load turned around: s1 is now on the most loaded instance, but it moved less than 30 s ago.
-    back = [inst("a", 0), inst("b", 5)]
-    assert r.decide(10.0, back, [sess("s1", m.target)]) == []
-    assert r.decide(29.9, back, [sess("s1", m.target)]) == []
-    (again,) = r.decide(30.0, back, [sess("s1", m.target)])
-    assert (again.source, again.target, again.decided_at) == ("b", "a", 30.0)
+    (m,) = r.decide(0.0, [inst("a"), inst("b")], [sess("s1", "a"), sess("s2", "a", 50)])
+    assert (m.session_id, m.target) == ("s1", "b")
+    # The load turned around: b now holds s1 and two busy sessions, a none; s1 moved less than 30 s ago.
+    back = [sess("s1", "b"), *on("b", 2, "x", busy=True)]
+    assert r.decide(10.0, [inst("a"), inst("b")], back) == []
+    assert r.decide(29.9, [inst("a"), inst("b")], back) == []
+    (again,) = r.decide(30.0, [inst("a"), inst("b")], back)
+    assert (again.session_id, again.source, again.target, again.decided_at) == ("s1", "b", "a", 30.0)
 
 
 def test_target_without_room_for_the_kv_gets_a_smaller_session() -> None:
     r = Rebalancer(gap=0, max_moves_per_tick=3)
     instances = [inst("a", 10, 5000, 10_000), inst("b", 0, 9_500, 10_000)]  # b has 500 tokens free
-    moves = r.decide(0.0, instances, [sess("huge", "a", 4000), sess("fits-1", "a", 300), sess("fits-2", "a", 300)])
+    sessions = [sess("huge", "a", 4000), sess("fits-1", "a", 300), sess("fits-2", "a", 300),
+                *on("a", 4, busy=True)]
+    moves = r.decide(0.0, instances, sessions)
     assert [m.session_id for m in moves] == ["fits-1"]  # a second 300 would not fit any more
 
 
 def test_dead_instances_are_neither_sources_nor_targets() -> None:
     r = Rebalancer(gap=0, max_moves_per_tick=3)
     instances = [inst("a", 50, alive=False), inst("b", 9), inst("c", 0, alive=False), inst("d", 1)]
-    moves = r.decide(0.0, instances, [sess("x", "a"), sess("y", "b"), sess("z", "b")])
+    moves = r.decide(0.0, instances, [*on("a", 5), sess("y", "b"), sess("z", "b")])
     assert {(m.source, m.target) for m in moves} == {("b", "d")}
 
 
@@ -99,30 +116,47 @@ def _apply(sessions: list[SessionInfo], moves: Sequence[Move]) -> list[SessionIn
 
 
 def test_never_oscillates_on_a_steady_imbalance() -> None:
-    """The signal never changes (a stays hot) for 1000 ticks: sessions only ever leave a, each at most once."""
+    """The moves never take effect (every plan fails), so the imbalance stays for 1000 ticks: sessions
+    only ever leave a for b, and each session at most once per cooldown."""
     r = Rebalancer(interval_s=0.5, gap=2, max_moves_per_tick=2, cooldown_s=5.0)
-    instances = [inst("a", 20), inst("b", 0), inst("c", 4)]
-    sessions = [sess(f"s{i}", ["a", "b", "c"][i % 3], kv=i) for i in range(30)]
+    sessions = [*on("a", 20), *on("b", 0), *on("c", 4)]
     moved: list[Move] = []
     for tick in range(1000):
-        moves = r.decide(tick * 0.25, instances, sessions)
+        moved += r.decide(tick * 0.25, [inst("a"), inst("b"), inst("c")], sessions)
+    assert moved and all(m.source == "a" and m.target == "b" for m in moved)
+    last: dict[str, float] = {}
+    for m in moved:
+        assert m.decided_at >= last.get(m.session_id, -math.inf) + 5.0
+        last[m.session_id] = m.decided_at
+
+
+def test_converges_from_a_pile_up_and_no_session_moves_twice() -> None:
+    r = Rebalancer(interval_s=0.5, gap=2, max_moves_per_tick=2, cooldown_s=5.0)
+    sessions = [sess(f"s{i}", "a" if i < 20 else "c", kv=i) for i in range(24)]
+    moved: list[Move] = []
+    for tick in range(1000):
+        moves = r.decide(tick * 0.25, [inst("a", 20), inst("b", 0), inst("c", 4)], sessions)
         moved += moves
         sessions = _apply(sessions, moves)
-    assert moved and all(m.source == "a" and m.target == "b" for m in moved)
+    counts = {iid: sum(s.instance_id == iid for s in sessions) for iid in "abc"}
+    assert max(counts.values()) - min(counts.values()) <= 2, counts
+    assert moved and all(m.source == "a" for m in moved)
     assert len({m.session_id for m in moved}) == len(moved)
 
 
 def test_closed_loop_converges_without_moving_anyone_back() -> None:
-    """Load follows placement (each session is one request of load): moves stop within the gap, and no
-    session ever returns to an instance it left."""
+    """Each session is one unit of load: moves stop within the gap, and no session ever returns to an
+    instance it left."""
     r = Rebalancer(interval_s=1.0, gap=1, max_moves_per_tick=3, cooldown_s=4.0)
     sessions = [sess(f"s{i}", "a" if i < 24 else "b", kv=i * 7 % 50) for i in range(30)]
     history: dict[str, list[str]] = {s.session_id: [s.instance_id] for s in sessions}
     last_move = -1
     for tick in range(200):
-        counts = {iid: sum(s.instance_id == iid for s in sessions) for iid in "abcd"}
-        moves = r.decide(float(tick), [inst(i, n) for i, n in counts.items()], sessions)
+        busy = {s.session_id for s in sessions[tick % 5::5]}  # a fifth of them mid-turn at any tick
+        seen = [replace(s, busy=s.session_id in busy) for s in sessions]
+        moves = r.decide(float(tick), [inst(i) for i in "abcd"], seen)
         for m in moves:
+            assert m.session_id not in busy
             history[m.session_id].append(m.target)
             last_move = tick
         sessions = _apply(sessions, moves)

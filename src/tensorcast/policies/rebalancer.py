@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tensorcast.errors import InvalidArgument
-from tensorcast.policies.routers import load
 from tensorcast.records import InstanceInfo
 
 __all__ = ["Move", "Rebalancer", "SessionInfo"]
@@ -49,15 +48,17 @@ class Move:
 
 
 class Rebalancer:
-    """Every ``interval_s``, while load(most loaded) - load(least loaded) > ``gap``, move an idle session
-    from the first to the second, at most ``max_moves_per_tick`` per tick, the session with the most KV first
-    (its turns are the longest prefills and it frees the most cache). A session mid-turn never moves. A move
-    counts as one request of load (the session's next turn) and happens only if the source stays at least as
-    loaded as the target afterwards, so it can never reverse the gap that justified it; a moved session stays
-    put for ``cooldown_s``. Together: no session goes back and forth."""
+    """Every ``interval_s``, while the most and least loaded live instances differ by more than ``gap``
+    sessions, move an idle session from the first to the second, at most ``max_moves_per_tick`` per tick,
+    the one with the most KV first (its turns are the longest prefills). Load is the caller's sessions on an
+    instance, busy or idle: an agent session is idle most of the time, so ``running + waiting`` at one tick
+    misses most of the load an instance will serve, while its resident sessions are that load. A session
+    mid-turn never moves. A move shifts one session and happens only if the source keeps at least as many as
+    the target, so it can never reverse the gap that justified it; a moved session stays put for
+    ``cooldown_s``. Together: no session goes back and forth."""
 
-    def __init__(self, interval_s: float = 1.0, gap: int = 4, max_moves_per_tick: int = 2,
-                 cooldown_s: float = 30.0) -> None:
+    def __init__(self, interval_s: float = 0.5, gap: int = 1, max_moves_per_tick: int = 2,
+                 cooldown_s: float = 60.0) -> None:
         if interval_s < 0 or gap < 0 or max_moves_per_tick < 1 or cooldown_s < 0:
             raise InvalidArgument(f"bad rebalancer settings: interval_s={interval_s}, gap={gap}, "
                                   f"max_moves_per_tick={max_moves_per_tick}, cooldown_s={cooldown_s}")
@@ -72,7 +73,10 @@ class Rebalancer:
             return []
         self.next_tick = now + self.interval_s
         self.moved_at = {s: t for s, t in self.moved_at.items() if now < t + self.cooldown_s}
-        loads = {i.instance_id: load(i) for i in instances if i.alive}
+        loads = {i.instance_id: 0 for i in instances if i.alive}
+        for s in sessions:
+            if s.instance_id in loads:
+                loads[s.instance_id] += 1
         room = {i.instance_id: i.kv_tokens_capacity - i.kv_tokens_used if i.kv_tokens_capacity else math.inf
                 for i in instances}
         idle = sorted((s for s in sessions if not s.busy and s.session_id not in self.moved_at),
