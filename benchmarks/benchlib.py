@@ -8,6 +8,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tensorcast.pool.hugepages import shm_huge_pages
+from tensorcast.pool.segments import SHM_DIR
+
 
 def best_of(fn: Callable[[], object], reps: int) -> float:
     """Best wall time of ``reps`` calls of ``fn`` (which may return a time of its own, in seconds, instead)."""
@@ -27,8 +30,14 @@ def write_json(path: str | None, benchmark: str, quick: bool, **results: Any) ->
     """The benchmark's results as JSON at ``path`` (nothing when None), with the machine it ran on."""
     if path:
         with open(path, "w") as f:
-            json.dump({"benchmark": benchmark, "quick": quick, "machine": platform.platform(), **results}, f,
-                      indent=2)
+            json.dump({"benchmark": benchmark, "quick": quick, "machine": platform.platform(),
+                       "shm_huge": shm_huge_pages(SHM_DIR)[1], **results}, f, indent=2)
+
+
+def shm_pages() -> str:
+    """One line on the page size the pool's shared memory gets here (it sets the cost of every copy into it)."""
+    huge, option = shm_huge_pages(SHM_DIR)
+    return f"shared memory: {SHM_DIR} tmpfs huge={option} ({'2 MiB' if huge else '4 KiB'} pages)"
 
 
 def metrics_switch(on: bool) -> dict[str, str]:

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 import tensorcast as tc
-from benchlib import fmt_size, metrics_switch, write_json
+from benchlib import fmt_size, metrics_switch, shm_pages, write_json
 
 SMALL, SMALL_COUNT = 4 << 10, 2000
 
@@ -246,6 +246,7 @@ def main() -> None:
     small = measure_many_small(args.metrics == "on", overrides=overrides)
     ray = measure_ray(sizes, reps)
     show(rows, ray, small)
+    print(shm_pages())
     write_json(args.json, "put_get", args.quick, metrics=args.metrics, config=overrides, rows=rows, many_small=small,
                ray=ray or {"skipped": "ray is not installed (pip install .[bench])"})
 

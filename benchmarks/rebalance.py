@@ -325,7 +325,7 @@ def main() -> None:
         results = rebalance_live.run_live(args)
         if args.plot:
             rebalance_live.plot(results["rows"], f"{args.plot}_live.png")
-        write_json(args.json, "rebalance", args.quick, mode="live", settings=settings, **results)
+        write_json(args.json, "rebalance", args.quick, arguments=settings, **results)  # results: mode, settings
         return
     results = run_sim(args)
     print(f"\nrebalancer: Rebalancer(interval_s={args.interval}, gap={args.gap}, max_moves_per_tick={args.max_moves}, "

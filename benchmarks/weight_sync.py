@@ -98,7 +98,7 @@ from typing import Any
 
 import xxhash
 
-from benchlib import mem_available, pyplot, write_json
+from benchlib import mem_available, pyplot, shm_pages, write_json
 
 GiB = 1 << 30
 MODEL = "qwen-rl"
@@ -955,6 +955,7 @@ def main() -> None:
     note = plot(args.plot, summary, title, foot) if args.plot else None
     if note:
         print(note)
+    print(shm_pages())
     write_json(args.json, "weight_sync", args.quick, model=model_desc, model_bytes=total, tensors=len(shapes),
                delta_tensors=len(delta), delta_bytes=delta_bytes, hosts="netns" if args.netns else "loopback",
                stock_bytes=stock, reps=reps, files_dir=args.files_dir, hashing=hashing, quick_check=quick,

@@ -3,6 +3,7 @@ that can lose or corrupt pages), and real instance processes sharing pages throu
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -287,3 +288,60 @@ def test_a_missing_middle_page_in_the_store_stops_reuse_at_the_gap(engines: Loca
         assert r is not None and (r.matched_pages, r.reused_tokens, r.prefilled_tokens) == (2, 32, 58)
         assert r.stored_pages == 1 and c.kv.exists(keys) == 5  # the gap is filled, the rest was there
         _same_as_recompute(reader, "r", prompt, logits)
+
+
+class SlowPages(MemoryPages):
+    """Puts wait for ``release`` (or fail with ``fail_put``): what a store after the reply must not wait for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.fail_put: Exception | None = None
+
+    def put(self, keys: Sequence[str], pages: Sequence[Any], *, ttl: float | None = None,
+            layout: KVLayout | None = None) -> int:
+        assert self.release.wait(30)
+        if self.fail_put is not None:
+            raise self.fail_put
+        return super().put(keys, pages, ttl=ttl, layout=layout)
+
+
+def test_pages_stored_after_the_reply_do_not_hold_up_the_prefill() -> None:
+    store = SlowPages()
+    a = HFCausalLMAdaptor(tiny_llama(0), kv=store, kv_reuse=True, kv_model_id="tiny-0", kv_store_in_background=True)
+    prompt = tokens(3, 100)
+    logits = a.prefill("a", prompt)  # returns with its store blocked: the store runs after the reply
+    r = a.kv_report("a", wait=False)
+    assert r is not None and r.store_pending and r.stored_pages == 0 and not store.pages
+    reply = a.engine_command("prefill", {"request_id": "a2", "input_ids": prompt[:50] + tokens(4, 30)})
+    assert reply["kv"]["store_pending"]  # the engine command's reply says its pages are not stored yet
+    # The next turn takes over the cache a pending store reads (and request "a" with it): the store still
+    # writes what "a" computed.
+    a.prefill("a3", prompt + tokens(5, 20), continue_from="a")
+    store.release.set()
+    a.flush_kv()  # every store submitted so far
+    assert not r.store_pending and r.stored_pages == 6
+    r2 = a.kv_report("a2")  # waits for that request's store (done already here)
+    assert r2 is not None and not r2.store_pending and r2.stored_pages == 5 - 3  # pages 0-2 were "a"'s
+    ref = HFCausalLMAdaptor(tiny_llama(0), kv=MemoryPages(), kv_reuse=True, kv_model_id="tiny-0")
+    ref.prefill("a", prompt)
+    ref_store = ref.kv
+    assert ref_store is not None
+    keys = page_keys(prompt, a.kv_layout())
+    assert all(np.array_equal(store.pages[k], ref_store.pages[k]) for k in keys[:6])  # type: ignore[attr-defined]
+    np.testing.assert_allclose(logits, ref.prefill("b", prompt, kv_reuse=False), atol=1e-5, rtol=1e-5)
+    stats = a.engine_command("kv_stats", {})  # counted once the stores are done
+    assert stats["requests"] == 3 and stats["pages_stored"] == len(store.pages)
+
+
+def test_a_store_that_fails_after_the_reply_leaves_the_request_served() -> None:
+    store = SlowPages()
+    store.fail_put = RuntimeError("disk on fire")
+    store.release.set()
+    a = HFCausalLMAdaptor(tiny_llama(0), kv=store, kv_reuse=True, kv_model_id="tiny-0", kv_store_in_background=True)
+    prompt = tokens(6, 40)
+    a.prefill("a", prompt)
+    r = a.kv_report("a")
+    assert r is not None and "disk on fire" in r.degraded and r.stored_pages == 0 and not r.store_pending
+    assert len(a.generate("a", 4)) == 4  # the request is served from its own cache
+    assert a.engine_command("kv_stats", {})["degraded"] == 1

@@ -12,6 +12,12 @@ page format are ``instance.hf_pages``; the store is ``kv=`` (e.g. ``client.kv``)
 instance runtime's client (``bind_kv``). Pages are keyed by a model id: ``kv_model_id`` (e.g. repo@revision),
 else a fingerprint of the config and weights, recomputed after ``transform_into``.
 
+Pages stored after the reply (``kv_store_in_background=True``): the new full pages are written by a thread
+of the adaptor's once the prefill has returned, so its first token does not wait for the page store
+(``instance.hf_store_behind``); the ``prefill`` engine command's report then says ``store_pending``, and
+``kv_report`` (and ``kv_stats``) wait for the store. A later turn elsewhere that arrives first finds fewer
+pages stored, as with any write-back cache.
+
 Local prefix cache (``continue_from``, per request): a prefill may name an earlier request on this instance
 whose KV cache it starts from, as a real engine's prefix cache would. The new request *takes over* that
 request's cache — the earlier request is removed, its cache cropped to the longest common prefix of its tokens
@@ -34,6 +40,7 @@ so pages are only valid at their original positions: ``position_ids`` start at t
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 import time
@@ -53,6 +60,7 @@ from tensorcast.instance.hf_pages import (
     plan_prefill,
     store_pages,
 )
+from tensorcast.instance.hf_store_behind import StoreBehind
 from tensorcast.kv.keys import KVLayout, page_keys
 
 __all__ = ["HFCausalLMAdaptor", "PrefillReport", "tiny_llama"]
@@ -99,7 +107,7 @@ class HFCausalLMAdaptor:
 
     def __init__(self, model: Any, *, kv_tokens_capacity: int = 1 << 20, kv: PageIO | None = None,
                  kv_reuse: bool = False, kv_page_size: int = 16, kv_model_id: str | None = None,
-                 kv_page_ttl: float | None = None) -> None:
+                 kv_page_ttl: float | None = None, kv_store_in_background: bool = False) -> None:
         self.model = model.eval()
         # transformers renamed ``past_key_values`` to ``cache`` (5.2x); speak whichever this version takes.
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -113,6 +121,9 @@ class HFCausalLMAdaptor:
         self.kv_model_id = kv_model_id
         self.kv_page_ttl = kv_page_ttl
         self.kv_stats = ReuseStats()
+        self._stats_lock = threading.Lock()
+        # Pages stored after the prefill replied (its first token does not wait for them), or before.
+        self._behind = StoreBehind(self.kv_stats, self._stats_lock) if kv_store_in_background else None
         self.forwarded_tokens = 0  # every token a forward pass ran on: what reuse saves is visible here
         self._layout: KVLayout | None = None
         if kv_reuse:
@@ -217,11 +228,19 @@ class HFCausalLMAdaptor:
         t0, before = time.perf_counter(), self.forwarded_tokens
         out, cache = self._forward(ids[:, start:], cache, start)
         report.prefill_s, report.prefilled_tokens = time.perf_counter() - t0, self.forwarded_tokens - before
+        behind = False
         if kv is not None and layout is not None and prefix is not None:
-            store_pages(kv, layout, prefix, self._layers(cache), self.kv_page_ttl, report)
+            store = functools.partial(store_pages, kv, layout, prefix, self._layers(cache), self.kv_page_ttl, report)
+            if self._behind is not None:  # the cache's tensors never change from here on (see hf_store_behind)
+                self._behind.submit(request_id, store, report)
+                behind = True
+            else:
+                store()
         req = _Request(ids, cache, ids.shape[1], out.logits[0, -1].clone(), report)
         self.requests[request_id] = req
-        self.kv_stats.add(report)
+        if not behind:
+            with self._stats_lock:
+                self.kv_stats.add(report)
         return [float(x) for x in req.logits]
 
     def _take_over(self, previous_id: str, input_ids: list[int]) -> tuple[Any, int] | None:
@@ -239,9 +258,18 @@ class HFCausalLMAdaptor:
         prev.cache.crop(keep)
         return prev.cache, keep
 
-    def kv_report(self, request_id: str) -> ReuseReport | None:
-        """What prefix reuse did for the request's prefill (None: hydrated, not prefilled here)."""
-        return self._request(request_id).kv
+    def kv_report(self, request_id: str, *, wait: bool = True) -> ReuseReport | None:
+        """What prefix reuse did for the request's prefill (None: hydrated, not prefilled here); with pages
+        stored in the background, once they are (``wait=False``: as it stands, ``store_pending`` says)."""
+        req = self._request(request_id)
+        if wait and self._behind is not None:
+            self._behind.wait(request_id)
+        return req.kv
+
+    def flush_kv(self, timeout: float | None = None) -> None:
+        """Until every page store submitted so far is done (none run in the background: at once)."""
+        if self._behind is not None:
+            self._behind.wait(timeout=timeout)
 
     def next_logits(self, request_id: str) -> list[float]:
         req = self._request(request_id)
@@ -274,10 +302,12 @@ class HFCausalLMAdaptor:
             rid, reuse, previous = str(args["request_id"]), args.get("kv_reuse"), args.get("continue_from")
             logits = self.prefill(rid, list(args["input_ids"]), kv_reuse=None if reuse is None else bool(reuse),
                                   continue_from=None if previous is None else str(previous))
-            report = self.kv_report(rid)
+            report = self.kv_report(rid, wait=False)  # the reply does not wait for pages stored after it
             return {"logits": logits, "kv": report.as_dict() if report is not None else {}}
         if command == "kv_stats":
-            return self.kv_stats.as_dict()
+            self.flush_kv()
+            with self._stats_lock:
+                return self.kv_stats.as_dict()
         if command == "next_logits":
             return {"logits": self.next_logits(str(args["request_id"]))}
         if command == "generate":

@@ -186,6 +186,7 @@ class ReuseReport:
     read_s: float = 0.0
     prefill_s: float = 0.0
     store_s: float = 0.0
+    store_pending: bool = False  # stored after the reply (``kv_store_in_background``), not done yet
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -24,12 +24,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--ready-file", required=True)
+    ap.add_argument("--kv-store-in-background", action="store_true",
+                    help="store a prefill's new KV pages after it replied (HFCausalLMAdaptor)")
     args = ap.parse_args()
     setup_logging(f"instance-{args.id}")
     import torch
 
     torch.set_num_threads(1)
-    adaptor = HFCausalLMAdaptor(tiny_llama(args.seed, layers=args.layers))
+    adaptor = HFCausalLMAdaptor(tiny_llama(args.seed, layers=args.layers),
+                                kv_store_in_background=args.kv_store_in_background)
     runtime = serve(adaptor, worker=args.worker, instance_id=args.id, token=os.environ.get("TENSORCAST_TOKEN"))
     tmp = Path(args.ready_file).with_suffix(".tmp")
     tmp.write_text(json.dumps({"instance_id": args.id, "address": runtime.address, "pid": os.getpid(),

@@ -31,6 +31,8 @@ from tensorcast.errors import InvalidArgument
 from tensorcast.kv.home import ShardHome
 from tensorcast.obs import metrics, tracing
 from tensorcast.obs.http import HttpServer
+from tensorcast.pool.hugepages import advise_if_small_pages
+from tensorcast.pool.segments import SHM_DIR
 from tensorcast.records import WorkerInfo
 from tensorcast.wire.caller import Caller
 from tensorcast.wire.rpc import HandlerRegistry, RpcServer
@@ -136,6 +138,7 @@ class Worker:
             self._heartbeat_stats, self.storage.drop, lambda: self._register(5.0)))
         log.info("worker %s serving at %s (data %s) roles=%s memory=%d disk=%s", self.worker_id, self.address,
                  self.storage.data_server.address, ",".join(self.roles), cfg.memory_capacity, cfg.disk_dir or "-")
+        advise_if_small_pages(SHM_DIR)
         return self.address
 
     async def stop(self) -> None:
