@@ -329,21 +329,31 @@ def status(show_shards: bool, as_json: bool, watch: bool, interval: float, addre
 
 
 def _watch(client: Client, interval: float) -> None:
-    """Redraw the view in place on a terminal; elsewhere (a pipe, a file), print one frame per interval."""
+    """Redraw the view in place on a terminal; elsewhere (a pipe, a file), print one frame per interval. Ctrl-C
+    (SIGINT) ends it between two frames: raised as KeyboardInterrupt at any point, it could stop the main thread
+    while it holds a lock the client's close then waits for (a logging handler's, say), and the exit would hang."""
     from rich.live import Live
 
     from tensorcast.cli_status import cluster_state, view_tables
 
-    with contextlib.suppress(KeyboardInterrupt):
+    stop = threading.Event()
+    on_main = threading.current_thread() is threading.main_thread()  # where signal handlers can be set
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set()) if on_main else None
+    try:
         if not console.is_terminal:
-            while True:
+            while not stop.is_set():
                 console.print(view_tables(cluster_state(client)))
                 console.file.flush()
-                time.sleep(interval)
+                stop.wait(interval)
+            return
         with Live(view_tables(cluster_state(client)), console=console, auto_refresh=False) as live:
-            while True:
-                time.sleep(interval)
+            while not stop.wait(interval):
                 live.update(view_tables(cluster_state(client)), refresh=True)
+    except KeyboardInterrupt:  # off the main thread, or before the handler was set
+        pass
+    finally:
+        if previous is not None:  # None also for a handler set outside Python: left as it is now
+            signal.signal(signal.SIGINT, previous)
 
 
 def _progress(nbytes: int) -> contextlib.AbstractContextManager[Progress | None]:
