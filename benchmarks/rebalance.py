@@ -36,7 +36,7 @@ cannot keep up with the trace's ~3 requests/s) and keeps its arrival times.
 Usage: python benchmarks/rebalance.py --sim [--quick] [--json PATH] [--plot PREFIX] [--trace PATH]
        [--cost PATH] [--scale S] [--seed N] [--interval S] [--gap N] [--max-moves N] [--cooldown S]
        python benchmarks/rebalance.py --live [--quick] [--json PATH] [--plot PREFIX] [--sessions 8,16,32]
-       [--gaps fast|medium|slow] [--live-gap N] ... (``rebalance_live.py --help``)
+       [--gaps fast|medium|slow] [--gap N] ... (``rebalance_live.py --help``)
        python benchmarks/rebalance.py --fit LIVE_JSON [--cost-out COST_JSON]   (then --sim --cost COST_JSON)
 """
 
@@ -264,7 +264,7 @@ def run_trace(args: argparse.Namespace, config: SimConfig) -> list[dict[str, Any
     return rows
 
 
-def plot(rows: list[dict[str, Any]], prefix: str) -> None:
+def plot(rows: list[dict[str, Any]], prefix: str, cost: str | None) -> None:
     """``PREFIX_ttft.png`` (median TTFT vs sessions) and ``PREFIX_hit.png`` (hit rate vs sessions)."""
     plt = pyplot()
     if plt is None:
@@ -284,7 +284,7 @@ def plot(rows: list[dict[str, Any]], prefix: str) -> None:
             ax.set_xlabel("concurrent sessions")
             ax.set_ylabel(label)
         axes[0][0].legend(fontsize=8)
-        fig.suptitle("SIMULATED, placeholder (uncalibrated) cost model")
+        fig.suptitle(f"SIMULATED, cost model {'fitted: ' + cost if cost else 'placeholder (uncalibrated)'}")
         fig.tight_layout()
         fig.savefig(f"{prefix}_{suffix}.png", dpi=120)
         plt.close(fig)
@@ -331,7 +331,7 @@ def main() -> None:
     print(f"\nrebalancer: Rebalancer(interval_s={args.interval}, gap={args.gap}, max_moves_per_tick={args.max_moves}, "
           f"cooldown_s={args.cooldown}); cost model: {'from ' + args.cost if args.cost else 'placeholder defaults'}")
     if args.plot:
-        plot(results["rows"], args.plot)
+        plot(results["rows"], args.plot, args.cost)
     write_json(args.json, "rebalance", args.quick, mode="sim", settings=settings,
                cost_model=sim_config(args).cost.to_dict(), calibrated=bool(args.cost), **results)
 

@@ -86,7 +86,7 @@ HDR = (f"{'sess':>5} {'policy':<18} {'turns':>6} {'med TTFT s':>10} {'p90 TTFT s
 # ----------------------------------------------------------------- arguments
 def add_live_arguments(ap: argparse.ArgumentParser) -> None:
     """The options only the live run has (``rebalance.py`` adds --quick, --json, --plot, --seed, --interval,
-    --max-moves, --cooldown; the standalone entry point adds them too)."""
+    --gap, --max-moves, --cooldown, the simulator's too; the standalone entry point adds them as well)."""
     ap.add_argument("--sessions", default=None, help="concurrent sessions, comma separated (default 8,16,32; "
                                                       "quick 8,16)")
     ap.add_argument("--gaps", default="fast", choices=("fast", "medium", "slow"), help="inter-turn gap preset")
@@ -102,10 +102,6 @@ def add_live_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kv-store", choices=("sync", "background"), default="sync",
                     help="shared-store policies: an instance stores a prefill's new KV pages before replying "
                          "(sync) or after (background, as a write-back engine cache does)")
-    # The rebalancer's gap counts resident sessions: the class default and the simulator's (1) hold for 2-8
-    # sessions per instance too. (Its first version counted running + waiting requests, a gap of 4 was rarely
-    # exceeded here, and the live run had its own, 2.)
-    ap.add_argument("--live-gap", type=int, default=1, help="rebalancer gap in resident sessions (live)")
     ap.add_argument("--repeats", type=int, default=None,
                     help="runs of every (sessions, policy), turns pooled (default 3; quick 2)")
     ap.add_argument("--policies", default=",".join(POLICIES), help="comma separated subset of " + ",".join(POLICIES))
@@ -138,7 +134,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "kv_store": args.kv_store,
         "seed": getattr(args, "seed", 0),
         "interval_s": getattr(args, "interval", 0.5),
-        "gap": args.live_gap,
+        "gap": getattr(args, "gap", 1),
         "max_moves": getattr(args, "max_moves", 2),
         "cooldown_s": getattr(args, "cooldown", 60.0),
     }
@@ -647,6 +643,7 @@ def main() -> None:
     ap.add_argument("--plot", default=None, help="write a PNG here")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--interval", type=float, default=0.5, help="rebalancer tick, workload seconds")
+    ap.add_argument("--gap", type=int, default=1, help="rebalancer gap in resident sessions that triggers a move")
     ap.add_argument("--max-moves", type=int, default=2, help="rebalancer moves per tick at most")
     ap.add_argument("--cooldown", type=float, default=60.0, help="workload seconds a moved session stays put")
     add_live_arguments(ap)

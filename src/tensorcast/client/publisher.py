@@ -226,24 +226,17 @@ class AsyncWeightPublisher:
     def _digests(self, inputs: list[TensorInput], changed: Collection[str] | None) -> None:
         """Give every input its BLAKE3 digest, reusing the previous publish's where the bytes are the same
         (``changed`` leaves them out, or their XXH3-128 is unchanged), and remember what was found."""
-        seen: dict[str, tuple[str, tuple[int, ...], str, str]] = {}
-        quick: dict[str, str] = {}
-        check: list[TensorInput] = []
+        same = {t.name: b for t in inputs if (b := self._seen.get(t.name)) is not None and b[:2] == (t.dtype, t.shape)}
+        check = [t for t in inputs if t.name not in same or changed is None or t.name in changed]
+        quick = dict(zip((t.name for t in check), _xxh3_all([t.data for t in check]), strict=True))
         for t in inputs:
-            before = self._seen.get(t.name)
-            if before is not None and before[:2] == (t.dtype, t.shape) and changed is not None and \
-                    t.name not in changed:
-                t.digest, quick[t.name] = before[3], before[2]
-            else:
-                check.append(t)
-        quick.update(zip((t.name for t in check), _xxh3_all([t.data for t in check]), strict=True))
-        for t in check:
-            before = self._seen.get(t.name)
-            if before is not None and before[:2] == (t.dtype, t.shape) and before[2] == quick[t.name]:
-                t.digest = before[3]
-        for t in inputs:
-            seen[t.name] = (t.dtype, t.shape, quick[t.name], t.meta.digest)  # .meta: BLAKE3 unless reused above
-        self._seen = seen
+            before = same.get(t.name)
+            if before is not None:
+                quick.setdefault(t.name, before[2])  # not read (``changed`` leaves it out): as it was
+                if quick[t.name] == before[2]:
+                    t.digest = before[3]
+        # .meta: the BLAKE3 digest, computed now unless reused above.
+        self._seen = {t.name: (t.dtype, t.shape, quick[t.name], t.meta.digest) for t in inputs}
 
     async def _collect(self, versions: Mapping[int, ArtifactInfo], ctx: CallContext | None) -> list[int]:
         in_use = await list_in_use(self.client.caller, self.model, ctx)
