@@ -221,6 +221,11 @@ class ClientConfig(msgspec.Struct, frozen=True, kw_only=True):
     # into pages already faulted in); one unused for this long is unmapped, since it also keeps the memory
     # of a segment the worker has freed meanwhile.
     write_maps_idle_seconds: float = 5.0
+    # Same-host reads map the places a worker named for an artifact's tensors the first time, kept for this
+    # many artifacts (0: ask the worker every time). The reads are reported to the worker afterwards, at most
+    # every ``read_report_seconds``, for its least-recently-used order and metrics (client.read_maps).
+    read_map_entries: int = 4096
+    read_report_seconds: float = 0.25
 
 
 class MetricsConfig(msgspec.Struct, frozen=True, kw_only=True):

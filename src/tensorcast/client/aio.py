@@ -142,6 +142,15 @@ class AsyncArtifact(ArtifactBase):
         # A rank's view by its model type's rules: (slices, view id), built once (prefetch, then tensor_dict).
         self._rank_views: dict[TP, tuple[dict[str, tuple[SliceSpec, ...]], str]] = {}
 
+    def _kept(self, names: tuple[str, ...], like: str, source: str, device: str) -> dict[str, Any] | None:
+        """The tensors from places a same-host worker named before, with no round trip (``client.read_maps``),
+        or None. Any thread."""
+        got = self.client.reader.materialize_kept(self.info, names, like, source, device)
+        if got is None:
+            return None
+        out, self.last_diagnostics = got
+        return out
+
     async def _materialize(self, names: tuple[str, ...], like: str, source: str,
                            slices: dict[str, tuple[SliceSpec, ...]] | None = None,
                            device: str = "cpu") -> dict[str, Any]:
@@ -271,6 +280,7 @@ class AsyncClient:
             with contextlib.suppress(TensorCastError):
                 await binding.close()
         await self.kv.aclose()
+        await self.reader.close()
         await self.caller.close()
         self.transport.close()
         self.writer.close()
@@ -390,7 +400,9 @@ class AsyncClient:
 
     async def delete(self, key_or_id: str) -> str:
         """Delete the artifact (and every key pointing at it); returns its id."""
-        return (await self.caller.call(DeleteArtifact(key_or_id=key_or_id), Deleted)).artifact_id
+        artifact_id = (await self.caller.call(DeleteArtifact(key_or_id=key_or_id), Deleted)).artifact_id
+        self.reader.kept.forget(artifact_id)
+        return artifact_id
 
     async def list_workers(self) -> list[WorkerInfo]:
         """Signal: every worker's roles, memory/disk use, network pressure and liveness (one GS read)."""

@@ -1,21 +1,24 @@
 """Materializing artifacts and views on the caller's side: pick a replica, map or fetch, report.
 
-Owns: the source order (``auto``: this host's memory, this host's disk, other workers' memory, other
-workers' disk; ``local_only``; ``prefer_p2p``: any memory replica before any disk one; ``prefer_disk``),
-same-host zero-copy mapping (copy-on-write), fetching over the data plane for other hosts (several
-streams for large ranges; slices cut by the holder, so only their bytes travel), retries (a corrupted
-chunk is fetched again; a failed holder makes way for the next replica), and ``Diagnostics``. With
-``device="cuda[:N]"``: a same-host worker's copy on that device is opened with CUDA IPC (no copy);
-otherwise the host tensors above are copied to the device through pinned staging buffers, pipelined
-(``transport.h2d``). Holds the caller, the transport and the locality it is given; does not own the
-client (``client.aio``) or any connection.
+Owns: the source order (``auto``: this host's memory, this host's disk, other workers' memory, other workers'
+disk; ``local_only``; ``prefer_p2p``: any memory replica before any disk one; ``prefer_disk``), same-host zero-
+copy mapping (copy-on-write; after the first, from places kept in ``client.read_maps``, with the reads reported to
+the worker in the background at most every ``client.read_report_seconds``), fetching over the data plane for other
+hosts (several streams for large ranges; slices cut by the holder, so only their bytes travel), retries (a
+corrupted chunk is fetched again; a failed holder makes way for the next replica), and ``Diagnostics``. With
+``device="cuda[:N]"``: a same-host worker's copy on that device is opened with CUDA IPC (no copy); otherwise the
+host tensors above are copied to the device through pinned staging buffers, pipelined (``transport.h2d``). Holds
+the caller, the transport and the locality it is given; does not own the client (``client.aio``) or any
+connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,21 +27,24 @@ import numpy as np
 
 from tensorcast.checksums import ChunkCorrupted
 from tensorcast.client.locality import Locality
+from tensorcast.client.read_maps import ReadMaps
 from tensorcast.config import Config
 from tensorcast.context import CallContext
 from tensorcast.cuda import cuda_available
 from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, Unavailable, clip
 from tensorcast.pool.segments import SegmentGone, map_private
-from tensorcast.records import ArtifactInfo, ReplicaInfo, SliceSpec, TensorMeta
+from tensorcast.records import ArtifactInfo, ReplicaInfo, SegmentRef, SliceSpec, TensorMeta
 from tensorcast.tensors import digest_bytes, import_torch, numpy_dtype, raw_dtype, wrap_bytes
 from tensorcast.transport.base import Transport, stream_count
 from tensorcast.transport.cuda_ipc import import_handle
 from tensorcast.transport.h2d import to_device
 from tensorcast.views import apply_slices, byte_range, sliced_shape
 from tensorcast.wire.caller import Caller
-from tensorcast.wire.messages import DataRequest, Mapped, MapTensors
+from tensorcast.wire.messages import Ack, DataRequest, Mapped, MapTensors, ReadCount, ReportReads
 
 __all__ = ["SOURCES", "Diagnostics", "Reader"]
+
+log = logging.getLogger("tensorcast.client")
 
 SOURCES = ("auto", "local_only", "prefer_p2p", "prefer_disk")
 
@@ -64,6 +70,12 @@ class Reader:
         self.locality = locality
         self.config = config.transport
         self.verify_remote_reads = config.client.verify_remote_reads
+        self.kept = ReadMaps(config.client.read_map_entries)
+        self.report_s = config.client.read_report_seconds
+        self._report_timers: dict[str, asyncio.TimerHandle] = {}
+        self._reported_at: dict[str, float] = {}
+        self._report_tasks: set[asyncio.Future[None]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the client's loop, where reports are sent from
 
     def order(self, info: ArtifactInfo, source: str) -> list[ReplicaInfo]:
         if source not in SOURCES:
@@ -92,6 +104,7 @@ class Reader:
                           slices: Mapping[str, tuple[SliceSpec, ...]] | None = None,
                           source: str = "auto", device: str = "cpu",
                           ctx: CallContext | None = None) -> tuple[dict[str, Any], Diagnostics]:
+        self._loop = asyncio.get_running_loop()
         ctx = self.caller.context(ctx=ctx)
         if like not in ("torch", "numpy"):
             raise InvalidArgument(f"like must be 'torch' or 'numpy', got {clip(like)}")
@@ -134,37 +147,132 @@ class Reader:
         assert last is not None
         raise last
 
+    def materialize_kept(self, info: ArtifactInfo, names: tuple[str, ...], like: str, source: str = "auto",
+                         device: str = "cpu") -> tuple[dict[str, Any], Diagnostics] | None:
+        """The tensors mapped from places kept for the replica ``materialize`` would read first, if it is a
+        same-host memory replica whose places are kept; else None (then ``materialize``). No round trip and no
+        event loop: safe to call from any thread (a synchronous client calls it on the caller's thread)."""
+        if device != "cpu" or like not in ("torch", "numpy") or source not in SOURCES or self._loop is None:
+            return None
+        try:
+            replica = self.order(info, source)[0]
+        except Unavailable:
+            return None
+        if replica.tier != "memory" or not self.locality.same_host(replica.host_id):
+            return None
+        kept = self.kept.places(info.id, replica.worker_id, names)
+        if kept is None:
+            return None
+        t0 = time.perf_counter()
+        metas = {t.name: t for t in info.tensors}
+        try:
+            out = self._map_refs(names, metas, kept, like, {})
+        except SegmentGone:  # the segment went (its artifact was deleted or evicted): ask the worker
+            self.kept.forget(info.id, replica.worker_id)
+            return None
+        self._count_kept_read(replica.address, info.id, kept)
+        diag = Diagnostics(replica=replica.worker_id, tier="memory", transport="shared-memory",
+                           seconds=time.perf_counter() - t0)
+        return out, diag
+
+    def _count_kept_read(self, address: str, artifact_id: str, refs: Sequence[SegmentRef]) -> None:
+        self.kept.count_read(address, artifact_id, sum(r.size for r in refs))
+        if address in self._report_timers:
+            return  # the pending report takes this read too (it takes the counts after its timer fired)
+        loop = self._loop
+        assert loop is not None
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            self._report_soon(address)
+        else:
+            loop.call_soon_threadsafe(self._report_soon, address)
+
     async def _map_local(self, info: ArtifactInfo, replica: ReplicaInfo, names: tuple[str, ...],
                          metas: dict[str, TensorMeta], like: str, slices: Mapping[str, tuple[SliceSpec, ...]],
                          diag: Diagnostics, device: str, ctx: CallContext) -> dict[str, Any]:
         want_ipc = device != "cpu" and not any(slices.get(n) for n in names)
+        kept = None if want_ipc else self.kept.places(info.id, replica.worker_id, names)
+        if kept is not None:
+            try:
+                out = self._map_refs(names, metas, kept, like, slices)
+            except SegmentGone:  # the segment went (its artifact was deleted or evicted): ask the worker
+                self.kept.forget(info.id, replica.worker_id)
+            else:
+                diag.transport = "shared-memory"
+                self._count_kept_read(replica.address, info.id, kept)
+                return out
         msg = MapTensors(artifact_id=info.id, names=names, tier=replica.tier, device=device if want_ipc else "")
         mapped = await self.caller.call(msg, Mapped, ctx, address=replica.address)
         if want_ipc and len(mapped.cuda_ipc) == len(names):
             diag.transport = "cuda-ipc"
             return {n: import_handle(h) for n, h in zip(names, mapped.cuda_ipc, strict=True)}
         diag.transport = "shared-memory"
-        out: dict[str, Any] = {}
-        unmapped: list[str] = []
+        out = self._map_refs(names, metas, mapped.segments, like, slices)
+        self.kept.remember(info.id, replica.worker_id, names, mapped.segments)
+        unmapped = tuple(n for n in names if n not in out)
+        if unmapped:  # slab-arena objects: copied out over the data plane
+            out.update(await self._fetch(info, replica, unmapped, metas, like, slices, diag, ctx))
+            diag.transport = "shared-memory"
+        return out
+
+    @staticmethod
+    def _map_refs(names: tuple[str, ...], metas: dict[str, TensorMeta], refs: Sequence[SegmentRef | None],
+                  like: str, slices: Mapping[str, tuple[SliceSpec, ...]]) -> dict[str, Any]:
+        """Map the named places, one mapping per file (a pack chunk, a checkpoint file); a tensor without a
+        place (and with bytes) is left out, for the caller to read."""
         by_file: dict[str, list[tuple[str, tuple[int, int]]]] = {}
-        for name, ref in zip(names, mapped.segments, strict=True):
-            if ref is None and metas[name].nbytes:
-                unmapped.append(name)  # a slab-arena object: copied out over the data plane
-            elif ref is not None:
+        for name, ref in zip(names, refs, strict=True):
+            if ref is not None:
                 by_file.setdefault(ref.path, []).append((name, (ref.offset, ref.size)))
         bufs: dict[str, memoryview] = {}
-        for path, refs in by_file.items():  # one mapping per file (a pack chunk, a checkpoint file)
-            bufs.update(zip((n for n, _ in refs), map_private(path, [span for _, span in refs]), strict=True))
+        for path, spans in by_file.items():
+            bufs.update(zip((n for n, _ in spans), map_private(path, [span for _, span in spans]), strict=True))
+        out: dict[str, Any] = {}
         for name in names:
             meta, buf = metas[name], bufs.get(name)
             if buf is None and meta.nbytes:
-                continue  # unmapped: fetched below
+                continue
             spec = slices.get(name, ())
             out[name] = wrap_bytes(buf, meta, like) if not spec else _slice_local(buf, meta, spec, like)
-        if unmapped:
-            out.update(await self._fetch(info, replica, tuple(unmapped), metas, like, slices, diag, ctx))
-            diag.transport = "shared-memory"
         return out
+
+    # ----------------------------------------------------------------- read reports
+    def _report_soon(self, address: str) -> None:
+        """Report the reads served from kept places of one worker: now if none was sent in the last
+        ``report_s``, else when that interval ends. Off the caller's path; at most one report in flight."""
+        if address in self._report_timers:
+            return
+        loop = asyncio.get_running_loop()
+        delay = max(0.0, self._reported_at.get(address, -math.inf) + self.report_s - loop.time())
+        self._report_timers[address] = loop.call_later(delay, self._start_report, address)
+
+    def _start_report(self, address: str) -> None:
+        self._report_timers.pop(address, None)
+        task = asyncio.ensure_future(self._report(address))
+        self._report_tasks.add(task)
+        task.add_done_callback(self._report_tasks.discard)
+
+    async def _report(self, address: str) -> None:
+        reads = self.kept.take_reports(address)
+        if not reads:
+            return
+        self._reported_at[address] = asyncio.get_running_loop().time()
+        msg = ReportReads(reads=tuple(ReadCount(artifact_id=a, reads=n, nbytes=b) for a, n, b in reads))
+        try:
+            await self.caller.call(msg, Ack, self.caller.context(timeout=max(self.report_s, 1.0) * 5), address=address)
+        except TensorCastError as exc:  # advisory: a lost report costs the worker a use and a metric, no bytes
+            log.debug("read report to %s failed: %s", address, exc)
+
+    async def close(self) -> None:
+        """Send the reads not reported yet (briefly), then stop reporting."""
+        for timer in self._report_timers.values():
+            timer.cancel()
+        self._report_timers.clear()
+        pending = [self._report(a) for a in self.kept.pending()]
+        await asyncio.gather(*pending, *self._report_tasks, return_exceptions=True)
 
     async def _fetch(self, info: ArtifactInfo, replica: ReplicaInfo, names: tuple[str, ...],
                      metas: dict[str, TensorMeta], like: str, slices: Mapping[str, tuple[SliceSpec, ...]],

@@ -96,6 +96,14 @@ def operation(op: str, path: str, nbytes: int, seconds: float, outcome: str = "o
             _OP_SECONDS.observe((op, path), seconds)
 
 
+def kept_maps(reads: int, nbytes: int) -> None:
+    """Gets a same-host caller served from places it kept (``client.read_maps``), reported after the fact: they
+    count as gets (path ``map-kept``) with their bytes, and no duration (the worker did no work)."""
+    if _enabled:
+        _OPS.inc(("get", "map-kept", "ok"), reads)
+        _OP_BYTES.inc(("get", "map-kept"), nbytes)
+
+
 def kv_pages(op: str, hits: int, misses: int = 0) -> None:
     """Pages found (or stored) and missed by one KV request."""
     if _enabled:

@@ -137,6 +137,19 @@ class MapTensors(Msg):
     device: str = ""
 
 
+class ReadCount(msgspec.Struct, frozen=True, kw_only=True):
+    artifact_id: str
+    reads: int
+    nbytes: int
+
+
+class ReportReads(Msg):
+    """Same host: reads a caller served from places this worker named before (``client.read_maps``), without
+    asking again. The worker counts them as gets and as uses for its least-recently-used order."""
+
+    reads: tuple[ReadCount, ...]
+
+
 class Mapped(Msg):
     segments: tuple[SegmentRef | None, ...]
     # With MapTensors.device: one handle per name when the worker holds them all on that device, else ().

@@ -74,6 +74,7 @@ from tensorcast.wire.messages import (
     ReleaseLease,
     RemoveReplica,
     RenewLease,
+    ReportReads,
     RunPlan,
     Unpin,
     Welcome,
@@ -98,6 +99,7 @@ Message = (
     | DataRequest
     | DataReply
     | MapTensors
+    | ReportReads
     | Mapped
     | DropArtifact
     | Prefetch
@@ -173,6 +175,7 @@ REPLY_TO: dict[type, type] = {
     PutCommit: PutDone,
     PutAbort: Ack,
     MapTensors: Mapped,
+    ReportReads: Ack,
     Prefetch: Prefetched,
     RegisterCheckpoint: ArtifactReply,
     Unpin: Ack,

@@ -46,6 +46,7 @@ from tensorcast.wire.messages import (
     PutData,
     PutDone,
     PutPlan,
+    ReportReads,
     Unpin,
 )
 from tensorcast.wire.rpc import HandlerRegistry, Request
@@ -59,6 +60,8 @@ __all__ = ["StorageRole", "nbytes_of"]
 log = logging.getLogger("tensorcast.worker")
 # Seconds without a request before background work may run (the worker is not serving anyone).
 _QUIET = 0.25
+# A report of reads names at most this many artifacts (a caller sends one per interval per worker).
+_MAX_REPORTED = 4096
 
 
 def nbytes_of(tensors: tuple[TensorMeta, ...]) -> int:
@@ -96,6 +99,7 @@ class StorageRole:
         registry.register(PutCommit, self.put_commit)
         registry.register(PutAbort, self.put_abort)
         registry.register(MapTensors, self.map_tensors)
+        registry.register(ReportReads, self.report_reads)
         registry.register(Unpin, self.unpin)
         registry.register(Evict, self.evict)
         registry.register(DropArtifact, self.drop_artifact)
@@ -274,6 +278,16 @@ class StorageRole:
             if all(n in on_device for n in names):
                 return Mapped(segments=refs, cuda_ipc=tuple(export_handle(on_device[n]) for n in names))
         return Mapped(segments=refs)
+
+    async def report_reads(self, msg: ReportReads, req: Request) -> Ack:
+        """Reads a same-host caller served from places this worker named before: uses and gets all the same."""
+        for r in msg.reads[:_MAX_REPORTED]:
+            if r.reads > 0 and self.store.memory.has_replica(r.artifact_id):
+                self.store.touch(r.artifact_id)
+                nbytes = max(r.nbytes, 0)
+                self.moved["shm", "sent"] += nbytes
+                metrics.kept_maps(r.reads, nbytes)
+        return Ack()
 
     async def unpin(self, msg: Unpin, req: Request) -> Ack:
         if msg.worker_id not in ("", self.worker_id):

@@ -1,0 +1,169 @@
+"""Same-host reads from places a worker named before (``client.read_maps``): no round trip after the first
+read, the same bytes, writes that stay private to each result, a place forgotten once its segment is gone,
+and every read still reported to the worker (its get metrics and least-recently-used order)."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import tensorcast as tc
+import tensorcast.aio
+from tensorcast.client.read_maps import ReadMaps
+from tensorcast.errors import NotFound
+from tensorcast.records import SegmentRef
+from tensorcast.testing import running_cluster
+from tensorcast.wire.messages import MapTensors, ReportReads
+
+REPORT_S = 0.2
+CHUNK = 4 << 20  # the worker's pack chunks: a larger tensor gets a segment of its own
+
+
+def _ref(path: str, offset: int = 0, tier: str = "memory") -> SegmentRef:
+    return SegmentRef(path=path, size=16, offset=offset, tier=tier)
+
+
+def test_places_are_kept_per_artifact_and_worker_and_bounded() -> None:
+    maps = ReadMaps(max_entries=2)
+    maps.remember("a", "w0", ["x", "y", "z"], [_ref("/f", 0), _ref("/f", 4096), None])
+    assert maps.places("a", "w0", ["y", "x"]) == [_ref("/f", 4096), _ref("/f", 0)]
+    assert maps.places("a", "w0", ["x", "z"]) is None  # z was not mappable: every name or nothing
+    assert maps.places("a", "w1", ["x"]) is None  # another worker's replica is another place
+    maps.remember("b", "w0", ["x"], [_ref("/disk", tier="disk")])
+    assert maps.places("b", "w0", ["x"]) is None  # a disk-tier file may be rewritten: never kept
+    maps.remember("c", "w0", ["x"], [_ref("/g")])
+    maps.places("a", "w0", ["x"])  # a use: "a" is now the most recent
+    maps.remember("d", "w0", ["x"], [_ref("/h")])
+    assert maps.places("b", "w0", ["x"]) is None and maps.places("c", "w0", ["x"]) is None
+    assert maps.places("a", "w0", ["x"]) is not None and maps.places("d", "w0", ["x"]) is not None
+    maps.forget("a")
+    assert maps.places("a", "w0", ["x"]) is None and len(maps) == 1
+    assert ReadMaps(max_entries=0).places("a", "w0", ["x"]) is None
+
+
+def test_reads_are_counted_per_worker_until_taken() -> None:
+    maps = ReadMaps()
+    maps.count_read("w0:1", "a", 100)
+    maps.count_read("w0:1", "a", 100)
+    maps.count_read("w0:1", "b", 7)
+    maps.count_read("w1:1", "a", 100)
+    assert sorted(maps.pending()) == ["w0:1", "w1:1"]
+    assert sorted(maps.take_reports("w0:1")) == [("a", 2, 200), ("b", 1, 7)]
+    assert maps.take_reports("w0:1") == [] and maps.pending() == ["w1:1"]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tc.LocalCluster]:
+    with running_cluster(workers=1, memory_capacity="256MiB",
+                         config={"worker.prefault_chunk_bytes": str(CHUNK)}) as c:
+        yield c
+
+
+@pytest.fixture()
+def reader(cluster: tc.LocalCluster) -> Iterator[tc.Client]:
+    cfg = tc.Config.from_flat({"client.read_report_seconds": REPORT_S})
+    with tc.connect(cluster.address, config=cfg) as c:
+        yield c
+
+
+class CountCalls:
+    """Counts the requests of some types a client sends, passing them on."""
+
+    def __init__(self, client: tc.Client, *types: type) -> None:
+        self.types, self.seen = types, 0
+        inner = client.aio.caller.call
+
+        async def call(msg: Any, *args: Any, **kwargs: Any) -> Any:
+            self.seen += isinstance(msg, self.types)
+            return await inner(msg, *args, **kwargs)
+
+        client.aio.caller.call = call  # type: ignore[method-assign]
+
+
+def _kept_gets(cluster: tc.LocalCluster) -> float:
+    """The worker's count of gets served from kept places (reported after the fact)."""
+    url = next(u for wid, u in cluster.metrics_urls.items() if wid != "gs")
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "tensorcast_operations_total" and s.labels.get("path") == "map-kept")
+
+
+def test_a_second_read_asks_no_one_and_each_result_stays_private(reader: tc.Client) -> None:
+    data = np.random.default_rng(1).integers(0, 255, (256, 1024), dtype=np.uint8)
+    art = reader.put({"w": data, "b": data[0].copy()})
+    maps = CountCalls(reader, MapTensors)
+    first = art.tensor_dict(like="numpy")["w"]
+    assert maps.seen == 1
+    again = [art.tensor("w", like="numpy") for _ in range(3)] + [art.tensor_dict(like="numpy")["w"]]
+    assert maps.seen == 1  # the places were kept: no round trip, not even to the client's own loop
+    assert all(np.array_equal(t, data) for t in [first, *again])
+    first[0, :8] = 255  # copy-on-write: a result's writes stay in that result
+    assert np.array_equal(again[0], data) and np.array_equal(art.tensor("w", like="numpy"), data)
+    assert art.last_diagnostics is not None and art.last_diagnostics.transport == "shared-memory"
+
+
+def test_async_reads_use_kept_places_too(cluster: tc.LocalCluster) -> None:
+    import asyncio
+
+    async def main() -> int:
+        async with await tc.aio.connect(cluster.address) as c:
+            data = np.arange(1 << 16, dtype=np.float32)
+            art = await c.put(data)
+            seen = 0
+            inner = c.caller.call
+
+            async def call(msg: Any, *args: Any, **kwargs: Any) -> Any:
+                nonlocal seen
+                seen += isinstance(msg, MapTensors)
+                return await inner(msg, *args, **kwargs)
+
+            c.caller.call = call  # type: ignore[method-assign]
+            for _ in range(3):
+                assert np.array_equal(await art.tensor(like="numpy"), data)
+            return seen
+
+    assert asyncio.run(main()) == 1
+
+
+def test_kept_reads_are_reported_to_the_worker(cluster: tc.LocalCluster, reader: tc.Client) -> None:
+    art = reader.put(np.ones(1 << 20, dtype=np.uint8))
+    reports = CountCalls(reader, ReportReads)
+    before = _kept_gets(cluster)
+    art.tensor(like="numpy")  # asks the worker (counted there as a plain get)
+    reads = 50
+    for _ in range(reads):
+        art.tensor(like="numpy")
+    # Reported at most every REPORT_S: the first at once, the rest together when the interval ends.
+    deadline = time.monotonic() + 10 * REPORT_S + 5.0
+    while _kept_gets(cluster) - before < reads and time.monotonic() < deadline:
+        time.sleep(REPORT_S / 2)
+    assert _kept_gets(cluster) - before == reads
+    assert 1 <= reports.seen <= 3
+
+
+def test_this_client_deleting_forgets_at_once(reader: tc.Client) -> None:
+    art = reader.put(np.zeros(4096, dtype=np.uint8))
+    art.tensor(like="numpy")
+    reader.delete(art.id)
+    with pytest.raises(NotFound):
+        art.tensor(like="numpy")
+
+
+def test_a_place_whose_segment_went_is_forgotten_and_the_worker_asked(cluster: tc.LocalCluster,
+                                                                      reader: tc.Client) -> None:
+    data = np.random.default_rng(2).integers(0, 255, CHUNK + (1 << 20), dtype=np.uint8)  # a segment of its own
+    art = reader.put(data)
+    assert np.array_equal(art.tensor(like="numpy"), data)
+    with tc.connect(cluster.address) as other:
+        other.delete(art.id)  # its segment goes (unlinked: a caller mapped it, so it is never reused)
+    maps = CountCalls(reader, MapTensors)
+    with pytest.raises(NotFound):
+        art.tensor(like="numpy")
+    assert maps.seen >= 1 and len(reader.aio.reader.kept) == 0
