@@ -243,7 +243,7 @@ class StorageRole:
         done = await self.parts.gs.commit_artifact(info, req.ctx, key=put.key, ttl=put.ttl, tiers=tiers)
         if put.placement.replicas > 1:
             done = await self._replicate(done, put.placement.replicas - 1, req.ctx)
-        log.info("stored artifact %s (%d bytes, %s, tiers %s)%s", put.artifact_id, info.nbytes, put.placement.name,
+        log.debug("stored artifact %s (%d bytes, %s, tiers %s)%s", put.artifact_id, info.nbytes, put.placement.name,
                  ",".join(tiers), f" key={put.key}" if put.key else "")
         self.moved["shm", "received"] += written
         metrics.operation("put", "network" if put.stream else "shm", info.nbytes, time.monotonic() - put.started)
