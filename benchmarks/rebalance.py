@@ -62,6 +62,7 @@ from tensorcast.sim import (
     PrefillSample,
     Replay,
     SimConfig,
+    busy_overlap,
     fit,
     simulate,
 )
@@ -146,6 +147,27 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": rows, "trace": trace_rows, "verdicts": verdicts}
 
 
+def _busy_others(turns: list[dict[str, Any]]) -> dict[int, tuple[float, float]]:
+    """For each turn of a live run: how many other instances were busy (serving a turn) during its prefill and
+    during its decoding, on average (``sim.cost.busy_overlap``). Turns of one point run together."""
+    out: dict[int, tuple[float, float]] = {}
+    points: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in turns:
+        points.setdefault((r["policy"], r["sessions"], r["repeat"], r.get("preset")), []).append(r)
+    for rows in points.values():
+        spans = {id(r): (r["issued_s"] + r["queue_s"], r["issued_s"] + r["queue_s"] + r["prefill_call_s"],
+                         r["issued_s"] + r["queue_s"] + r["prefill_call_s"] + r["decode_call_s"]) for r in rows}
+        by_instance: dict[str, list[tuple[float, float]]] = {}
+        for r in rows:
+            start, _, end = spans[id(r)]
+            by_instance.setdefault(r["instance"], []).append((start, end))
+        for r in rows:
+            start, mid, end = spans[id(r)]
+            others = {k: v for k, v in by_instance.items() if k != r["instance"]}
+            out[id(r)] = (busy_overlap(start, mid, others), busy_overlap(mid, end, others))
+    return out
+
+
 def fit_live(path: str, out: str | None) -> dict[str, Any]:
     """Fit the simulator's cost model to a live run's samples (``--live --json PATH`` writes them): prefill on
     (computed, cached tokens) -> the forward's seconds, a decode step on (batch, context) -> seconds per token,
@@ -157,13 +179,15 @@ def fit_live(path: str, out: str | None) -> dict[str, Any]:
     turns = live["calibration_samples"]["turns"]
     moves = [m for m in live["calibration_samples"]["moves"] if m.get("ok") and m["kv_tokens"]]
 
-    def prefill(rows: list[dict[str, Any]]) -> list[PrefillSample]:
-        return [PrefillSample(r["computed_tokens"], r["local_tokens"] + r["shared_tokens"], r["prefill_s"])
-                for r in rows if r["prefill_s"] > 0]
+    busy = _busy_others(turns)
 
-    def decode(rows: list[dict[str, Any]]) -> list[DecodeSample]:
-        return [DecodeSample(r["decode_batch"], r["decode_context"], r["decode_call_s"] / r["decode_tokens"])
-                for r in rows if r["decode_tokens"] > 0]
+    def prefill(rows: list[dict[str, Any]]) -> list[PrefillSample]:
+        return [PrefillSample(r["computed_tokens"], r["local_tokens"] + r["shared_tokens"], r["prefill_s"],
+                              busy[id(r)][0]) for r in rows if r["prefill_s"] > 0]
+
+    def decode(rows: list[dict[str, Any]]) -> list[DecodeSample]:  # one call decodes a whole turn's output
+        return [DecodeSample(r["decode_batch"], r["decode_context"], r["decode_call_s"], busy[id(r)][1],
+                             steps=r["decode_tokens"]) for r in rows if r["decode_tokens"] > 0]
 
     last = max(r["repeat"] for r in turns)
     train = [r for r in turns if r["repeat"] != last] if last else turns

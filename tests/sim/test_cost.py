@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tensorcast.errors import InvalidArgument
-from tensorcast.sim import CostModel, DecodeSample, PrefillSample, fit, relative_errors
+from tensorcast.sim import CostModel, DecodeSample, PrefillSample, busy_overlap, fit, relative_errors
 
 TRUE = CostModel(prefill_base_s=0.05, prefill_per_token_s=1.5e-3, prefill_per_token2_s=3e-7,
                  prefill_per_cached_s=1e-7, decode_base_s=0.025, decode_per_seq_s=1.2e-3,
@@ -115,3 +115,35 @@ def test_the_model_round_trips_through_json_and_refuses_nonsense() -> None:
         CostModel(decode_base_s=-1.0)
     with pytest.raises(InvalidArgument):
         CostModel(transfer_bandwidth=0.0)
+
+
+def test_busy_overlap_counts_each_other_instance_by_the_share_of_the_window_it_was_busy() -> None:
+    others = {"a": [(0.0, 1.0), (0.5, 2.0)],  # overlapping turns of one instance count once: busy 0-2
+              "b": [(3.0, 4.0)],             # wholly outside
+              "c": [(1.5, 10.0)]}
+    assert busy_overlap(1.0, 3.0, others) == pytest.approx(0.5 + 0.0 + 0.75)
+    assert busy_overlap(2.0, 2.0, others) == 0.0
+    assert busy_overlap(0.0, 1.0, {}) == 0.0
+
+
+def test_fit_recovers_contention_and_the_per_request_decode_setup() -> None:
+    true = CostModel(prefill_base_s=0.004, prefill_per_token_s=1.2e-5, prefill_per_token2_s=8e-9,
+                     prefill_per_cached_s=3e-8, decode_base_s=0.002, decode_per_seq_s=0.0, decode_per_context_s=3.5e-7,
+                     decode_per_request_s=0.003, prefill_contention=0.3, decode_contention=0.15)
+    rng = np.random.default_rng(4)
+    prefill, decode = [], []
+    for _ in range(120):
+        L, C, busy = int(rng.integers(1, 2048)), int(rng.integers(0, 4096)), float(rng.uniform(0, 3))
+        prefill.append(PrefillSample(L, C, true.prefill_s(L, C, busy), busy))
+        steps, ctx = int(rng.integers(1, 20)), int(rng.integers(64, 4096))
+        decode.append(DecodeSample(1, ctx, true.decode_s(steps, 1, ctx, busy), busy, steps=steps))
+    result = fit(prefill, decode)
+    m = result.model
+    assert m.prefill_contention == pytest.approx(0.3) and m.decode_contention == pytest.approx(0.15)
+    assert m.decode_per_request_s == pytest.approx(0.003, rel=1e-6)
+    assert m.decode_base_s == pytest.approx(0.002, rel=1e-6)
+    assert result.prefill_error.median < 1e-9 and result.decode_error.median < 1e-9
+    # Without the contention term the same samples fit worse: it is what explains their spread.
+    alone = fit([PrefillSample(s.uncached, s.cached, s.seconds) for s in prefill],
+                [DecodeSample(s.batch, s.context_tokens, s.seconds, steps=s.steps) for s in decode])
+    assert alone.model.prefill_contention == 0.0 and alone.prefill_error.median > 0.05

@@ -3,6 +3,7 @@ classes driven unchanged through simulated signals, determinism, and no ping-pon
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 
@@ -113,6 +114,29 @@ def test_waiting_requests_share_one_prefill_iteration() -> None:
     first = {t.session_id: t for t in result.turns if t.turn == 0}
     together = COST.prefill_s(64, 0) + 2 * COST.prefill_s(64, 0) - COST.prefill_base_s
     assert first["t"].ttft_s == pytest.approx(together) and first["u"].ttft_s == pytest.approx(together)
+
+
+def test_an_instance_is_slowed_down_while_others_are_busy() -> None:
+    k = 0.5
+    cost = dataclasses.replace(COST, prefill_contention=k, decode_contention=k)
+    two = dataclasses.replace(TWO, cost=cost)
+    sessions = [two_turns(), renamed(two_turns(), "t", seed=1)]
+    result = simulate(Policy("alternate", Alternate()), Replay(sessions), two)
+    first = {t.session_id: t for t in result.turns if t.turn == 0}
+    # Both arrive at 0: the first instance starts alone; the second starts while the first is busy.
+    assert sorted(t.ttft_s for t in first.values()) == pytest.approx([cost.prefill_s(64, 0),
+                                                                      cost.prefill_s(64, 0) * (1 + k)])
+    alone = simulate(Policy("alternate", Alternate()), Replay(sessions[:1]), two)
+    assert alone.turns[0].ttft_s == pytest.approx(cost.prefill_s(64, 0))
+
+
+def test_a_request_pays_its_decoding_setup_once() -> None:
+    r = 0.05
+    with_setup = dataclasses.replace(ONE, cost=dataclasses.replace(COST, decode_per_request_s=r))
+    base = simulate(Policy("one", LoadAwareShared()), Replay([two_turns()]), ONE).turns[0]
+    setup = simulate(Policy("one", LoadAwareShared()), Replay([two_turns()]), with_setup).turns[0]
+    assert setup.ttft_s == pytest.approx(base.ttft_s)  # the first token comes from the prefill
+    assert setup.done_s == pytest.approx(base.done_s + r)
 
 
 class Scripted(Rebalancer):

@@ -7,13 +7,23 @@ time only: no wall clock, threads or sleeping. See ``docs/simulator.md``.
 """
 
 from tensorcast.sim.cluster import SimCluster
-from tensorcast.sim.cost import CostModel, DecodeSample, Fit, FitError, PrefillSample, fit, relative_errors
+from tensorcast.sim.cost import (
+    CostModel,
+    DecodeSample,
+    Fit,
+    FitError,
+    PrefillSample,
+    busy_overlap,
+    fit,
+    relative_errors,
+)
 from tensorcast.sim.engine import EventLoop, SimConfig, SimInstance, SimRequest
 from tensorcast.sim.kvcache import BlockCache, SharedStore, extend_keys
 from tensorcast.sim.metrics import MoveRecord, SimResult, TurnRecord
 from tensorcast.sim.run import ClosedLoop, Policy, Replay, simulate
 
 __all__ = [
+    "busy_overlap",
     "BlockCache",
     "ClosedLoop",
     "CostModel",

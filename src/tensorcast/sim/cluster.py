@@ -9,11 +9,15 @@ target, published to the store if there is one, and the caller reroutes the sess
 ``tensorcast.policies.MoveSession`` does with one plan on a live cluster. The source keeps its copy (a
 publish copies; LRU eviction reclaims it later), also as on a live cluster.
 
+It also tells each instance how many others are busy (``SimInstance.busy_others``), for the cost model's
+contention term: instances that share CPUs slow each other down.
+
 Does not own: deciding (the policy classes, run unchanged), sessions and turns (``sim.run``) or costs.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 from tensorcast.errors import InvalidArgument, NotFound
@@ -35,6 +39,12 @@ class SimCluster:
         self.store = SharedStore() if shared_kv else None
         self.instances = {f"instance-{k}": SimInstance(f"instance-{k}", loop, config, self.store)
                           for k in range(config.instances)}
+        for name, inst in self.instances.items():
+            inst.busy_others = functools.partial(self._busy_others, name)
+
+    def _busy_others(self, instance_id: str) -> float:
+        """Instances other than ``instance_id`` in the middle of an iteration (they contend for the CPUs)."""
+        return float(sum(inst.stepping for name, inst in self.instances.items() if name != instance_id))
 
     def list_instances(self) -> list[InstanceInfo]:
         """Every instance's signals now, as ``Client.list_instances()`` returns them."""

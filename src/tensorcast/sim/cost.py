@@ -2,12 +2,19 @@
 
 Owns: ``CostModel`` (coefficients in the style of DistServe and Vidur: a prefill costs ``a + b·L + c·L² +
 e·L·C`` for ``L`` uncached prompt tokens on top of ``C`` cached ones; a decode step costs ``d0 + d1·batch +
-d2·Σcontext``; moving ``n`` tokens of KV costs ``latency + n·kv_bytes_per_token / bandwidth``), the measured
-samples a live run yields (``PrefillSample``, ``DecodeSample``) and ``fit``: non-negative least squares on
-relative error, reported with its error on held-out samples. Pure arithmetic on numbers passed in.
+d2·Σcontext``, and a request's decoding ``r`` once on top; moving ``n`` tokens of KV costs ``latency +
+n·kv_bytes_per_token / bandwidth``), the measured samples a live run yields (``PrefillSample``,
+``DecodeSample``), ``busy_overlap`` (how many other instances were busy while a sample ran) and ``fit``:
+non-negative least squares on relative error, reported with its error on held-out samples. Pure arithmetic
+on numbers passed in.
 
 Why ``e·L·C``: on top of a cached context each new token attends to the ``C`` cached tokens, so an agent
 turn (a few hundred new tokens on a context of thousands) pays attention work that ``L²`` alone misses.
+
+Why contention (``k``): instances that share CPUs (or a GPU's memory bandwidth) slow each other down. A
+prefill or decode step takes ``(1 + k·n)`` times its cost alone while ``n`` other instances are busy. On the
+live runs of this project (4 instances on 2 cores) it is what most of the fit's error was: the same prefill
+took a third longer when the other instances were busy.
 
 Does not own: when work happens (``sim.engine`` schedules it) or measuring samples (a live run does).
 The defaults are **placeholders** for a small model on CPU, not measurements: replace them with ``fit`` on a
@@ -18,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
@@ -26,7 +33,7 @@ import numpy.typing as npt
 
 from tensorcast.errors import InvalidArgument
 
-__all__ = ["CostModel", "DecodeSample", "Fit", "FitError", "PrefillSample", "fit", "relative_errors"]
+__all__ = ["CostModel", "DecodeSample", "Fit", "FitError", "PrefillSample", "busy_overlap", "fit", "relative_errors"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,9 @@ class CostModel:
     decode_base_s: float = 0.03           # d0: per step (reading the weights)
     decode_per_seq_s: float = 2e-3        # d1: per sequence in the batch
     decode_per_context_s: float = 4e-7    # d2: per context token over the batch (reading its KV)
+    decode_per_request_s: float = 0.0     # r: once per request that decodes (setting up its generation)
+    prefill_contention: float = 0.0       # k: slowdown per other busy instance, prefill
+    decode_contention: float = 0.0        # k: slowdown per other busy instance, decode
     kv_bytes_per_token: int = 12288
     transfer_bandwidth: float = 2e9       # bytes/s, one copy between an engine and a worker (or two workers)
     transfer_latency_s: float = 2e-3      # per copy
@@ -51,15 +61,23 @@ class CostModel:
         if bad or self.transfer_bandwidth <= 0:
             raise InvalidArgument(f"cost model coefficients must be finite and >= 0 (bandwidth > 0): {bad}")
 
-    def prefill_s(self, uncached: int, cached: int = 0) -> float:
-        """One prefill of ``uncached`` prompt tokens whose first ``cached`` tokens' KV is already present."""
+    def prefill_s(self, uncached: int, cached: int = 0, busy_others: float = 0.0) -> float:
+        """One prefill of ``uncached`` prompt tokens whose first ``cached`` tokens' KV is already present, while
+        ``busy_others`` other instances are busy."""
         L = uncached
-        return (self.prefill_base_s + self.prefill_per_token_s * L + self.prefill_per_token2_s * L * L
-                + self.prefill_per_cached_s * L * cached)
+        alone = (self.prefill_base_s + self.prefill_per_token_s * L + self.prefill_per_token2_s * L * L
+                 + self.prefill_per_cached_s * L * cached)
+        return alone * (1 + self.prefill_contention * busy_others)
 
-    def decode_step_s(self, batch: int, context_tokens: int) -> float:
+    def decode_step_s(self, batch: int, context_tokens: int, busy_others: float = 0.0) -> float:
         """One decode step of ``batch`` sequences holding ``context_tokens`` tokens of KV between them."""
-        return self.decode_base_s + self.decode_per_seq_s * batch + self.decode_per_context_s * context_tokens
+        alone = self.decode_base_s + self.decode_per_seq_s * batch + self.decode_per_context_s * context_tokens
+        return alone * (1 + self.decode_contention * busy_others)
+
+    def decode_s(self, steps: int, batch: int, context_tokens: int, busy_others: float = 0.0) -> float:
+        """A whole request's decoding as one call: its setup and ``steps`` steps (the unit a live sample has)."""
+        alone = self.decode_per_request_s + steps * self.decode_step_s(batch, context_tokens)
+        return alone * (1 + self.decode_contention * busy_others)
 
     def kv_bytes(self, tokens: int) -> int:
         return tokens * self.kv_bytes_per_token
@@ -93,20 +111,48 @@ class CostModel:
 
 @dataclass(frozen=True)
 class PrefillSample:
-    """A measured prefill: ``uncached`` tokens computed on top of ``cached`` ones took ``seconds``."""
+    """A measured prefill: ``uncached`` tokens computed on top of ``cached`` ones took ``seconds``, while
+    ``busy_others`` other instances were busy (on average over its duration)."""
 
     uncached: int
     cached: int
     seconds: float
+    busy_others: float = 0.0
 
 
 @dataclass(frozen=True)
 class DecodeSample:
-    """A measured decode step of ``batch`` sequences with ``context_tokens`` tokens between them."""
+    """Measured decoding of ``batch`` sequences with ``context_tokens`` tokens between them: one step
+    (``steps`` 0), or a request's whole decoding, its setup and ``steps`` steps, in one call."""
 
     batch: int
     context_tokens: int
     seconds: float
+    busy_others: float = 0.0
+    steps: int = 0
+
+    def predicted(self, model: CostModel) -> float:
+        if self.steps:
+            return model.decode_s(self.steps, self.batch, self.context_tokens, self.busy_others)
+        return model.decode_step_s(self.batch, self.context_tokens, self.busy_others)
+
+
+def busy_overlap(start: float, end: float, others: Mapping[str, Sequence[tuple[float, float]]]) -> float:
+    """How many other instances were busy during ``[start, end]``, on average: the sum over instances of the
+    fraction of the window that their busy intervals (``others``: instance -> [(start, end)]) cover."""
+    span = end - start
+    if span <= 0:
+        return 0.0
+    total = 0.0
+    for intervals in others.values():
+        covered, reach = 0.0, start
+        for s, e in sorted(intervals):
+            s, e = max(s, reach), min(e, end)
+            if e > s:
+                covered += e - s
+                reach = e
+        total += covered / span
+    return total
 
 
 @dataclass(frozen=True)
@@ -148,14 +194,36 @@ def _nnls_relative(x: Matrix, y: Matrix) -> Matrix:
     return best
 
 
-def _prefill_rows(samples: Sequence[PrefillSample]) -> tuple[Matrix, Matrix]:
-    x = np.array([[1.0, s.uncached, float(s.uncached) ** 2, float(s.uncached) * s.cached] for s in samples])
+def _prefill_rows(samples: Sequence[PrefillSample], k: float) -> tuple[Matrix, Matrix]:
+    x = np.array([[1.0, s.uncached, float(s.uncached) ** 2, float(s.uncached) * s.cached]
+                  for s in samples]) * np.array([[1 + k * s.busy_others] for s in samples])
     return x.reshape(-1, 4), np.array([s.seconds for s in samples], dtype=np.float64)
 
 
-def _decode_rows(samples: Sequence[DecodeSample]) -> tuple[Matrix, Matrix]:
-    x = np.array([[1.0, s.batch, s.context_tokens] for s in samples], dtype=np.float64)
-    return x.reshape(-1, 3), np.array([s.seconds for s in samples], dtype=np.float64)
+def _decode_rows(samples: Sequence[DecodeSample], k: float) -> tuple[Matrix, Matrix]:
+    """Features ``d0, d1, d2, r``: a step's are counted once per step (once for a one-step sample)."""
+    x = np.array([[n, n * s.batch, n * s.context_tokens, 1.0 if s.steps else 0.0]
+                  for s in samples for n in [float(s.steps or 1)]], dtype=np.float64)
+    x = x * np.array([[1 + k * s.busy_others] for s in samples])
+    return x.reshape(-1, 4), np.array([s.seconds for s in samples], dtype=np.float64)
+
+
+# Contention coefficients tried (a grid: the model is linear in the others once k is fixed).
+_CONTENTION = tuple(i / 20 for i in range(41))
+
+
+def _fit_contended(rows: Callable[[float], tuple[Matrix, Matrix]], contended: bool) -> tuple[Matrix, float]:
+    """The coefficients and contention ``k`` with the least relative error on the training samples (k = 0
+    only, when no sample saw another instance busy)."""
+    best: tuple[float, Matrix, float] | None = None
+    for k in _CONTENTION if contended else (0.0,):
+        x, y = rows(k)
+        w = _nnls_relative(x, y)
+        err = float(np.sum(((x @ w) - y) ** 2 / y**2))
+        if best is None or err < best[0]:
+            best = (err, w, k)
+    assert best is not None
+    return best[1], best[2]
 
 
 def relative_errors(predicted: Sequence[float], measured: Sequence[float]) -> FitError:
@@ -199,13 +267,13 @@ def fit(prefill: Sequence[PrefillSample], decode: Sequence[DecodeSample], *, bas
         decode, test_decode = [decode[i] for i in train], [decode[i] for i in test]
     _check(test_prefill, "held-out prefill", 1)
     _check(test_decode, "held-out decode", 1)
-    a, b, c, e = _nnls_relative(*_prefill_rows(prefill))
-    d0, d1, d2 = _nnls_relative(*_decode_rows(decode))
+    (a, b, c, e), kp = _fit_contended(lambda k: _prefill_rows(prefill, k), any(s.busy_others for s in prefill))
+    (d0, d1, d2, r), kd = _fit_contended(lambda k: _decode_rows(decode, k), any(s.busy_others for s in decode))
     model = replace(base or CostModel(), prefill_base_s=float(a), prefill_per_token_s=float(b),
                     prefill_per_token2_s=float(c), prefill_per_cached_s=float(e), decode_base_s=float(d0),
-                    decode_per_seq_s=float(d1), decode_per_context_s=float(d2))
+                    decode_per_seq_s=float(d1), decode_per_context_s=float(d2), decode_per_request_s=float(r),
+                    prefill_contention=kp, decode_contention=kd)
     return Fit(model,
-               relative_errors([model.prefill_s(s.uncached, s.cached) for s in test_prefill],
+               relative_errors([model.prefill_s(s.uncached, s.cached, s.busy_others) for s in test_prefill],
                                [s.seconds for s in test_prefill]),
-               relative_errors([model.decode_step_s(s.batch, s.context_tokens) for s in test_decode],
-                               [s.seconds for s in test_decode]))
+               relative_errors([s.predicted(model) for s in test_decode], [s.seconds for s in test_decode]))

@@ -6,7 +6,9 @@ shape and the cost model), ``SimRequest`` (one turn on one instance) and ``SimIn
 continuous batching as vLLM's default scheduler does it without chunked prefill: each iteration is either a
 prefill of the waiting requests that fit (first come first served, prefills first) or one decode step of
 every running request. A request's first token comes at the end of its prefill; a request with more output
-then decodes one token per step until done.
+then decodes one token per step until done. An iteration's duration is fixed when it starts: its cost, slowed
+down by the other instances busy at that moment (``CostModel`` contention; ``busy_others``, set by
+``sim.cluster``), plus the setup of each request that starts decoding in it.
 
 KV: an instance's ``BlockCache`` (prefix caching by block). At admission the request's leading cached blocks
 are reused; with a ``SharedStore`` the blocks after them that the store holds are loaded before the prefill
@@ -115,6 +117,8 @@ class SimInstance:
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.stepping = False  # an iteration is under way; the next starts when it ends
+        # Other instances busy now (``sim.cluster`` sets it): they slow this one down (``CostModel`` contention).
+        self.busy_others: Callable[[], float] = lambda: 0.0
 
     def info(self) -> InstanceInfo:
         """This instance's signals, as ``Client.list_instances()`` reports a real one's."""
@@ -142,8 +146,7 @@ class SimInstance:
         if batch:
             self.loop.at(self.loop.now + self._prefill_s(batch), lambda: self._prefill_done(batch))
         elif self.running:
-            context = sum(r.context_tokens for r in self.running)
-            self.loop.at(self.loop.now + self.cost.decode_step_s(len(self.running), context), self._decode_done)
+            self.loop.at(self.loop.now + self._decode_s(), self._decode_done)
         self.stepping = bool(batch or self.running)
 
     def _admit(self) -> list[SimRequest]:
@@ -169,10 +172,19 @@ class SimInstance:
         return batch
 
     def _prefill_s(self, batch: list[SimRequest]) -> float:
-        """One iteration's prefills (one base cost for the iteration) and the loads from the store before it."""
+        """One iteration's prefills (one base cost for the iteration), slowed down by the other instances busy
+        as it starts, and the loads from the store before it."""
         compute = sum(self.cost.prefill_s(r.turn.prompt_tokens - r.hit_tokens, r.hit_tokens) for r in batch)
+        compute -= (len(batch) - 1) * self.cost.prefill_base_s
         loads = sum(self.cost.transfer_s(r.store_hit_tokens) for r in batch if r.store_hit_tokens)
-        return compute - (len(batch) - 1) * self.cost.prefill_base_s + loads
+        return compute * (1 + self.cost.prefill_contention * self.busy_others()) + loads
+
+    def _decode_s(self) -> float:
+        """One decode step of the running batch, with the setup of the requests that start decoding in it."""
+        context = sum(r.context_tokens for r in self.running)
+        starting = sum(1 for r in self.running if r.generated == 1)
+        alone = self.cost.decode_step_s(len(self.running), context) + starting * self.cost.decode_per_request_s
+        return alone * (1 + self.cost.decode_contention * self.busy_others())
 
     def _prefill_done(self, batch: list[SimRequest]) -> None:
         now = self.loop.now
