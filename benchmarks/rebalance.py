@@ -273,7 +273,7 @@ def run_trace(args: argparse.Namespace, config: SimConfig) -> list[dict[str, Any
     if not args.trace:
         print("trace replay: skipped (no --trace PATH given; a Mooncake-format JSONL trace)")
         return []
-    limit = args.trace_limit if args.trace_limit > 0 else None
+    limit = 2000 if args.trace_limit is None else args.trace_limit if args.trace_limit > 0 else None
     sessions = load_trace(args.trace, scale=args.trace_scale, limit=limit)
     print(f"trace replay: {sum(len(s.turns) for s in sessions)} requests in {len(sessions)} sessions, lengths x "
           f"{args.trace_scale}, arrival times as recorded")
@@ -328,7 +328,8 @@ def main() -> None:
     ap.add_argument("--plot", default=None, metavar="PREFIX", help="write PREFIX_ttft.png and PREFIX_hit.png")
     ap.add_argument("--trace", default=None, help="a Mooncake-format JSONL trace to replay (none by default)")
     ap.add_argument("--trace-scale", type=float, default=1 / 32, help="trace token lengths x this (default 1/32)")
-    ap.add_argument("--trace-limit", type=int, default=2000, help="first N requests of the trace (0: all)")
+    ap.add_argument("--trace-limit", type=int, default=None,
+                    help="first N requests of the trace (0: all; default 2000, live --quick 400)")
     ap.add_argument("--cost", default=None, help="a fitted cost model (CostModel.to_dict JSON)")
     ap.add_argument("--scale", type=float, default=1 / 16, help="agent workload token scale (default 1/16)")
     ap.add_argument("--lifetimes", type=float, default=4.0, help="run length in mean session lifetimes")

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import tensorcast as tc
 import tensorcast.aio
 from tensorcast.client.read_maps import ReadMaps
-from tensorcast.errors import NotFound
+from tensorcast.errors import InvalidArgument, NotFound
 from tensorcast.records import SegmentRef
 from tensorcast.testing import running_cluster
 from tensorcast.wire.messages import MapTensors, ReportReads
@@ -167,3 +167,12 @@ def test_a_place_whose_segment_went_is_forgotten_and_the_worker_asked(cluster: t
     with pytest.raises(NotFound):
         art.tensor(like="numpy")
     assert maps.seen >= 1 and len(reader.aio.reader.kept) == 0
+
+
+def test_a_closed_client_reads_nothing_from_kept_places(cluster: tc.LocalCluster) -> None:
+    c = tc.connect(cluster.address)
+    art = c.put(np.arange(4096, dtype=np.int32))
+    art.tensor(like="numpy")  # its places are kept
+    c.close()
+    with pytest.raises(InvalidArgument, match="closed"):
+        art.tensor(like="numpy")

@@ -15,6 +15,7 @@ connection.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -76,6 +77,7 @@ class Reader:
         self._reported_at: dict[str, float] = {}
         self._report_tasks: set[asyncio.Future[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None  # the client's loop, where reports are sent from
+        self._closed = False
 
     def order(self, info: ArtifactInfo, source: str) -> list[ReplicaInfo]:
         if source not in SOURCES:
@@ -152,8 +154,9 @@ class Reader:
         """The tensors mapped from places kept for the replica ``materialize`` would read first, if it is a
         same-host memory replica whose places are kept; else None (then ``materialize``). No round trip and no
         event loop: safe to call from any thread (a synchronous client calls it on the caller's thread)."""
-        if device != "cpu" or like not in ("torch", "numpy") or source not in SOURCES or self._loop is None:
-            return None
+        if device != "cpu" or like not in ("torch", "numpy") or source not in SOURCES or self._loop is None \
+                or self._closed:
+            return None  # (a closed client: the usual path says so)
         try:
             replica = self.order(info, source)[0]
         except Unavailable:
@@ -188,7 +191,8 @@ class Reader:
         if on_loop:
             self._report_soon(address)
         else:
-            loop.call_soon_threadsafe(self._report_soon, address)
+            with contextlib.suppress(RuntimeError):  # the client closed meanwhile: the report is advisory
+                loop.call_soon_threadsafe(self._report_soon, address)
 
     async def _map_local(self, info: ArtifactInfo, replica: ReplicaInfo, names: tuple[str, ...],
                          metas: dict[str, TensorMeta], like: str, slices: Mapping[str, tuple[SliceSpec, ...]],
@@ -255,24 +259,29 @@ class Reader:
         self._report_tasks.add(task)
         task.add_done_callback(self._report_tasks.discard)
 
-    async def _report(self, address: str) -> None:
+    async def _report(self, address: str, timeout: float | None = None) -> None:
         reads = self.kept.take_reports(address)
         if not reads:
             return
         self._reported_at[address] = asyncio.get_running_loop().time()
         msg = ReportReads(reads=tuple(ReadCount(artifact_id=a, reads=n, nbytes=b) for a, n, b in reads))
+        ctx = self.caller.context(timeout=timeout or max(self.report_s, 1.0) * 5)
         try:
-            await self.caller.call(msg, Ack, self.caller.context(timeout=max(self.report_s, 1.0) * 5), address=address)
+            await self.caller.call(msg, Ack, ctx, address=address)
         except TensorCastError as exc:  # advisory: a lost report costs the worker a use and a metric, no bytes
             log.debug("read report to %s failed: %s", address, exc)
 
     async def close(self) -> None:
-        """Send the reads not reported yet (briefly), then stop reporting."""
+        """Stop reporting; send the reads not reported yet, waiting at most half a second (a report is advisory:
+        a worker that does not answer does not hold up the close)."""
+        self._closed = True
         for timer in self._report_timers.values():
             timer.cancel()
         self._report_timers.clear()
-        pending = [self._report(a) for a in self.kept.pending()]
-        await asyncio.gather(*pending, *self._report_tasks, return_exceptions=True)
+        for task in self._report_tasks:
+            task.cancel()
+        await asyncio.gather(*[self._report(a, timeout=0.5) for a in self.kept.pending()], *self._report_tasks,
+                             return_exceptions=True)
 
     async def _fetch(self, info: ArtifactInfo, replica: ReplicaInfo, names: tuple[str, ...],
                      metas: dict[str, TensorMeta], like: str, slices: Mapping[str, tuple[SliceSpec, ...]],
