@@ -163,7 +163,7 @@ def run_policy(client: tc.Client, ids: list[str], name: str, n_sessions: int, s:
     rng = np.random.default_rng([s["seed"], n_sessions])  # start offsets: the same for every policy
     router = make_router(name, s["seed"])
     rebalancer = (Rebalancer(interval_s=s["interval_s"] * ts, gap=s["gap"], max_moves_per_tick=s["max_moves"],
-                             cooldown_s=s["cooldown_s"] * ts) if name == "tensorcast" else None)
+                             cooldown_s=s["cooldown_s"] * ts) if name.startswith("tensorcast") else None)
     sticky = router if isinstance(router, StickySessions) else None
     mover = MoveSession(client, sticky.table, timeout=60) if sticky is not None else None
     shared = name in SHARED_KV

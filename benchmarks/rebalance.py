@@ -53,17 +53,21 @@ from typing import Any
 
 import rebalance_live
 from benchlib import pyplot, write_json
+from live_driver import SHARED_KV
+from sim_check import check_live
 from tensorcast.policies import CacheAware, LoadAwareShared, PowerOfTwo, Rebalancer, StickySessions
 from tensorcast.sim import (
     ClosedLoop,
     CostModel,
     DecodeSample,
+    OverheadSample,
     Policy,
     PrefillSample,
     Replay,
     SimConfig,
     busy_overlap,
     fit,
+    fit_overheads,
     simulate,
 )
 from tensorcast.workloads import AgentWorkload, load_trace
@@ -71,15 +75,16 @@ from tensorcast.workloads import AgentWorkload, load_trace
 PRESETS = ("fast", "medium", "slow")
 SESSIONS = (16, 32, 64, 128, 256)
 QUICK_SESSIONS = (16, 64)
-POLICIES = ("power-of-two", "cache-aware", "load-aware+shared", "sticky+shared", "tensorcast")
-BASELINE, OURS = "load-aware+shared", "tensorcast"
+POLICIES = ("power-of-two", "cache-aware", "load-aware+shared", "sticky+shared", "tensorcast", "tensorcast-local")
+BASELINE, OURS = "load-aware+shared", ("tensorcast", "tensorcast-local")
 KV_TOKENS_AT_SCALE_1 = 1 << 19  # per instance: 32768 tokens at the default scale 1/16
 # The paper's median-TTFT cuts against load-aware + shared KV (its Fig. 10), at its heaviest load per preset.
 PAPER_CUTS = {"fast": (71.4, 128), "medium": (93.2, 256), "slow": (70.4, 256)}
 
 
-def make_policy(name: str, args: argparse.Namespace) -> Policy:
-    """A fresh policy (policy objects keep state: one per run)."""
+def make_policy(name: str, args: Any) -> Policy:
+    """A fresh policy (policy objects keep state: one per run). ``tensorcast``: sticky sessions over a shared page
+    store plus the rebalancer; ``tensorcast-local``: the same without the store (KV moves only with sessions)."""
     if name == "power-of-two":
         return Policy(name, PowerOfTwo(seed=args.seed))
     if name == "cache-aware":
@@ -90,7 +95,7 @@ def make_policy(name: str, args: argparse.Namespace) -> Policy:
         return Policy(name, StickySessions(LoadAwareShared()), shared_kv=True)
     rebalancer = Rebalancer(interval_s=args.interval, gap=args.gap, max_moves_per_tick=args.max_moves,
                             cooldown_s=args.cooldown)
-    return Policy(name, StickySessions(LoadAwareShared()), shared_kv=True, rebalancer=rebalancer)
+    return Policy(name, StickySessions(LoadAwareShared()), shared_kv=name == "tensorcast", rebalancer=rebalancer)
 
 
 def workload(preset: str, args: argparse.Namespace) -> AgentWorkload:
@@ -201,6 +206,13 @@ def fit_live(path: str, out: str | None) -> dict[str, Any]:
         latency = statistics.median(r["shared_read_s"] - r["shared_tokens"] * base.kv_bytes_per_token /
                                     base.transfer_bandwidth for r in reads)
         base = dataclasses.replace(base, transfer_latency_s=max(0.0, latency))
+    # A prefill call beyond its forward pass and its reads: the call itself; with a shared store (the policies
+    # that use one), looking its pages up and storing the new ones before the reply.
+    overheads = [OverheadSample(r["computed_tokens"], r["policy"] in SHARED_KV,
+                                max(0.0, r["prefill_call_s"] - r["prefill_s"] - r["shared_read_s"]))
+                 for r in train if r["prefill_s"] > 0]
+    o, s0, s1 = fit_overheads(overheads)
+    base = dataclasses.replace(base, request_overhead_s=o, store_base_s=s0, store_per_token_s=s1)
     result = fit(prefill(train), decode(train), base=base, test_prefill=prefill(held) if held else None,
                  test_decode=decode(held) if held else None)
     how = f"held-out repeat {last}" if last else "a held-out random quarter"
@@ -240,18 +252,21 @@ def compare(rows: list[dict[str, Any]], counts: tuple[int, ...]) -> list[str]:
     for preset in PRESETS:
         paper, paper_n = PAPER_CUTS[preset]
         for n in sorted({counts[-1], paper_n} & set(counts)):
-            base, ours = _row(rows, preset, n, BASELINE), _row(rows, preset, n, OURS)
-            if base is None or ours is None:
-                continue
-            cut = 100 * (1 - ours["median_ttft_s"] / base["median_ttft_s"])
-            lines.append(f"{preset}, {n} sessions: tensorcast median TTFT {ours['median_ttft_s']:.3f} s vs "
-                         f"load-aware+shared {base['median_ttft_s']:.3f} s: cut {cut:+.1f}% "
-                         f"(paper, {paper_n} sessions: {paper}%)")
+            base = _row(rows, preset, n, BASELINE)
+            for name in OURS:
+                ours = _row(rows, preset, n, name)
+                if base is None or ours is None:
+                    continue
+                cut = 100 * (1 - ours["median_ttft_s"] / base["median_ttft_s"])
+                lines.append(f"{preset}, {n} sessions: {name} median TTFT {ours['median_ttft_s']:.3f} s vs "
+                             f"load-aware+shared {base['median_ttft_s']:.3f} s: cut {cut:+.1f}% "
+                             f"(paper, {paper_n} sessions: {paper}%)")
         for n in counts:
             at = [r for r in rows if r["preset"] == preset and r["sessions"] == n]
-            best, ours = min(at, key=lambda r: r["median_ttft_s"]), _row(rows, preset, n, OURS)
-            if ours is not None and ours["median_ttft_s"] > best["median_ttft_s"]:  # a tie counts as lowest
-                lines.append(f"{preset}, {n} sessions: tensorcast is NOT the lowest median TTFT "
+            best = min(at, key=lambda r: r["median_ttft_s"])
+            ours_best = min((r["median_ttft_s"] for r in at if r["policy"] in OURS), default=None)
+            if ours_best is not None and ours_best > best["median_ttft_s"]:  # a tie counts as lowest
+                lines.append(f"{preset}, {n} sessions: no TensorCast policy has the lowest median TTFT "
                              f"({best['policy']}: {best['median_ttft_s']:.3f} s)")
         drops = []
         for name in POLICIES:
@@ -322,6 +337,8 @@ def main() -> None:
     mode.add_argument("--live", action="store_true", help="run on four live engine instances")
     mode.add_argument("--fit", default=None, metavar="LIVE_JSON",
                       help="fit the simulator's cost model to a --live run's JSON (write it with --cost-out)")
+    mode.add_argument("--check", default=None, metavar="LIVE_JSON",
+                      help="re-simulate a --live run's turns with --cost (else a model fitted to it) and compare TTFTs")
     ap.add_argument("--cost-out", default=None, help="with --fit: write the fitted cost model here")
     ap.add_argument("--quick", action="store_true", help="16 and 64 sessions, shorter sessions (about a minute)")
     ap.add_argument("--json", default=None, help="write the results as JSON here")
@@ -345,6 +362,15 @@ def main() -> None:
     settings = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
     if args.fit:
         write_json(args.json, "rebalance", args.quick, mode="fit", source=args.fit, **fit_live(args.fit, args.cost_out))
+        return
+    if args.check:
+        if args.cost:
+            with open(args.cost) as f:
+                cost = CostModel.from_dict(json.load(f))
+        else:
+            cost = CostModel.from_dict(fit_live(args.check, None)["model"])
+        write_json(args.json, "rebalance", args.quick, mode="check", source=args.check, cost_model=cost.to_dict(),
+                   **check_live(args.check, cost, make_policy))
         return
     if args.live:
         results = rebalance_live.run_live(args)

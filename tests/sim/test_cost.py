@@ -9,7 +9,16 @@ import numpy as np
 import pytest
 
 from tensorcast.errors import InvalidArgument
-from tensorcast.sim import CostModel, DecodeSample, PrefillSample, busy_overlap, fit, relative_errors
+from tensorcast.sim import (
+    CostModel,
+    DecodeSample,
+    OverheadSample,
+    PrefillSample,
+    busy_overlap,
+    fit,
+    fit_overheads,
+    relative_errors,
+)
 
 TRUE = CostModel(prefill_base_s=0.05, prefill_per_token_s=1.5e-3, prefill_per_token2_s=3e-7,
                  prefill_per_cached_s=1e-7, decode_base_s=0.025, decode_per_seq_s=1.2e-3,
@@ -147,3 +156,17 @@ def test_fit_recovers_contention_and_the_per_request_decode_setup() -> None:
     alone = fit([PrefillSample(s.uncached, s.cached, s.seconds) for s in prefill],
                 [DecodeSample(s.batch, s.context_tokens, s.seconds, steps=s.steps) for s in decode])
     assert alone.model.prefill_contention == 0.0 and alone.prefill_error.median > 0.05
+
+
+def test_call_overheads_are_charged_and_fitted() -> None:
+    m = CostModel(request_overhead_s=0.003, store_base_s=0.004, store_per_token_s=3e-6)
+    assert m.overhead_s(1000, shared_store=False) == pytest.approx(0.003)
+    assert m.overhead_s(1000, shared_store=True) == pytest.approx(0.003 + 0.004 + 0.003)
+    rng = np.random.default_rng(5)
+    samples = [OverheadSample(n, shared, m.overhead_s(n, shared) * (1 + 0.02 * rng.standard_normal()))
+               for n in rng.integers(1, 3000, 200) for shared in (False, True)]
+    o, s0, s1 = fit_overheads(samples)
+    assert o == pytest.approx(0.003, rel=0.05)
+    assert s0 == pytest.approx(0.004, rel=0.1) and s1 == pytest.approx(3e-6, rel=0.1)
+    with pytest.raises(InvalidArgument, match="with and without"):
+        fit_overheads([s for s in samples if s.shared_store])

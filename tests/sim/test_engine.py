@@ -130,6 +130,17 @@ def test_an_instance_is_slowed_down_while_others_are_busy() -> None:
     assert alone.turns[0].ttft_s == pytest.approx(cost.prefill_s(64, 0))
 
 
+def test_every_prefill_call_pays_its_overhead_and_a_shared_store_its_page_store() -> None:
+    o, s0, s1 = 0.01, 0.02, 1e-4
+    cost = dataclasses.replace(COST, request_overhead_s=o, store_base_s=s0, store_per_token_s=s1)
+    one = dataclasses.replace(ONE, cost=cost)
+    local = simulate(Policy("local", StickySessions(LoadAwareShared())), Replay([two_turns()]), one).turns[0]
+    shared = simulate(Policy("shared", StickySessions(LoadAwareShared()), shared_kv=True), Replay([two_turns()]),
+                      one).turns[0]
+    assert local.ttft_s == pytest.approx(COST.prefill_s(64, 0) + o)
+    assert shared.ttft_s == pytest.approx(COST.prefill_s(64, 0) + o + s0 + s1 * 64)
+
+
 def test_a_request_pays_its_decoding_setup_once() -> None:
     r = 0.05
     with_setup = dataclasses.replace(ONE, cost=dataclasses.replace(COST, decode_per_request_s=r))

@@ -12,9 +12,11 @@ from tensorcast.sim.cost import (
     DecodeSample,
     Fit,
     FitError,
+    OverheadSample,
     PrefillSample,
     busy_overlap,
     fit,
+    fit_overheads,
     relative_errors,
 )
 from tensorcast.sim.engine import EventLoop, SimConfig, SimInstance, SimRequest
@@ -23,7 +25,6 @@ from tensorcast.sim.metrics import MoveRecord, SimResult, TurnRecord
 from tensorcast.sim.run import ClosedLoop, Policy, Replay, simulate
 
 __all__ = [
-    "busy_overlap",
     "BlockCache",
     "ClosedLoop",
     "CostModel",
@@ -32,6 +33,7 @@ __all__ = [
     "Fit",
     "FitError",
     "MoveRecord",
+    "OverheadSample",
     "Policy",
     "PrefillSample",
     "Replay",
@@ -42,8 +44,10 @@ __all__ = [
     "SimRequest",
     "SimResult",
     "TurnRecord",
+    "busy_overlap",
     "extend_keys",
     "fit",
+    "fit_overheads",
     "relative_errors",
     "simulate",
 ]

@@ -3,10 +3,11 @@
 Owns: ``CostModel`` (coefficients in the style of DistServe and Vidur: a prefill costs ``a + b·L + c·L² +
 e·L·C`` for ``L`` uncached prompt tokens on top of ``C`` cached ones; a decode step costs ``d0 + d1·batch +
 d2·Σcontext``, and a request's decoding ``r`` once on top; moving ``n`` tokens of KV costs ``latency +
-n·kv_bytes_per_token / bandwidth``), the measured samples a live run yields (``PrefillSample``,
-``DecodeSample``), ``busy_overlap`` (how many other instances were busy while a sample ran) and ``fit``:
-non-negative least squares on relative error, reported with its error on held-out samples. Pure arithmetic
-on numbers passed in.
+n·kv_bytes_per_token / bandwidth``; every prefill call ``o`` more, and on an instance that shares a page store,
+``s0 + s1·L`` to look its pages up and store its new ones before the reply), the measured samples a live run
+yields (``PrefillSample``, ``DecodeSample``, ``OverheadSample``), ``busy_overlap`` (how many other instances
+were busy while a sample ran), ``fit``: non-negative least squares on relative error, reported with its error
+on held-out samples, and ``fit_overheads``. Pure arithmetic on numbers passed in.
 
 Why ``e·L·C``: on top of a cached context each new token attends to the ``C`` cached tokens, so an agent
 turn (a few hundred new tokens on a context of thousands) pays attention work that ``L²`` alone misses.
@@ -33,7 +34,8 @@ import numpy.typing as npt
 
 from tensorcast.errors import InvalidArgument
 
-__all__ = ["CostModel", "DecodeSample", "Fit", "FitError", "PrefillSample", "busy_overlap", "fit", "relative_errors"]
+__all__ = ["CostModel", "DecodeSample", "Fit", "FitError", "OverheadSample", "PrefillSample", "busy_overlap", "fit",
+           "fit_overheads", "relative_errors"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,9 @@ class CostModel:
     decode_per_context_s: float = 4e-7    # d2: per context token over the batch (reading its KV)
     decode_per_request_s: float = 0.0     # r: once per request that decodes (setting up its generation)
     prefill_contention: float = 0.0       # k: slowdown per other busy instance, prefill
+    request_overhead_s: float = 0.0       # o: per prefill call beyond its forward pass (the call, the adaptor)
+    store_base_s: float = 0.0             # s0: per prefill with a shared page store (page lookup, store call)
+    store_per_token_s: float = 0.0        # s1: per computed token, stored as pages before the reply
     decode_contention: float = 0.0        # k: slowdown per other busy instance, decode
     kv_bytes_per_token: int = 12288
     transfer_bandwidth: float = 2e9       # bytes/s, one copy between an engine and a worker (or two workers)
@@ -81,6 +86,12 @@ class CostModel:
 
     def kv_bytes(self, tokens: int) -> int:
         return tokens * self.kv_bytes_per_token
+
+    def overhead_s(self, computed: int, shared_store: bool) -> float:
+        """What a prefill call costs beyond its forward pass: ``o``, plus ``s0 + s1·computed`` with a shared page
+        store (the engine looks its pages up and stores the new ones before replying)."""
+        store = self.store_base_s + self.store_per_token_s * computed if shared_store else 0.0
+        return self.request_overhead_s + store
 
     def transfer_s(self, tokens: int) -> float:
         """One copy of ``tokens`` tokens of KV (a fetch from the shared store into an engine is one)."""
@@ -135,6 +146,42 @@ class DecodeSample:
         if self.steps:
             return model.decode_s(self.steps, self.batch, self.context_tokens, self.busy_others)
         return model.decode_step_s(self.batch, self.context_tokens, self.busy_others)
+
+
+@dataclass(frozen=True)
+class OverheadSample:
+    """A measured prefill call's seconds beyond its forward pass and its reads from the store: ``computed``
+    tokens on an instance with (``shared_store``) or without a shared page store."""
+
+    computed: int
+    shared_store: bool
+    seconds: float
+
+
+def fit_overheads(samples: Sequence[OverheadSample]) -> tuple[float, float, float]:
+    """``(o, s0, s1)``: ``o`` the median overhead without a store; ``s0 + s1·computed`` the least-squares line
+    (non-negative) through what calls with a store took beyond ``o``. Absolute seconds: these are a few ms each,
+    and a median is robust to the calls a busy host stretched."""
+    plain = [s.seconds for s in samples if not s.shared_store]
+    stored = [s for s in samples if s.shared_store]
+    if not plain or len(stored) < 2:
+        raise InvalidArgument(f"need calls with and without a shared store to fit overheads "
+                              f"({len(plain)} without, {len(stored)} with)")
+    o = float(np.median(plain))
+    x = np.array([[1.0, float(s.computed)] for s in stored])
+    y = np.array([s.seconds - o for s in stored])
+    best, best_res = (0.0, 0.0), math.inf
+    for cols in ((0,), (1,), (0, 1)):
+        sol, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+        if np.any(sol < 0):
+            continue
+        res = float(np.sum((x[:, cols] @ sol - y) ** 2))
+        if res < best_res:
+            w = [0.0, 0.0]
+            for c, v in zip(cols, sol, strict=True):
+                w[c] = float(v)
+            best, best_res = (w[0], w[1]), res
+    return max(o, 0.0), best[0], best[1]
 
 
 def busy_overlap(start: float, end: float, others: Mapping[str, Sequence[tuple[float, float]]]) -> float:

@@ -172,9 +172,12 @@ class SimInstance:
         return batch
 
     def _prefill_s(self, batch: list[SimRequest]) -> float:
-        """One iteration's prefills (one base cost for the iteration), slowed down by the other instances busy
-        as it starts, and the loads from the store before it."""
-        compute = sum(self.cost.prefill_s(r.turn.prompt_tokens - r.hit_tokens, r.hit_tokens) for r in batch)
+        """One iteration's prefills (one base cost for the iteration) with each request's call overhead and,
+        with a shared store, its page lookup and store; slowed down by the other instances busy as it starts;
+        and the loads from the store before it."""
+        compute = sum(self.cost.prefill_s(r.turn.prompt_tokens - r.hit_tokens, r.hit_tokens)
+                      + self.cost.overhead_s(r.turn.prompt_tokens - r.hit_tokens, self.store is not None)
+                      for r in batch)
         compute -= (len(batch) - 1) * self.cost.prefill_base_s
         loads = sum(self.cost.transfer_s(r.store_hit_tokens) for r in batch if r.store_hit_tokens)
         return compute * (1 + self.cost.prefill_contention * self.busy_others()) + loads
