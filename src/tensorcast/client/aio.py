@@ -142,9 +142,10 @@ class AsyncArtifact(ArtifactBase):
         # A rank's view by its model type's rules: (slices, view id), built once (prefetch, then tensor_dict).
         self._rank_views: dict[TP, tuple[dict[str, tuple[SliceSpec, ...]], str]] = {}
 
-    def _kept(self, names: tuple[str, ...], like: str, source: str, device: str) -> dict[str, Any] | None:
-        """The tensors from places a same-host worker named before, with no round trip (``client.read_maps``),
-        or None. Any thread."""
+    def kept_tensors(self, names: tuple[str, ...], like: str = "torch", source: str = "auto",
+                     device: str = "cpu") -> dict[str, Any] | None:
+        """``names`` mapped from places a same-host worker named before, with no round trip and no event loop
+        (``client.read_maps``); None when they are not all kept (then ``tensor_dict`` asks). Any thread."""
         got = self.client.reader.materialize_kept(self.info, names, like, source, device)
         if got is None:
             return None

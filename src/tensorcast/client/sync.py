@@ -97,14 +97,14 @@ class Artifact(ArtifactBase):
         prefer_disk. ``device="cuda[:N]"`` (torch with CUDA): a same-host worker's copy on that GPU opened
         with CUDA IPC (no copy; ``prefetch(device=...)``), else the bytes copied there through pinned
         staging buffers, pipelined."""
-        single = self._inner._single_name(name)
-        kept = self._inner._kept((single,), like, source, device)  # read before: no hop to the client's loop
+        single = self._single_name(name)
+        kept = self._inner.kept_tensors((single,), like, source, device)  # read before: no hop to the client's loop
         if kept is not None:
             return kept[single]
         return self._sync(self._inner.tensor(name, like, source=source, device=device))
 
     def tensor_dict(self, like: str = "torch", *, source: str = "auto", device: str = "cpu") -> dict[str, Any]:
-        kept = self._inner._kept(self.tensor_names, like, source, device)
+        kept = self._inner.kept_tensors(self.tensor_names, like, source, device)
         if kept is not None:
             return kept
         return self._sync(self._inner.tensor_dict(like, source=source, device=device))
