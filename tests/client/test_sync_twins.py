@@ -18,6 +18,8 @@ NO_TWIN = {
     (AsyncKV, "aclose"): "the sync client closes its KV client with itself",
     (AsyncKV, "close"): "the sync client closes its KV client with itself",
     (AsyncKV, "refresh"): "lease-table refreshes are internal to the KV client's retries",
+    (AsyncArtifact, "kept_tensors"): "already synchronous: the sync Artifact's tensor() and tensor_dict() call it on "
+                                     "the caller's thread before they hop to the client's loop",
 }
 PAIRS = [(AsyncClient, Client), (AsyncArtifact, Artifact), (AsyncView, View), (AsyncKV, KV)]
 
