@@ -72,6 +72,10 @@ stopped, except with ``--netns``). The run refuses to start when /proc/meminfo's
 (``--force`` overrides), and stops (cleanly) rather than start an update when other work on the host has taken
 the memory it needs, so as not to drive the host into its OOM killer.
 
+The model and the measuring helpers are in ``weight_sync_model.py``, the default updater (its save, rank
+processes and file server) in ``default_updater.py``; this file runs TensorCast's side, probes checkpoint-engine
+and reports.
+
 Usage: python benchmarks/weight_sync.py [--quick] [--tp 1,2,4] [--reps N] [--size-gib G] [--stock model|default]
        [--netns] [--files-dir DIR] [--json PATH] [--plot PATH] [--force]
 """
@@ -81,18 +85,12 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
-import http.client
-import http.server
-import json
 import math
 import os
-import random
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -101,177 +99,27 @@ from typing import Any
 import xxhash
 
 from benchlib import mem_available, pyplot, shm_pages, write_json
-
-GiB = 1 << 30
-MODEL = "qwen-rl"
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")  # split dim 0
-ROW = ("o_proj", "down_proj")  # split dim 1; everything else (norms) is replicated
-# Qwen2.5-1.5B and -0.5B (config.json): hidden, heads, KV heads, MLP, vocabulary; both tie lm_head to the embedding.
-QWEN_FULL = {"name": "Qwen2.5-1.5B", "hidden": 1536, "heads": 12, "kv_heads": 2, "inter": 8960, "vocab": 151936,
-             "layers": 28}
-QWEN_QUICK = {"name": "Qwen2.5-0.5B", "hidden": 896, "heads": 14, "kv_heads": 2, "inter": 4864, "vocab": 151936,
-              "layers": 24}
-
-
-# ----------------------------------------------------------------------------------------------- the model
-def qwen2_shapes(dims: dict[str, Any], layers: int) -> dict[str, tuple[int, ...]]:
-    """Qwen2ForCausalLM's state-dict names and shapes (tied embeddings: no lm_head), ``layers`` layers."""
-    h, inter, vocab = dims["hidden"], dims["inter"], dims["vocab"]
-    kv = dims["kv_heads"] * (h // dims["heads"])
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        out.update({
-            p + "self_attn.q_proj.weight": (h, h), p + "self_attn.q_proj.bias": (h,),
-            p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.k_proj.bias": (kv,),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.v_proj.bias": (kv,),
-            p + "self_attn.o_proj.weight": (h, h),
-            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
-    out["model.norm.weight"] = (h,)
-    return out
-
-
-def layers_for(dims: dict[str, Any], target: int) -> int:
-    """The fewest layers (at most the real model's) that make the model at least ``target`` bytes."""
-    fixed = sum(math.prod(s) for s in qwen2_shapes(dims, 0).values()) * 2
-    per = sum(math.prod(s) for s in qwen2_shapes(dims, 1).values()) * 2 - fixed
-    return max(1, min(dims["layers"], -(-(target - fixed) // per)))
-
-
-def nbytes_of(shape: tuple[int, ...]) -> int:
-    return math.prod(shape) * 2  # bf16
-
-
-def make_state(shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    out = {}
-    for name, shape in shapes.items():
-        if name.endswith("norm.weight"):
-            out[name] = torch.ones(shape, dtype=torch.bfloat16)
-        else:
-            out[name] = torch.empty(shape, dtype=torch.bfloat16).uniform_(-0.02, 0.02, generator=g)
-    return out
-
-
-def pick_delta(shapes: dict[str, tuple[int, ...]], frac: float = 0.1, seed: int = 7) -> list[str]:
-    """``frac`` of the tensors, holding just under ``frac`` of the bytes: largest first while the byte budget
-    allows (which layers: seeded at random), until the count is reached."""
-    names = sorted(shapes)
-    random.Random(seed).shuffle(names)
-    names.sort(key=lambda n: -nbytes_of(shapes[n]))  # stable: equal sizes stay in random order
-    want = max(1, round(frac * len(names)))
-    budget = frac * sum(nbytes_of(s) for s in shapes.values())
-    chosen: list[str] = []
-    used = 0
-    for n in names:
-        if len(chosen) < want and used + nbytes_of(shapes[n]) <= budget:
-            chosen.append(n)
-            used += nbytes_of(shapes[n])
-    for n in reversed(names):  # the budget ran out first: the smallest others make up the count
-        if len(chosen) >= want:
-            break
-        if n not in chosen:
-            chosen.append(n)
-    return sorted(chosen)
-
-
-def train_step(state: dict[str, Any], names: list[str]) -> None:
-    """New weights for ``names``, in place: every value moves by one bf16 unit in the last place (new content
-    at every step, so that no version deduplicates against an older one)."""
-    import torch
-
-    for n in names:
-        state[n].view(torch.int16).add_(1)
-
-
-def split_dim(name: str) -> int | None:
-    if any(p in name for p in COLUMN):
-        return 0
-    if any(p in name for p in ROW):
-        return 1
-    return None
-
-
-def shard_range(n: int, rank: int, world: int) -> tuple[int, int]:
-    """``torch.chunk(x, world)[rank]`` along a dimension of size ``n``, as (start, stop)."""
-    per = -(-n // world)
-    lo = min(rank * per, n)
-    return lo, min(lo + per, n)
-
-
-def shard_shape(name: str, shape: tuple[int, ...], rank: int, world: int) -> tuple[int, ...]:
-    dim = split_dim(name)
-    if dim is None:
-        return tuple(shape)
-    lo, hi = shard_range(shape[dim], rank, world)
-    return tuple(hi - lo if d == dim else s for d, s in enumerate(shape))
-
-
-def shard_of(name: str, full: Any, rank: int, world: int) -> Any:
-    dim = split_dim(name)
-    if dim is None:
-        return full
-    lo, hi = shard_range(full.shape[dim], rank, world)
-    return full.narrow(dim, lo, hi - lo)
-
-
-def digest(t: Any) -> str:
-    import blake3
-    import torch
-
-    return blake3.blake3(t.contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
-
-
-# ----------------------------------------------------------------------------------------------- helpers
-def cpu_seconds(pids: list[int]) -> float:
-    """CPU time (user + system) the processes ``pids`` have used so far; gone ones count 0. On a host shared
-    with other work, the CPU an update costs is steadier than its wall time."""
-    return sum(cpu_by_pid(pids).values())
-
-
-def cpu_by_pid(pids: list[int]) -> dict[int, float]:
-    out = {}
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: proc(5) 14, 15
-    return out
-
-
-def cpu_by_role(before: dict[int, float], after: dict[int, float], roles: dict[int, str]) -> dict[str, float]:
-    """CPU seconds used between two ``cpu_by_pid`` readings, summed by role (trainer, w0, w1, ranks...)."""
-    out: dict[str, float] = {}
-    for pid, t in after.items():
-        out[roles.get(pid, "other")] = out.get(roles.get(pid, "other"), 0.0) + t - before.get(pid, t)
-    return {k: round(v, 3) for k, v in out.items()}
-
-
-def ensure_memory(need: int, what: str, wait: float = 60.0) -> None:
-    """Before each update: other work on this host may have taken the memory the run counted on. Wait a while
-    for it to come back, then stop rather than push the host into its OOM killer (it may pick another's
-    process)."""
-    end = time.monotonic() + wait
-    while (avail := mem_available()) < need:
-        if time.monotonic() > end:
-            raise SystemExit(f"stopping before {what}: {avail / GiB:.1f} GiB available, {need / GiB:.1f} GiB needed")
-        time.sleep(2.0)
-
-
-def summarize(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
-
-
-def ratio(base: dict[str, float], other: dict[str, float]) -> dict[str, float]:
-    """base/other: the speed-up of ``other`` over ``base``, of medians, with the range from the extremes."""
-    return {"median": base["median"] / other["median"], "min": base["min"] / other["max"],
-            "max": base["max"] / other["min"]}
+from default_updater import SYSTEMS_DEFAULT, DefaultSide, file_server, run_default
+from weight_sync_model import (
+    MODEL,
+    QWEN_FULL,
+    QWEN_QUICK,
+    GiB,
+    cpu_by_pid,
+    cpu_by_role,
+    cpu_seconds,
+    digest,
+    ensure_memory,
+    layers_for,
+    make_state,
+    nbytes_of,
+    pick_delta,
+    qwen2_shapes,
+    ratio,
+    shard_of,
+    summarize,
+    train_step,
+)
 
 
 # ----------------------------------------------------------------------------------------------- TensorCast
@@ -464,241 +312,6 @@ def run_tensorcast(side: TensorCastSide, state: dict[str, Any], delta: list[str]
         side.stop_ranks()
 
 
-# ----------------------------------------------------------------------------------------------- default updater
-def save_checkpoint(state: dict[str, Any], path: Path, shard_bytes: int = GiB) -> list[str]:
-    """The trainer's save: safetensors shards of <= ``shard_bytes`` and an index, as ``save_pretrained``."""
-    from safetensors.torch import save_file
-
-    path.mkdir(parents=True)
-    files: list[dict[str, Any]] = [{}]
-    for name, t in state.items():
-        if files[-1] and sum(x.nbytes for x in files[-1].values()) + t.nbytes > shard_bytes:
-            files.append({})
-        files[-1][name] = t
-    names, weight_map = [], {}
-    for i, f in enumerate(files):
-        fname = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-        save_file(f, str(path / fname), metadata={"format": "pt"})
-        names.append(str(path / fname))
-        weight_map.update({k: fname for k in f})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return names
-
-
-def rank_server(spec_path: str) -> None:
-    """One rank of the default updater (a process of its own): its tensors, and a load command on stdin."""
-    import torch
-    from safetensors import safe_open
-
-    torch.set_num_threads(1)  # as the TensorCast ranks (one CPU thread each)
-    spec = json.loads(Path(spec_path).read_text())
-    rank, world = spec["rank"], spec["world"]
-    bound = {n: torch.zeros(shard_shape(n, tuple(s), rank, world), dtype=torch.bfloat16)
-             for n, s in spec["shapes"].items()}
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd["op"] == "quit":
-            break
-        if cmd["op"] == "digests":
-            print(json.dumps({n: digest(t) for n, t in bound.items()}), flush=True)
-            continue
-        t0 = time.perf_counter()
-        if cmd["mode"] == "tcp":
-            loaded = load_over_tcp(cmd["url"], cmd["files"], bound, rank, world)
-            print(json.dumps({"seconds": time.perf_counter() - t0, "copied_bytes": loaded}), flush=True)
-            continue
-        loaded = 0
-        for f in cmd["files"]:
-            with safe_open(f, framework="pt") as fh:
-                for name in fh.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
-                    if cmd["mode"] == "whole":  # the default loaders: the whole tensor, then this rank's part
-                        part = shard_of(name, fh.get_tensor(name), rank, world)
-                    else:  # sliced reads: only this rank's part
-                        sl = fh.get_slice(name)
-                        shape = tuple(sl.get_shape())
-                        dim = split_dim(name)
-                        if dim is None:
-                            part = sl[:]
-                        else:
-                            lo, hi = shard_range(shape[dim], rank, world)
-                            part = sl[lo:hi] if dim == 0 else sl[:, lo:hi]
-                    bound[name].copy_(part)
-                    loaded += part.nbytes
-        print(json.dumps({"seconds": time.perf_counter() - t0, "copied_bytes": loaded}), flush=True)
-
-
-def _read_exact(resp: http.client.HTTPResponse, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = resp.readinto(view[got:])
-        if not n:
-            raise ConnectionError("the file server closed the stream early")
-        got += n
-
-
-def load_over_tcp(url: str, files: list[str], bound: dict[str, Any], rank: int, world: int) -> int:
-    """Stream each safetensors file from ``url`` (host A) and copy this rank's part of every tensor as it
-    arrives; one buffer, the size of the largest tensor, is reused."""
-    import torch
-
-    host, port = url.rsplit(":", 1)
-    buf = torch.empty(0, dtype=torch.uint8)
-    loaded = 0
-    for fname in files:
-        conn = http.client.HTTPConnection(host, int(port), timeout=600)
-        try:
-            conn.request("GET", "/" + fname)
-            resp = conn.getresponse()
-            if resp.status != 200:
-                raise ConnectionError(f"GET {fname}: HTTP {resp.status}")
-            head = bytearray(8)
-            _read_exact(resp, memoryview(head))
-            header = bytearray(int.from_bytes(head, "little"))
-            _read_exact(resp, memoryview(header))
-            metas = json.loads(header)
-            metas.pop("__metadata__", None)
-            pos = 0
-            for name, meta in sorted(metas.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-                start, stop = meta["data_offsets"]
-                assert start == pos and meta["dtype"] == "BF16", (name, start, pos, meta["dtype"])
-                if buf.numel() < stop - start:
-                    buf = torch.empty(stop - start, dtype=torch.uint8)
-                _read_exact(resp, memoryview(buf.numpy())[: stop - start])
-                full = buf[: stop - start].view(torch.bfloat16).view(meta["shape"])
-                part = shard_of(name, full, rank, world)
-                bound[name].copy_(part)
-                loaded += part.nbytes
-                pos = stop
-        finally:
-            conn.close()
-    return loaded
-
-
-class _FileHandler(http.server.BaseHTTPRequestHandler):
-    """GET /NAME: the file NAME of the server's directory, sent with sendfile (no copy through Python)."""
-
-    protocol_version = "HTTP/1.1"
-
-    def do_GET(self) -> None:  # the name http.server calls
-        path = Path(self.server.root) / self.path.lstrip("/")  # type: ignore[attr-defined]
-        self.send_response(200)
-        self.send_header("Content-Length", str(path.stat().st_size))
-        self.end_headers()
-        with open(path, "rb") as f:
-            self.connection.sendfile(f)
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def file_server(root: Path, host: str) -> Iterator[str]:
-    """Host A's files over HTTP; yields ``host:port``."""
-    server = http.server.ThreadingHTTPServer((host, 0), _FileHandler)
-    server.root = str(root)  # type: ignore[attr-defined]
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"{host}:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-class DefaultSide:
-    """The default updater's ranks: processes of their own, each with its tensors, driven over pipes."""
-
-    def __init__(self, shapes: dict[str, tuple[int, ...]], tmp: Path, url: str, prefix: list[str]) -> None:
-        self.shapes, self.tmp, self.url, self.prefix = shapes, tmp, url, prefix  # prefix: run on host B
-        self.procs: list[subprocess.Popen[str]] = []
-        self.step = 0
-
-    def start_ranks(self, tp: int) -> None:
-        for r in range(tp):
-            spec = self.tmp / f"rank-{tp}-{r}.json"
-            spec.write_text(json.dumps({"rank": r, "world": tp, "shapes": self.shapes}))
-            proc = subprocess.Popen([*self.prefix, sys.executable, __file__, "--rank-server", str(spec)],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-            self.procs.append(proc)
-        for p in self.procs:
-            self._read(p)
-
-    @staticmethod
-    def _read(p: subprocess.Popen[str]) -> dict[str, Any]:
-        assert p.stdout is not None
-        line = p.stdout.readline()
-        if not line:
-            raise RuntimeError(f"default-updater rank exited ({p.wait()})")
-        return dict(json.loads(line))
-
-    def _all(self, cmd: dict[str, Any]) -> list[dict[str, Any]]:
-        for p in self.procs:
-            assert p.stdin is not None
-            p.stdin.write(json.dumps(cmd) + "\n")
-            p.stdin.flush()
-        return [self._read(p) for p in self.procs]
-
-    def stop_ranks(self) -> None:
-        for p in self.procs:
-            with contextlib.suppress(OSError, ValueError):
-                assert p.stdin is not None
-                p.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                p.stdin.close()
-        for p in self.procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        self.procs = []
-
-    def update(self, state: dict[str, Any], mode: str) -> dict[str, Any]:
-        self.step += 1
-        path = self.tmp / f"step-{self.step}"
-        roles = {os.getpid(): "trainer", **{p.pid: "ranks" for p in self.procs}}  # trainer: + the file server
-        c0 = cpu_by_pid(list(roles))
-        t0 = time.perf_counter()
-        files = save_checkpoint(state, path)
-        t1 = time.perf_counter()
-        if mode == "tcp":  # the same files, named relative to the server's directory
-            files = [str(Path(f).relative_to(self.tmp)) for f in files]
-        got = self._all({"op": "load", "files": files, "mode": mode, "url": self.url})
-        t2 = time.perf_counter()
-        by = cpu_by_role(c0, cpu_by_pid(list(roles)), roles)
-        cpu = sum(by.values())
-        shutil.rmtree(path)  # untimed: the next step writes a new directory
-        return {"seconds": t2 - t0, "cpu_s": cpu, "cpu_by": by, "save_s": t1 - t0, "load_s": t2 - t1,
-                "rank_load_s": max(g["seconds"] for g in got), "copied_bytes": sum(g["copied_bytes"] for g in got)}
-
-    def verify(self, state: dict[str, Any], tp: int) -> None:
-        for r, got in enumerate(self._all({"op": "digests"})):
-            bad = [n for n, t in state.items() if got[n] != digest(shard_of(n, t, r, tp))]
-            assert not bad, f"default-updater rank {r}/{tp} holds wrong bytes for {len(bad)} tensors, e.g. {bad[:3]}"
-
-
-def run_default(side: DefaultSide, state: dict[str, Any], tp: int, reps: int) -> dict[str, list[dict[str, Any]]]:
-    everything = sorted(state)
-    side.start_ranks(tp)
-    try:
-        out: dict[str, list[dict[str, Any]]] = {k: [] for k in SYSTEMS_DEFAULT}
-        for mode in out:
-            for i in range(reps + 1):  # the first: warm-up
-                # The files, and per rank one tensor read whole at a time (at most the largest).
-                largest = max(t.nbytes for t in state.values())
-                ensure_memory(sum(t.nbytes for t in state.values()) + tp * largest + GiB, f"default TP={tp} {mode}")
-                train_step(state, everything)
-                row = side.update(state, mode)
-                if i:
-                    out[mode].append(row)
-                print(f"    default TP={tp} {mode:<6} {'warm-up' if not i else 'full':<7} {row['seconds']:7.3f} s, "
-                      f"{row['cpu_s']:6.2f} CPU s  "
-                      f"(save {row['save_s']:.3f} s, load {row['load_s']:.3f} s; CPU s {row['cpu_by']})", flush=True)
-        side.verify(state, tp)
-        return out
-    finally:
-        side.stop_ranks()
-
 
 # ----------------------------------------------------------------------------------------------- checkpoint-engine
 CKPT_ENGINE_PROBE = """
@@ -731,7 +344,6 @@ def probe_checkpoint_engine() -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------- report
-SYSTEMS_DEFAULT = ("whole", "sliced", "tcp")
 # TensorCast's updates: every tensor changed; 10% changed, found by the publisher's check; the same 10%, named by
 # the caller (``publish(changed=...)``: a trainer that knows which parameters it trains, e.g. LoRA or frozen layers).
 KINDS = ("full", "delta", "named")
@@ -814,11 +426,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="PNG path (needs matplotlib)")
     ap.add_argument("--force", action="store_true", help="run even if MemAvailable looks too small")
-    ap.add_argument("--rank-server", default=None, help=argparse.SUPPRESS)  # a default-updater rank process
     args = ap.parse_args()
-    if args.rank_server:
-        rank_server(args.rank_server)
-        return
 
     import tensorcast as tc
     from tensorcast.netns import ROOT
