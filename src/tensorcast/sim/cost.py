@@ -52,10 +52,10 @@ class CostModel:
     decode_per_seq_s: float = 2e-3        # d1: per sequence in the batch
     decode_per_context_s: float = 4e-7    # d2: per context token over the batch (reading its KV)
     decode_per_request_s: float = 0.0     # r: once per request that decodes (setting up its generation)
-    prefill_contention: float = 0.0       # k: slowdown per other busy instance, prefill
     request_overhead_s: float = 0.0       # o: per prefill call beyond its forward pass (the call, the adaptor)
     store_base_s: float = 0.0             # s0: per prefill with a shared page store (page lookup, store call)
     store_per_token_s: float = 0.0        # s1: per computed token, stored as pages before the reply
+    prefill_contention: float = 0.0       # k: slowdown per other busy instance, prefill
     decode_contention: float = 0.0        # k: slowdown per other busy instance, decode
     kv_bytes_per_token: int = 12288
     transfer_bandwidth: float = 2e9       # bytes/s, one copy between an engine and a worker (or two workers)
