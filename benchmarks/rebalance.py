@@ -55,6 +55,7 @@ import rebalance_live
 from benchlib import pyplot, write_json
 from live_driver import SHARED_KV
 from sim_check import check_live
+from tensorcast.errors import InvalidArgument
 from tensorcast.policies import CacheAware, LoadAwareShared, PowerOfTwo, Rebalancer, StickySessions
 from tensorcast.sim import (
     ClosedLoop,
@@ -152,7 +153,7 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": rows, "trace": trace_rows, "verdicts": verdicts}
 
 
-def _busy_others(turns: list[dict[str, Any]]) -> dict[int, tuple[float, float]]:
+def _busy_overlaps(turns: list[dict[str, Any]]) -> dict[int, tuple[float, float]]:
     """For each turn of a live run: how many other instances were busy (serving a turn) during its prefill and
     during its decoding, on average (``sim.cost.busy_overlap``). Turns of one point run together."""
     out: dict[int, tuple[float, float]] = {}
@@ -175,24 +176,27 @@ def _busy_others(turns: list[dict[str, Any]]) -> dict[int, tuple[float, float]]:
 
 def fit_live(path: str, out: str | None) -> dict[str, Any]:
     """Fit the simulator's cost model to a live run's samples (``--live --json PATH`` writes them): prefill on
-    (computed, cached tokens) -> the forward's seconds, a decode step on (batch, context) -> seconds per token,
-    the KV bytes per token from the moves, and a copy's latency from the shared-store reads. Held out: the live
-    run's last repeat (a run the fit never saw), or a random quarter when there was one repeat. Writes the
-    model (``--cost`` reads it) to ``out``."""
+    (computed, cached tokens, other instances busy) -> the forward's seconds, a turn's decoding on (steps,
+    context, other instances busy) -> the call's seconds, a prefill call's overheads with and without the shared
+    store, the KV bytes per token from the moves, and a copy's latency from the shared-store reads. Held out:
+    the live run's last repeat (a run the fit never saw), or a random quarter when there was one repeat. Writes
+    the model (``--cost`` reads it) to ``out``."""
     with open(path) as f:
         live = json.load(f)
     turns = live["calibration_samples"]["turns"]
     moves = [m for m in live["calibration_samples"]["moves"] if m.get("ok") and m["kv_tokens"]]
 
-    busy = _busy_others(turns)
+    busy = _busy_overlaps(turns)
 
     def prefill(rows: list[dict[str, Any]]) -> list[PrefillSample]:
         return [PrefillSample(r["computed_tokens"], r["local_tokens"] + r["shared_tokens"], r["prefill_s"],
                               busy[id(r)][0]) for r in rows if r["prefill_s"] > 0]
 
-    def decode(rows: list[dict[str, Any]]) -> list[DecodeSample]:  # one call decodes a whole turn's output
+    # One call decodes a turn's whole output: a setup and as many steps as the simulator runs after the first
+    # token (output - 1; the live call runs one more pass, which the setup ``r`` takes in).
+    def decode(rows: list[dict[str, Any]]) -> list[DecodeSample]:
         return [DecodeSample(r["decode_batch"], r["decode_context"], r["decode_call_s"], busy[id(r)][1],
-                             steps=r["decode_tokens"]) for r in rows if r["decode_tokens"] > 0]
+                             steps=r["decode_tokens"] - 1) for r in rows if r["decode_tokens"] > 0]
 
     last = max(r["repeat"] for r in turns)
     train = [r for r in turns if r["repeat"] != last] if last else turns
@@ -208,16 +212,20 @@ def fit_live(path: str, out: str | None) -> dict[str, Any]:
         base = dataclasses.replace(base, transfer_latency_s=max(0.0, latency))
     # A prefill call beyond its forward pass and its reads: the call itself; with a shared store (the policies
     # that use one), looking its pages up and storing the new ones before the reply.
-    overheads = [OverheadSample(r["computed_tokens"], r["policy"] in SHARED_KV,
-                                max(0.0, r["prefill_call_s"] - r["prefill_s"] - r["shared_read_s"]))
-                 for r in train if r["prefill_s"] > 0]
-    o, s0, s1 = fit_overheads(overheads)
-    base = dataclasses.replace(base, request_overhead_s=o, store_base_s=s0, store_per_token_s=s1)
     result = fit(prefill(train), decode(train), base=base, test_prefill=prefill(held) if held else None,
                  test_decode=decode(held) if held else None)
+    overheads = [OverheadSample(r["computed_tokens"], r["policy"] in SHARED_KV,
+                                max(0.0, r["prefill_call_s"] - r["prefill_s"] - r["shared_read_s"]), busy[id(r)][0])
+                 for r in train if r["prefill_s"] > 0]
+    try:  # for an instance alone, as the simulator slows them down with the prefill
+        o, s0, s1 = fit_overheads(overheads, result.model.prefill_contention)
+        result = dataclasses.replace(result, model=dataclasses.replace(
+            result.model, request_overhead_s=o, store_base_s=s0, store_per_token_s=s1))
+    except InvalidArgument as exc:  # a run of shared-store policies only, or of local ones only
+        print(f"overheads not fitted ({exc.message}): the model charges none")
     how = f"held-out repeat {last}" if last else "a held-out random quarter"
     print(f"cost model fitted to {path}: {len(train)} turns; error on {how}:")
-    for name, err in (("prefill", result.prefill_error), ("decode step", result.decode_error)):
+    for name, err in (("prefill", result.prefill_error), ("decode call", result.decode_error)):
         print(f"  {name:<12} median {err.median:.1%}, p90 {err.p90:.1%} over {err.samples} samples "
               f"({'within' if err.median < 0.15 else 'above'} the 15% goal)")
     print(f"  {result.model}")

@@ -129,7 +129,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "cooldown_s": getattr(args, "cooldown", 60.0),
         "trace": getattr(args, "trace", None),
         "trace_scale": getattr(args, "trace_scale", 1 / 32),
-        # The trace's first N requests (0: all): by default 2000, 400 with --quick (~130 s of trace).
+        # The trace's first N requests (0: all): by default 2000, 400 with --quick (~140 s of trace).
         "trace_limit": trace_limit if (trace_limit := getattr(args, "trace_limit", None)) is not None else
         (400 if quick else 2000),
     }

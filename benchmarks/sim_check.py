@@ -5,10 +5,11 @@ Owns: ``check_live``. For every (policy, sessions, repeat) of a ``--live`` run's
 class on a simulated cluster shaped like the live one: 4 instances, each serving one request at a time, KV without
 a capacity limit (the live HF instances hold what they are given). Each turn is issued when the live driver issued
 it (``Replay``; the rebalancer's period and cooldown are the live ones, compressed in time as the live run was).
-Only the live run's last repeat is compared: the one ``--fit`` holds out when it fits that run. The simulator then
-decides everything else itself: queues, routing of first turns, moves, cache hits, and each turn's cost from the
-cost model. Printed and returned per (policy, sessions): median and p90 TTFT live and simulated, and the relative
-error of the simulated median; then the median of those errors.
+Only the live run's last repeat is compared: the one ``--fit`` holds out when it fits a run of several repeats
+(with one repeat, ``--fit`` holds out a random quarter of the turns instead, and this compares them all). The
+simulator then decides everything else itself: queues, routing of first turns, moves, cache hits, and each turn's
+cost from the cost model. Printed and returned per (policy, sessions): median and p90 TTFT live and simulated, and
+the relative error of the simulated median; then the median of those errors.
 
 Does not own: the cost model or its fit (``tensorcast.sim.cost``, ``rebalance.py --fit``), the policies' setup
 (``make_policy``, passed in) or the live run (``rebalance_live.py``).

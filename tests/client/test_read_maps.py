@@ -176,3 +176,13 @@ def test_a_closed_client_reads_nothing_from_kept_places(cluster: tc.LocalCluster
     c.close()
     with pytest.raises(InvalidArgument, match="closed"):
         art.tensor(like="numpy")
+
+
+def test_releasing_a_lease_forgets_its_places(reader: tc.Client) -> None:
+    art = reader.put(np.random.default_rng(9).random(4096), ttl=60)  # a caller lease (content of its own)
+    art.tensor(like="numpy")
+    assert reader.aio.reader.kept.places(art.id, art.info.replicas[0].worker_id, art.tensor_names) is not None
+    art.release()
+    assert reader.aio.reader.kept.places(art.id, art.info.replicas[0].worker_id, art.tensor_names) is None
+    with pytest.raises(NotFound):
+        art.tensor(like="numpy")

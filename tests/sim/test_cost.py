@@ -170,3 +170,9 @@ def test_call_overheads_are_charged_and_fitted() -> None:
     assert s0 == pytest.approx(0.004, rel=0.1) and s1 == pytest.approx(3e-6, rel=0.1)
     with pytest.raises(InvalidArgument, match="with and without"):
         fit_overheads([s for s in samples if s.shared_store])
+    # Measured while other instances were busy: fitted for an instance alone, as the simulator slows them down.
+    k = 0.2
+    busy = [OverheadSample(x.computed, x.shared_store, x.seconds * (1 + k * b), b)
+            for x, b in zip(samples, rng.uniform(0, 3, len(samples)), strict=True)]
+    o2, s02, s12 = fit_overheads(busy, contention=k)
+    assert (o2, s02, s12) == pytest.approx((o, s0, s1), rel=1e-6)

@@ -215,6 +215,7 @@ class AsyncArtifact(ArtifactBase):
     async def evict(self, on: str) -> None:
         """Drop worker ``on``'s memory replica (a cache decision; its disk copy, if any, stays)."""
         await self.client.caller.call(Evict(artifact_id=self.id, worker_id=on), Ack)
+        self.client.reader.kept.forget(self.id, on)
 
     async def pin(self, on: str, ttl: float | None = None) -> Prefetched:
         """Keep a memory replica resident on worker ``on`` (copied there first if needed) for ``ttl`` s."""
@@ -232,6 +233,7 @@ class AsyncArtifact(ArtifactBase):
     async def release(self) -> None:
         """End a caller lease now: the artifact is deleted."""
         await self.client.caller.call(ReleaseLease(artifact_id=self.id), Deleted)
+        self.client.reader.kept.forget(self.id)
 
     async def refresh(self) -> AsyncArtifact:
         self.info = (await self.client.caller.call(GetArtifact(key_or_id=self.id), ArtifactReply)).artifact

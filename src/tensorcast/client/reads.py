@@ -41,7 +41,15 @@ from tensorcast.transport.cuda_ipc import import_handle
 from tensorcast.transport.h2d import to_device
 from tensorcast.views import apply_slices, byte_range, sliced_shape
 from tensorcast.wire.caller import Caller
-from tensorcast.wire.messages import Ack, DataRequest, Mapped, MapTensors, ReadCount, ReportReads
+from tensorcast.wire.messages import (
+    MAX_REPORTED_READS,
+    Ack,
+    DataRequest,
+    Mapped,
+    MapTensors,
+    ReadCount,
+    ReportReads,
+)
 
 __all__ = ["SOURCES", "Diagnostics", "Reader"]
 
@@ -198,7 +206,8 @@ class Reader:
                          metas: dict[str, TensorMeta], like: str, slices: Mapping[str, tuple[SliceSpec, ...]],
                          diag: Diagnostics, device: str, ctx: CallContext) -> dict[str, Any]:
         want_ipc = device != "cpu" and not any(slices.get(n) for n in names)
-        kept = None if want_ipc else self.kept.places(info.id, replica.worker_id, names)
+        kept = None if want_ipc or replica.tier != "memory" or self._closed else \
+            self.kept.places(info.id, replica.worker_id, names)
         if kept is not None:
             try:
                 out = self._map_refs(names, metas, kept, like, slices)
@@ -245,9 +254,10 @@ class Reader:
 
     # ----------------------------------------------------------------- read reports
     def _report_soon(self, address: str) -> None:
-        """Report the reads served from kept places of one worker: now if none was sent in the last
-        ``report_s``, else when that interval ends. Off the caller's path; at most one report in flight."""
-        if address in self._report_timers:
+        """Report the reads served from kept places of one worker: now if none was started in the last
+        ``report_s``, else when that interval ends. Off the caller's path. Reports are advisory: one that fails,
+        or that a closing client cancels, is not sent again (the worker misses some uses and gets)."""
+        if address in self._report_timers or self._closed:
             return
         loop = asyncio.get_running_loop()
         delay = max(0.0, self._reported_at.get(address, -math.inf) + self.report_s - loop.time())
@@ -255,6 +265,8 @@ class Reader:
 
     def _start_report(self, address: str) -> None:
         self._report_timers.pop(address, None)
+        if self._closed:
+            return
         task = asyncio.ensure_future(self._report(address))
         self._report_tasks.add(task)
         task.add_done_callback(self._report_tasks.discard)
@@ -264,12 +276,15 @@ class Reader:
         if not reads:
             return
         self._reported_at[address] = asyncio.get_running_loop().time()
-        msg = ReportReads(reads=tuple(ReadCount(artifact_id=a, reads=n, nbytes=b) for a, n, b in reads))
         ctx = self.caller.context(timeout=timeout or max(self.report_s, 1.0) * 5)
-        try:
-            await self.caller.call(msg, Ack, ctx, address=address)
-        except TensorCastError as exc:  # advisory: a lost report costs the worker a use and a metric, no bytes
-            log.debug("read report to %s failed: %s", address, exc)
+        for at in range(0, len(reads), MAX_REPORTED_READS):  # a worker takes this many artifacts per report
+            msg = ReportReads(reads=tuple(ReadCount(artifact_id=a, reads=n, nbytes=b)
+                                          for a, n, b in reads[at : at + MAX_REPORTED_READS]))
+            try:
+                await self.caller.call(msg, Ack, ctx, address=address)
+            except TensorCastError as exc:  # advisory: a lost report costs the worker uses and metrics, no bytes
+                log.debug("read report to %s failed: %s", address, exc)
+                return
 
     async def close(self) -> None:
         """Stop reporting; send the reads not reported yet, waiting at most half a second (a report is advisory:

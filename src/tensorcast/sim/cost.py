@@ -134,16 +134,16 @@ class PrefillSample:
 @dataclass(frozen=True)
 class DecodeSample:
     """Measured decoding of ``batch`` sequences with ``context_tokens`` tokens between them: one step
-    (``steps`` 0), or a request's whole decoding, its setup and ``steps`` steps, in one call."""
+    (``steps`` None), or a request's whole decoding in one call, its setup and ``steps`` steps (0 or more)."""
 
     batch: int
     context_tokens: int
     seconds: float
     busy_others: float = 0.0
-    steps: int = 0
+    steps: int | None = None
 
     def predicted(self, model: CostModel) -> float:
-        if self.steps:
+        if self.steps is not None:
             return model.decode_s(self.steps, self.batch, self.context_tokens, self.busy_others)
         return model.decode_step_s(self.batch, self.context_tokens, self.busy_others)
 
@@ -151,25 +151,31 @@ class DecodeSample:
 @dataclass(frozen=True)
 class OverheadSample:
     """A measured prefill call's seconds beyond its forward pass and its reads from the store: ``computed``
-    tokens on an instance with (``shared_store``) or without a shared page store."""
+    tokens on an instance with (``shared_store``) or without a shared page store, while ``busy_others`` other
+    instances were busy."""
 
     computed: int
     shared_store: bool
     seconds: float
+    busy_others: float = 0.0
 
 
-def fit_overheads(samples: Sequence[OverheadSample]) -> tuple[float, float, float]:
-    """``(o, s0, s1)``: ``o`` the median overhead without a store; ``s0 + s1·computed`` the least-squares line
-    (non-negative) through what calls with a store took beyond ``o``. Absolute seconds: these are a few ms each,
-    and a median is robust to the calls a busy host stretched."""
-    plain = [s.seconds for s in samples if not s.shared_store]
+def fit_overheads(samples: Sequence[OverheadSample], contention: float = 0.0) -> tuple[float, float, float]:
+    """``(o, s0, s1)`` for an instance alone: each sample is first divided by ``1 + contention·busy_others`` (the
+    simulator slows the overheads down as it does the prefill they belong to). ``o`` is the median overhead
+    without a store; ``s0 + s1·computed`` the least-squares line (non-negative) through what calls with a store
+    took beyond ``o``. Absolute seconds: these are a few ms each, and a median is robust to stretched calls."""
+    def alone(s: OverheadSample) -> float:
+        return s.seconds / (1 + contention * s.busy_others)
+
+    plain = [alone(s) for s in samples if not s.shared_store]
     stored = [s for s in samples if s.shared_store]
     if not plain or len(stored) < 2:
         raise InvalidArgument(f"need calls with and without a shared store to fit overheads "
                               f"({len(plain)} without, {len(stored)} with)")
     o = float(np.median(plain))
     x = np.array([[1.0, float(s.computed)] for s in stored])
-    y = np.array([s.seconds - o for s in stored])
+    y = np.array([alone(s) - o for s in stored])
     best, best_res = (0.0, 0.0), math.inf
     for cols in ((0,), (1,), (0, 1)):
         sol, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
@@ -249,8 +255,8 @@ def _prefill_rows(samples: Sequence[PrefillSample], k: float) -> tuple[Matrix, M
 
 def _decode_rows(samples: Sequence[DecodeSample], k: float) -> tuple[Matrix, Matrix]:
     """Features ``d0, d1, d2, r``: a step's are counted once per step (once for a one-step sample)."""
-    x = np.array([[n, n * s.batch, n * s.context_tokens, 1.0 if s.steps else 0.0]
-                  for s in samples for n in [float(s.steps or 1)]], dtype=np.float64)
+    x = np.array([[n, n * s.batch, n * s.context_tokens, 1.0 if s.steps is not None else 0.0]
+                  for s in samples for n in [float(1 if s.steps is None else s.steps)]], dtype=np.float64)
     x = x * np.array([[1 + k * s.busy_others] for s in samples])
     return x.reshape(-1, 4), np.array([s.seconds for s in samples], dtype=np.float64)
 

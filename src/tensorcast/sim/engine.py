@@ -173,8 +173,8 @@ class SimInstance:
 
     def _prefill_s(self, batch: list[SimRequest]) -> float:
         """One iteration's prefills (one base cost for the iteration) with each request's call overhead and,
-        with a shared store, its page lookup and store; slowed down by the other instances busy as it starts;
-        and the loads from the store before it."""
+        with a shared store, its page lookup and store (the overheads are fitted for an instance alone), slowed
+        down by the other instances busy as it starts; and the loads from the store before it."""
         compute = sum(self.cost.prefill_s(r.turn.prompt_tokens - r.hit_tokens, r.hit_tokens)
                       + self.cost.overhead_s(r.turn.prompt_tokens - r.hit_tokens, self.store is not None)
                       for r in batch)

@@ -143,6 +143,10 @@ class ReadCount(msgspec.Struct, frozen=True, kw_only=True):
     nbytes: int
 
 
+# Artifacts one ReportReads names at most (a caller with more reads to report sends several).
+MAX_REPORTED_READS = 4096
+
+
 class ReportReads(Msg):
     """Same host: reads a caller served from places this worker named before (``client.read_maps``), without
     asking again. The worker counts them as gets and as uses for its least-recently-used order."""

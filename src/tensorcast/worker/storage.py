@@ -33,6 +33,7 @@ from tensorcast.records import ArtifactInfo, TensorMeta, WorkerInfo
 from tensorcast.transport.cuda_ipc import export_handle
 from tensorcast.transport.registry import make_transport
 from tensorcast.wire.messages import (
+    MAX_REPORTED_READS,
     Ack,
     DropArtifact,
     Evict,
@@ -60,8 +61,6 @@ __all__ = ["StorageRole", "nbytes_of"]
 log = logging.getLogger("tensorcast.worker")
 # Seconds without a request before background work may run (the worker is not serving anyone).
 _QUIET = 0.25
-# A report of reads names at most this many artifacts (a caller sends one per interval per worker).
-_MAX_REPORTED = 4096
 
 
 def nbytes_of(tensors: tuple[TensorMeta, ...]) -> int:
@@ -281,10 +280,11 @@ class StorageRole:
 
     async def report_reads(self, msg: ReportReads, req: Request) -> Ack:
         """Reads a same-host caller served from places this worker named before: uses and gets all the same."""
-        for r in msg.reads[:_MAX_REPORTED]:
+        for r in msg.reads[:MAX_REPORTED_READS]:
             if r.reads > 0 and self.store.memory.has_replica(r.artifact_id):
                 self.store.touch(r.artifact_id)
-                nbytes = max(r.nbytes, 0)
+                whole = sum(t.nbytes for t in self.store.memory.tensors(r.artifact_id))
+                nbytes = min(max(r.nbytes, 0), r.reads * whole)  # no more than the reads can have mapped
                 self.moved["shm", "sent"] += nbytes
                 metrics.kept_maps(r.reads, nbytes)
         return Ack()
