@@ -169,22 +169,32 @@ class Reader:
             replica = self.order(info, source)[0]
         except Unavailable:
             return None
-        if replica.tier != "memory" or not self.locality.same_host(replica.host_id):
+        if not self.locality.same_host(replica.host_id):
+            return None
+        t0 = time.perf_counter()
+        out = self._read_kept(info, replica, names, {t.name: t for t in info.tensors}, like, {})
+        if out is None:
+            return None
+        return out, Diagnostics(replica=replica.worker_id, tier="memory", transport="shared-memory",
+                                seconds=time.perf_counter() - t0)
+
+    def _read_kept(self, info: ArtifactInfo, replica: ReplicaInfo, names: tuple[str, ...],
+                   metas: dict[str, TensorMeta], like: str,
+                   slices: Mapping[str, tuple[SliceSpec, ...]]) -> dict[str, Any] | None:
+        """``names`` mapped from the places kept for a same-host memory ``replica``, the read counted for the
+        next report; None when they are not all kept, or their segment went (then the worker is asked)."""
+        if replica.tier != "memory" or self._closed:
             return None
         kept = self.kept.places(info.id, replica.worker_id, names)
         if kept is None:
             return None
-        t0 = time.perf_counter()
-        metas = {t.name: t for t in info.tensors}
         try:
-            out = self._map_refs(names, metas, kept, like, {})
-        except SegmentGone:  # the segment went (its artifact was deleted or evicted): ask the worker
+            out = self._map_refs(names, metas, kept, like, slices)
+        except SegmentGone:  # the segment went (its artifact was deleted or evicted)
             self.kept.forget(info.id, replica.worker_id)
             return None
         self._count_kept_read(replica.address, info.id, kept)
-        diag = Diagnostics(replica=replica.worker_id, tier="memory", transport="shared-memory",
-                           seconds=time.perf_counter() - t0)
-        return out, diag
+        return out
 
     def _count_kept_read(self, address: str, artifact_id: str, refs: Sequence[SegmentRef]) -> None:
         self.kept.count_read(address, artifact_id, sum(r.size for r in refs))
@@ -206,17 +216,9 @@ class Reader:
                          metas: dict[str, TensorMeta], like: str, slices: Mapping[str, tuple[SliceSpec, ...]],
                          diag: Diagnostics, device: str, ctx: CallContext) -> dict[str, Any]:
         want_ipc = device != "cpu" and not any(slices.get(n) for n in names)
-        kept = None if want_ipc or replica.tier != "memory" or self._closed else \
-            self.kept.places(info.id, replica.worker_id, names)
-        if kept is not None:
-            try:
-                out = self._map_refs(names, metas, kept, like, slices)
-            except SegmentGone:  # the segment went (its artifact was deleted or evicted): ask the worker
-                self.kept.forget(info.id, replica.worker_id)
-            else:
-                diag.transport = "shared-memory"
-                self._count_kept_read(replica.address, info.id, kept)
-                return out
+        if not want_ipc and (out := self._read_kept(info, replica, names, metas, like, slices)) is not None:
+            diag.transport = "shared-memory"
+            return out
         msg = MapTensors(artifact_id=info.id, names=names, tier=replica.tier, device=device if want_ipc else "")
         mapped = await self.caller.call(msg, Mapped, ctx, address=replica.address)
         if want_ipc and len(mapped.cuda_ipc) == len(names):
