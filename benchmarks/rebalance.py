@@ -47,7 +47,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import statistics
 import time
 from typing import Any
 
@@ -69,6 +68,7 @@ from tensorcast.sim import (
     busy_overlap,
     fit,
     fit_overheads,
+    fit_transfer,
     simulate,
 )
 from tensorcast.workloads import AgentWorkload, load_trace
@@ -206,10 +206,10 @@ def fit_live(path: str, out: str | None) -> dict[str, Any]:
         base = dataclasses.replace(base, kv_bytes_per_token=round(sum(m["bytes"] for m in moves) /
                                                                   sum(m["kv_tokens"] for m in moves)))
     reads = [r for r in train if r["shared_tokens"] and r["shared_read_s"] > 0]
-    if reads:  # a load from the shared store is one copy; at these sizes mostly per-copy latency
-        latency = statistics.median(r["shared_read_s"] - r["shared_tokens"] * base.kv_bytes_per_token /
-                                    base.transfer_bandwidth for r in reads)
-        base = dataclasses.replace(base, transfer_latency_s=max(0.0, latency))
+    if reads:  # a load from the shared store is one copy: its latency and bandwidth
+        latency, bandwidth = fit_transfer([(r["shared_tokens"] * base.kv_bytes_per_token, r["shared_read_s"])
+                                           for r in reads], base.transfer_bandwidth)
+        base = dataclasses.replace(base, transfer_latency_s=latency, transfer_bandwidth=bandwidth)
     # A prefill call beyond its forward pass and its reads: the call itself; with a shared store (the policies
     # that use one), looking its pages up and storing the new ones before the reply.
     result = fit(prefill(train), decode(train), base=base, test_prefill=prefill(held) if held else None,

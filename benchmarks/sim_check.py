@@ -52,7 +52,7 @@ def check_live(path: str, cost: CostModel, make_policy: Callable[[str, Any], Pol
     work = AgentWorkload(gaps=s["gaps"], mean_turns=s["mean_turns"], max_turns=s["max_turns"], scale=s["scale"],
                          vocab_size=VOCAB, seed=s["seed"])
     config = SimConfig(instances=4, max_batch=1, kv_capacity_tokens=1 << 22, block_tokens=16,
-                       max_prefill_tokens=1 << 22, cost=cost)
+                       max_prefill_tokens=1 << 22, cost=cost, prefix_sharing=False, load_signal="sessions")
     rebalancer = RebalancerArgs(interval=s["interval_s"] * ts, gap=s["gap"], max_moves=s["max_moves"],
                                cooldown=s["cooldown_s"] * ts, seed=s["seed"])
     points: dict[tuple[str, int], dict[str, list[float]]] = {}

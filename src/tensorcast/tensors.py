@@ -30,10 +30,10 @@ __all__ = [
     "DTYPES",
     "TensorInput",
     "artifact_id",
+    "copy_bytes_hint",
     "digest_bytes",
     "dtype_name",
     "import_torch",
-    "input_bytes_hint",
     "normalize_tensors",
     "numpy_dtype",
     "raw_dtype",
@@ -209,16 +209,19 @@ def normalize_tensors(tensors: Any) -> list[TensorInput]:
     return out
 
 
-def input_bytes_hint(tensors: Any) -> int | None:
-    """Bytes of a caller input, when telling costs nothing (numpy arrays and torch tensors, or a mapping of
-    them); None otherwise. Lets a caller normalize a small input where it is instead of on a thread."""
+def copy_bytes_hint(tensors: Any) -> int | None:
+    """Bytes that normalizing a caller input would copy (0 for contiguous arrays and tensors in native byte
+    order, which it only views), when telling costs nothing (numpy arrays and torch tensors, or a mapping of
+    them); None otherwise. Lets a caller normalize where it is, instead of on a thread, when that is quick."""
     values = list(tensors.values()) if isinstance(tensors, Mapping) else [tensors]
     total = 0
     for v in values:
         if isinstance(v, np.ndarray):
-            total += v.nbytes
-        elif hasattr(v, "element_size") and hasattr(v, "numel"):  # a torch tensor, without importing torch
-            total += int(v.numel()) * int(v.element_size())
+            total += 0 if v.flags.c_contiguous and v.dtype.byteorder != ">" else v.nbytes
+        elif hasattr(v, "element_size") and hasattr(v, "numel") and hasattr(v, "is_contiguous"):
+            # a torch tensor, without importing torch; conjugate and negative views are resolved by a copy
+            lazy = getattr(v, "is_conj", lambda: False)() or getattr(v, "is_neg", lambda: False)()
+            total += 0 if v.is_contiguous() and not lazy else int(v.numel()) * int(v.element_size())
         else:
             return None
     return total

@@ -61,6 +61,60 @@ def test_equal_tensors_are_written_and_stored_once(puts: PutManager) -> None:
             assert bytes(memory.blob(t.digest).view()) == item.data.tobytes()
 
 
+def test_digests_later_writes_every_tensor_and_stores_each_blob_once(puts: PutManager) -> None:
+    x = np.random.default_rng(2).integers(0, 255, 3 * MiB, dtype=np.uint8)
+    inputs = _inputs(a=x, b=x.copy(), e=np.empty(0, np.float32))
+    msg = PutBegin(tensors=tuple(t.meta_without_digest() for t in inputs), same_host=True, digests_later=True)
+    plan = asyncio.run(puts.begin(msg, PRESETS["cache"]))
+    assert not plan.digests_first and plan.artifact_id == ""
+    assert [ref is not None for ref in plan.segments] == [True, True, False]  # identities unknown: a and b both
+    assert puts.store.memory.state.reserved >= 6 * MiB
+    writer = SegmentWriter()
+    _write_segments(writer, plan, inputs)
+    writer.close()
+    digests = tuple(t.meta.digest for t in inputs)
+    put = asyncio.run(puts.commit(plan.put_id, digests))
+    memory = puts.store.memory
+    assert put.artifact_id == artifact_id([t.meta for t in inputs])
+    assert memory.state.used == 3 * MiB and memory.state.reserved == 0  # b's copy was dropped at the commit
+    assert bytes(memory.blob(digests[0]).view()) == x.tobytes()
+    again = asyncio.run(puts.begin(msg, PRESETS["cache"]))  # content held already: written, then dropped
+    asyncio.run(puts.commit(again.put_id, digests))
+    assert memory.state.used == 3 * MiB and memory.state.reserved == 0 and not puts.pending
+
+
+def test_digests_later_is_checked_and_a_bad_commit_stores_nothing(puts: PutManager) -> None:
+    inputs = _inputs(a=np.arange(MiB, dtype=np.uint8), b=np.ones(10, np.int64))
+    msg = PutBegin(tensors=tuple(t.meta_without_digest() for t in inputs), same_host=True, digests_later=True)
+    for bad in (msgspec.structs.replace(msg, same_host=False), msgspec.structs.replace(msg, inline=True),
+                msgspec.structs.replace(msg, tensors=tuple(t.meta for t in inputs))):
+        with pytest.raises(InvalidArgument, match="digests_later"):
+            asyncio.run(puts.begin(bad, PRESETS["cache"]))
+    digests = tuple(t.meta.digest for t in inputs)
+    for wrong, match in (((), "0 digests for 2"), (digests[:1], "1 digests"), ((digests[0], "x" * 64), "64 lowercase")):
+        plan = asyncio.run(puts.begin(msg, PRESETS["cache"]))
+        with pytest.raises(InvalidArgument, match=match):
+            asyncio.run(puts.commit(plan.put_id, wrong))
+    plain = asyncio.run(puts.begin(PutBegin(tensors=tuple(t.meta for t in inputs), same_host=True), PRESETS["cache"]))
+    with pytest.raises(InvalidArgument, match="only after digests_later"):
+        asyncio.run(puts.commit(plain.put_id, digests))
+    memory = puts.store.memory
+    assert memory.state.used == 0 and memory.state.reserved == 0 and not puts.pending
+
+
+def test_digests_later_asks_for_the_digests_when_memory_must_make_room(puts: PutManager) -> None:
+    big = _inputs(a=np.zeros(40 * MiB, np.uint8))
+    plan = asyncio.run(puts.begin(PutBegin(tensors=tuple(t.meta for t in big), same_host=True), PRESETS["cache"]))
+    _write_segments(writer := SegmentWriter(), plan, big)
+    writer.close()
+    asyncio.run(puts.commit(plan.put_id))
+    more = _inputs(a=np.ones(30 * MiB, np.uint8))  # 40 of 64 MiB used: 30 more fit only by evicting
+    msg = PutBegin(tensors=tuple(t.meta_without_digest() for t in more), same_host=True, digests_later=True)
+    reply = asyncio.run(puts.begin(msg, PRESETS["cache"]))
+    assert reply.digests_first and not reply.segments and not puts.pending
+    assert puts.store.memory.state.reserved == 0 and puts.store.memory.has_replica(plan.artifact_id)
+
+
 def test_a_small_put_in_one_request_is_hashed_by_the_worker(puts: PutManager) -> None:
     inputs = _inputs(a=np.arange(300, dtype=np.int16), b=np.ones(5, np.float64))
     payload = memoryview(b"".join(t.data.tobytes() for t in inputs))
@@ -95,6 +149,31 @@ def test_every_path_gives_the_same_artifact_for_the_same_content(client: tc.Clie
         client.delete(art.id)
 
 
+def test_a_large_same_host_put_hashed_while_written_is_the_same_artifact(client: tc.Client,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from tensorcast.client import puts as client_puts
+
+    begun: list[PutBegin] = []
+    call = client_puts._Put._call
+
+    async def spy(self: client_puts._Put, msg: object, expect: type) -> object:
+        if isinstance(msg, PutBegin):
+            begun.append(msg)
+        return await call(self, msg, expect)
+
+    monkeypatch.setattr(client_puts._Put, "_call", spy)
+    rng = np.random.default_rng(11)
+    w = rng.integers(0, 255, 6 * MiB, dtype=np.uint8)
+    data = {"w": w, "w2": w.copy(), "v": rng.standard_normal(1000)}
+    art = client.put(data)
+    assert [m.digests_later for m in begun] == [True]
+    assert art.id == artifact_id([t.meta for t in normalize_tensors(data)])
+    got = art.tensor_dict(like="numpy")
+    assert all(np.array_equal(got[k], v) for k, v in data.items())
+    assert client.put({k: v.copy() for k, v in data.items()}).id == art.id  # held already: the same artifact
+    client.delete(art.id)
+
+
 def test_putting_held_content_into_full_memory_deduplicates_instead_of_evicting() -> None:
     with running_cluster(workers=1, memory_capacity="64MiB") as cluster, tc.connect(cluster.address) as c:
         a = np.random.default_rng(1).integers(0, 255, 40 * MiB, dtype=np.uint8)
@@ -120,12 +199,15 @@ def test_small_puts_in_one_request_keep_their_placement() -> None:
         assert np.array_equal(got["w"], np.arange(1000, dtype=np.float32))
 
 
-def test_input_bytes_hint_only_where_it_costs_nothing() -> None:
+def test_copy_bytes_hint_counts_what_normalizing_copies() -> None:
     import torch
 
-    from tensorcast.tensors import input_bytes_hint
+    from tensorcast.tensors import copy_bytes_hint
 
-    assert input_bytes_hint(np.ones(10, np.float32)) == 40
-    assert input_bytes_hint({"a": np.ones(3, np.int16), "b": torch.ones(2, 3, dtype=torch.bfloat16)}) == 18
-    assert input_bytes_hint(torch.ones(4, 4).t()) == 64  # not contiguous: normalizing copies, still 64 bytes
-    assert input_bytes_hint({"a": [1, 2, 3]}) is None  # not a tensor: normalizing refuses it, where it runs
+    assert copy_bytes_hint(np.ones(10, np.float32)) == 0  # contiguous: viewed, not copied
+    assert copy_bytes_hint(np.ones((4, 4), np.float32).T) == 64
+    assert copy_bytes_hint(np.ones(4, ">f4")) == 16  # big-endian: swapped into a copy
+    assert copy_bytes_hint({"a": np.ones(3, np.int16), "b": torch.ones(2, 3, dtype=torch.bfloat16)}) == 0
+    assert copy_bytes_hint(torch.ones(4, 4).t()) == 64  # not contiguous: normalizing copies
+    assert copy_bytes_hint(torch.ones(2, dtype=torch.complex64).conj()) == 16  # a lazy conjugate: resolved by a copy
+    assert copy_bytes_hint({"a": [1, 2, 3]}) is None  # not a tensor: normalizing refuses it, where it runs

@@ -17,6 +17,7 @@ from tensorcast.sim import (
     busy_overlap,
     fit,
     fit_overheads,
+    fit_transfer,
     relative_errors,
 )
 
@@ -176,3 +177,21 @@ def test_call_overheads_are_charged_and_fitted() -> None:
             for x, b in zip(samples, rng.uniform(0, 3, len(samples)), strict=True)]
     o2, s02, s12 = fit_overheads(busy, contention=k)
     assert (o2, s02, s12) == pytest.approx((o, s0, s1), rel=1e-6)
+
+
+def test_a_copys_latency_and_bandwidth_are_fitted_from_reads() -> None:
+    rng = np.random.default_rng(3)
+    sizes = [int(b) for b in rng.integers(10_000, 5_000_000, 40)]
+    exact = [(b, 0.003 + b / 7e8) for b in sizes]
+    latency, bandwidth = fit_transfer(exact, 2e9)
+    assert latency == pytest.approx(0.003) and bandwidth == pytest.approx(7e8)
+    noisy = [(b, t * (1 + 0.05 * rng.standard_normal())) for b, t in exact]
+    latency, bandwidth = fit_transfer(noisy, 2e9)
+    assert latency == pytest.approx(0.003, rel=0.3) and bandwidth == pytest.approx(7e8, rel=0.2)
+    # Reads all of one size cannot tell latency from bandwidth: the given bandwidth is kept.
+    assert fit_transfer([(1_000_000, 0.004)] * 5, 1e9) == (pytest.approx(0.003), 1e9)
+    # Bigger reads that took less time (noise): no negative cost per byte, the given bandwidth is kept.
+    latency, bandwidth = fit_transfer([(1000, 0.005), (2_000_000, 0.004), (4_000_000, 0.003)], 1e9)
+    assert bandwidth == 1e9 and latency >= 0
+    with pytest.raises(InvalidArgument):
+        fit_transfer([], 1e9)

@@ -37,7 +37,7 @@ from tensorcast.obs import tracing
 from tensorcast.plans.builder import Plan, PlanOutcome
 from tensorcast.pool.placement import resolve_placement
 from tensorcast.records import ArtifactInfo, InstanceInfo, Placement, SliceSpec, WorkerInfo
-from tensorcast.tensors import ARTIFACT_ID_RE, input_bytes_hint, normalize_tensors
+from tensorcast.tensors import ARTIFACT_ID_RE, copy_bytes_hint, normalize_tensors
 from tensorcast.transport.registry import make_transport
 from tensorcast.views import TP, TPRules, sliced_shape, view_artifact_id
 from tensorcast.wire.caller import Caller
@@ -73,7 +73,8 @@ __all__ = ["AsyncArtifact", "AsyncClient", "AsyncView", "connect"]
 T = TypeVar("T")
 # Artifacts asked for per ls request (at most the store's gs.list_page_size, 1000 by default).
 _LS_PAGE = 1000
-# Inputs of fewer bytes than this are normalized on the event loop (microseconds; a thread hop costs more).
+# Inputs whose normalizing copies fewer bytes than this (contiguous ones copy none) are normalized on the event
+# loop (microseconds; a thread hop costs more).
 _INLINE_NORMALIZE_BYTES = 1 << 20
 
 
@@ -332,9 +333,9 @@ class AsyncClient:
             policy.validate()
         elif policy is not None:
             resolve_placement(policy)  # fail fast on an unknown preset
-        hint = input_bytes_hint(tensors)
-        # Normalizing may copy (a non-contiguous tensor): on a thread, unless the input is small.
-        inputs = normalize_tensors(tensors) if hint is not None and hint < _INLINE_NORMALIZE_BYTES else \
+        copies = copy_bytes_hint(tensors)
+        # Normalizing may copy (a non-contiguous tensor): on a thread, unless it copies few bytes.
+        inputs = normalize_tensors(tensors) if copies is not None and copies < _INLINE_NORMALIZE_BYTES else \
             await asyncio.to_thread(normalize_tensors, tensors)
         ctx = self.caller.context(timeout, ctx)
         while True:

@@ -6,7 +6,9 @@ come first (so that the worker skips the bytes it holds already). A small put is
 straight into the shared-memory segment the worker reserved, through a mapping kept from one put to the
 next (``client.write_maps``; a disk-tier target: ``pwrite``). Another host (or a
 ``/dev/shm`` this process cannot see): ``PutData`` payloads that the worker receives straight into the
-segment, each checked against its chunk checksums and sent again if a chunk arrived corrupted. A failed
+segment, each checked against its chunk checksums and sent again if a chunk arrived corrupted. A same-host
+put of many bytes not hashed yet hashes them while it writes them, and its digests go with the commit
+(``PutBegin.digests_later``); a put whose digests are known (``WeightPublisher``) states them first. A failed
 put is aborted (the worker also reclaims abandoned ones). Does not own: normalizing inputs (``tensors``)
 or the artifact handle (``client.aio``).
 """
@@ -39,6 +41,9 @@ _INLINE_WRITE_BYTES = 4 << 20
 # Puts of at most this many bytes send them with PutBegin (one round trip; the worker hashes them): below
 # this, a round trip costs more than moving the bytes through the connection and hashing them on the worker.
 _INLINE_PUT_BYTES = 256 << 10
+# Same-host puts with at least this many bytes not hashed yet hash them while they write them (PutBegin's
+# digests_later); below this, both run on the event loop one after the other (a thread hop costs more).
+_HASH_WHILE_WRITING_BYTES = _INLINE_WRITE_BYTES
 T = TypeVar("T")
 
 
@@ -87,13 +92,41 @@ class _Put:
         return plan.artifact
 
     async def same_host(self) -> ArtifactInfo:
-        """Write straight into the worker's shared memory, the bytes it holds already skipped."""
-        await _hash(self.inputs)
-        plan = await self._call(self._begin(True), PutPlan)
+        """Write straight into the worker's shared memory. With few bytes to hash, hashed first, so that the
+        worker skips those it holds already; with many, hashed on one thread while written on another."""
         try:
-            return await self._finish(plan, lambda: _write(self.writer, plan, self.inputs))
+            if sum(t.nbytes for t in self.inputs if not t.digest) >= _HASH_WHILE_WRITING_BYTES:
+                return await self._hash_while_writing()
+            return await self._hash_then_write()
         finally:
             self.writer.schedule_sweep(asyncio.get_running_loop())
+
+    async def _hash_then_write(self) -> ArtifactInfo:
+        await _hash(self.inputs)
+        plan = await self._call(self._begin(True), PutPlan)
+        return await self._finish(plan, lambda: _write(self.writer, plan, self.inputs))
+
+    async def _hash_while_writing(self) -> ArtifactInfo:
+        """Same host, digests later: the worker reserves room for every tensor, which is written while the
+        digests are computed (BLAKE3 is bound by the CPU, the copy by memory: together they take little more
+        than the longer of the two), and the digests come with the commit. Bytes the worker held already are
+        written all the same and dropped at the commit: about what hashing them first would have cost."""
+        msg = PutBegin(tensors=tuple(t.meta_without_digest() for t in self.inputs), key=self.key, ttl=self.ttl,
+                       same_host=True, placement=self.policy, digests_later=True)
+        # Hashing starts once the worker has answered: on two cores, hashing meanwhile slows its answer down
+        # by more than it saves.
+        plan = await self._call(msg, PutPlan)
+        if plan.digests_first:  # the worker must make room: with the digests, it skips the bytes it holds
+            return await self._hash_then_write()
+
+        async def write() -> None:
+            hashing = asyncio.ensure_future(asyncio.to_thread(_hash_all, self.inputs))
+            try:
+                await _write(self.writer, plan, self.inputs)
+            finally:
+                await hashing  # the caller's bytes are not read once the put has returned
+
+        return await self._finish(plan, write, digests=lambda: tuple(t.digest for t in self.inputs))
 
     async def streamed(self) -> ArtifactInfo:
         """Another host: the bytes as checksummed payloads, which the worker checks against the digests."""
@@ -108,12 +141,14 @@ class _Put:
 
         return await self._finish(plan, send)
 
-    async def _finish(self, plan: PutPlan, transfer: Callable[[], Awaitable[None]]) -> ArtifactInfo:
-        """Hand the bytes over (unless the worker holds them all), then commit; abort on any failure."""
+    async def _finish(self, plan: PutPlan, transfer: Callable[[], Awaitable[None]],
+                      digests: Callable[[], tuple[str, ...]] = tuple) -> ArtifactInfo:
+        """Hand the bytes over (unless the worker holds them all), then commit (with ``digests()``, those of a
+        put begun with ``digests_later``); abort on any failure."""
         try:
             if not plan.exists:
                 await transfer()
-            done = await self._call(PutCommit(put_id=plan.put_id), PutDone)
+            done = await self._call(PutCommit(put_id=plan.put_id, digests=digests()), PutDone)
         except BaseException:
             await _abort(self.caller, plan.put_id, self.address)
             raise

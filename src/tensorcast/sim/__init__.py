@@ -17,6 +17,7 @@ from tensorcast.sim.cost import (
     busy_overlap,
     fit,
     fit_overheads,
+    fit_transfer,
     relative_errors,
 )
 from tensorcast.sim.engine import EventLoop, SimConfig, SimInstance, SimRequest
@@ -48,6 +49,7 @@ __all__ = [
     "extend_keys",
     "fit",
     "fit_overheads",
+    "fit_transfer",
     "relative_errors",
     "simulate",
 ]

@@ -24,7 +24,7 @@ from tensorcast.errors import InvalidArgument, NotFound
 from tensorcast.policies.rebalancer import Move
 from tensorcast.records import InstanceInfo
 from tensorcast.sim.engine import EventLoop, SimConfig, SimInstance, SimRequest
-from tensorcast.sim.kvcache import SharedStore
+from tensorcast.sim.kvcache import SharedStore, salt_keys
 from tensorcast.sim.metrics import MoveRecord
 
 __all__ = ["SimCluster"]
@@ -59,9 +59,10 @@ class SimCluster:
     def submit(self, instance_id: str, request: SimRequest) -> None:
         self.instance(instance_id).submit(request)
 
-    def move(self, move: Move, keys: Sequence[int], on_done: Callable[[MoveRecord], None]) -> None:
-        """Start ``move`` (``keys``: the session's blocks, its ``move.kv_tokens`` of KV); ``on_done`` runs
-        when the KV is on the target. The caller keeps the session from starting a turn until then."""
+    def move(self, move: Move, keys: Sequence[int], on_done: Callable[[MoveRecord], None], salt: int = 0) -> None:
+        """Start ``move`` (``keys``: the session's blocks, its ``move.kv_tokens`` of KV; the target's cache names
+        them with ``salt``, ``kvcache.salt_keys``); ``on_done`` runs when the KV is on the target. The caller
+        keeps the session from starting a turn until then."""
         if move.source == move.target:
             raise InvalidArgument(f"move of {move.session_id!r} has the same source and target")
         self.instance(move.source)
@@ -72,7 +73,7 @@ class SimCluster:
                             start + self.config.cost.move_s(move.kv_tokens))
 
         def hydrated() -> None:
-            target.cache.insert(keys)
+            target.cache.insert(salt_keys(keys, salt))
             if self.store is not None:
                 self.store.publish(keys)
             on_done(record)

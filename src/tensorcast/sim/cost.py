@@ -7,7 +7,7 @@ n·kv_bytes_per_token / bandwidth``; every prefill call ``o`` more, and on an in
 ``s0 + s1·L`` to look its pages up and store its new ones before the reply), the measured samples a live run
 yields (``PrefillSample``, ``DecodeSample``, ``OverheadSample``), ``busy_overlap`` (how many other instances
 were busy while a sample ran), ``fit``: non-negative least squares on relative error, reported with its error
-on held-out samples, and ``fit_overheads``. Pure arithmetic on numbers passed in.
+on held-out samples, ``fit_overheads`` and ``fit_transfer``. Pure arithmetic on numbers passed in.
 
 Why ``e·L·C``: on top of a cached context each new token attends to the ``C`` cached tokens, so an agent
 turn (a few hundred new tokens on a context of thousands) pays attention work that ``L²`` alone misses.
@@ -35,7 +35,7 @@ import numpy.typing as npt
 from tensorcast.errors import InvalidArgument
 
 __all__ = ["CostModel", "DecodeSample", "Fit", "FitError", "OverheadSample", "PrefillSample", "busy_overlap", "fit",
-           "fit_overheads", "relative_errors"]
+           "fit_overheads", "fit_transfer", "relative_errors"]
 
 
 @dataclass(frozen=True)
@@ -188,6 +188,21 @@ def fit_overheads(samples: Sequence[OverheadSample], contention: float = 0.0) ->
                 w[c] = float(v)
             best, best_res = (w[0], w[1]), res
     return max(o, 0.0), best[0], best[1]
+
+
+def fit_transfer(samples: Sequence[tuple[int, float]], bandwidth: float) -> tuple[float, float]:
+    """``(latency, bandwidth)`` of a copy from ``(bytes, seconds)`` samples: the least-squares line through
+    them when its slope is positive; otherwise (too few samples, or sizes too alike to tell) the median of
+    what the samples took beyond ``bandwidth``, with ``bandwidth`` kept."""
+    if not samples:
+        raise InvalidArgument("need at least one transfer sample")
+    x = np.array([[1.0, float(b)] for b, _ in samples])
+    y = np.array([sec for _, sec in samples])
+    if len(samples) >= 3 and np.ptp(x[:, 1]) > 0:
+        (latency, per_byte), *_ = np.linalg.lstsq(x, y, rcond=None)
+        if per_byte > 0 and latency >= 0:
+            return float(latency), float(1.0 / per_byte)
+    return max(0.0, float(np.median(y - x[:, 1] / bandwidth))), bandwidth
 
 
 def busy_overlap(start: float, end: float, others: Mapping[str, Sequence[tuple[float, float]]]) -> float:

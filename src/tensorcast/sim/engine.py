@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from tensorcast.errors import InvalidArgument
 from tensorcast.records import InstanceInfo
 from tensorcast.sim.cost import CostModel
-from tensorcast.sim.kvcache import BlockCache, SharedStore
+from tensorcast.sim.kvcache import BlockCache, SharedStore, salt_keys
 from tensorcast.workloads.turns import Turn
 
 __all__ = ["EventLoop", "SimConfig", "SimInstance", "SimRequest"]
@@ -62,7 +62,14 @@ class EventLoop:
 class SimConfig:
     """The simulated cluster: ``instances`` engines, each running at most ``max_batch`` requests, admitting
     at most ``max_prefill_tokens`` uncached tokens per prefill iteration (at least one request), holding
-    ``kv_capacity_tokens`` of KV in blocks of ``block_tokens``; ``cost`` prices the work."""
+    ``kv_capacity_tokens`` of KV in blocks of ``block_tokens``; ``cost`` prices the work.
+
+    ``prefix_sharing``: an instance's cached blocks serve any request whose prompt starts with them (vLLM's
+    automatic prefix caching); False: only the session that left them there, and only while the session
+    stays (an engine that keeps each session's KV for its next turn and drops it when the session goes
+    elsewhere, as this project's transformers adaptor does). ``load_signal``: what ``list_instances()``
+    reports as an instance's ``running`` — ``"engine"``: the requests in its batch; ``"sessions"``: the
+    sessions whose KV it holds (a driver that keeps its own count, as the live benchmark's does)."""
 
     instances: int = 4
     max_batch: int = 16
@@ -70,6 +77,8 @@ class SimConfig:
     block_tokens: int = 16
     max_prefill_tokens: int = 16384
     cost: CostModel = field(default_factory=CostModel)
+    prefix_sharing: bool = True
+    load_signal: str = "engine"
 
     def __post_init__(self) -> None:
         if self.instances < 1 or self.max_batch < 1 or self.block_tokens < 1 or self.max_prefill_tokens < 1:
@@ -77,19 +86,23 @@ class SimConfig:
                                   f"block_tokens={self.block_tokens}, max_prefill_tokens={self.max_prefill_tokens}")
         if self.kv_capacity_tokens < self.block_tokens:
             raise InvalidArgument(f"kv_capacity_tokens ({self.kv_capacity_tokens}) must hold at least one block")
+        if self.load_signal not in ("engine", "sessions"):
+            raise InvalidArgument(f"load_signal must be 'engine' or 'sessions', got {self.load_signal!r}")
 
 
 @dataclass(eq=False)
 class SimRequest:
     """One turn served by one instance. ``keys``: the prompt's whole blocks; ``extra_keys``: blocks the
     output fills that the session's next prompt reuses (cached when the request finishes); ``issued_s``: when
-    the turn was issued (TTFT counts from there, including any wait for a move)."""
+    the turn was issued (TTFT counts from there, including any wait for a move); ``salt``: the instance's own
+    cache names the blocks ``salt_keys(keys, salt)`` (0: as the store does; see ``SimConfig.prefix_sharing``)."""
 
     turn: Turn
     keys: Sequence[int]
     extra_keys: Sequence[int]
     issued_s: float
     on_done: Callable[[SimRequest], None]
+    salt: int = 0
     instance_id: str = ""
     private_blocks: int = 0
     local_hit_tokens: int = 0
@@ -105,6 +118,15 @@ class SimRequest:
     @property
     def context_tokens(self) -> int:
         return self.turn.prompt_tokens + self.generated
+
+    @property
+    def cache_keys(self) -> Sequence[int]:
+        """``keys`` as the instance's own cache names them."""
+        return salt_keys(self.keys, self.salt)
+
+    @property
+    def extra_cache_keys(self) -> Sequence[int]:
+        return salt_keys(self.extra_keys, self.salt)
 
 
 class SimInstance:
@@ -158,15 +180,16 @@ class SimInstance:
         while self.waiting and len(self.running) + len(batch) < self.config.max_batch:
             request = self.waiting[0]
             prompt = request.turn.prompt_tokens
-            local = self.cache.match(request.keys)
+            own = request.cache_keys
+            local = self.cache.match(own)
             stored = self.store.extend_match(request.keys, local) if self.store is not None else local
             hit = max(0, min(stored * bt, prompt - 1))  # an engine computes at least the prompt's last token
-            if (batch and prompt - hit > budget) or not self.cache.fits(request.keys, request.private_blocks):
+            if (batch and prompt - hit > budget) or not self.cache.fits(own, request.private_blocks):
                 break
             self.waiting.popleft()
             request.local_hit_tokens = min(local * bt, hit)
             request.store_hit_tokens = hit - request.local_hit_tokens
-            self.cache.acquire(request.keys, request.private_blocks)
+            self.cache.acquire(own, request.private_blocks)
             budget -= prompt - hit
             batch.append(request)
         return batch
@@ -215,7 +238,7 @@ class SimInstance:
 
     def _finish(self, request: SimRequest) -> None:
         request.done_s = self.loop.now
-        self.cache.release(request.keys, request.private_blocks, request.extra_keys)
+        self.cache.release(request.cache_keys, request.private_blocks, request.extra_cache_keys)
         if self.store is not None:
             self.store.publish(request.extra_keys)
         request.on_done(request)

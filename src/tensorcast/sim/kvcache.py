@@ -1,8 +1,10 @@
 """Where simulated KV lives: an instance's paged prefix cache, the shared store, and block keys.
 
 Owns: ``extend_keys`` (a prompt's whole blocks named by chained hashes, reusing the previous turn's keys for
-the prefix it shares), ``BlockCache`` (one instance's KV: blocks held by running requests, reference counted,
-and cached blocks no request holds, evicted least recently used — vLLM's automatic prefix caching) and
+the prefix it shares), ``salt_keys`` / ``session_salt`` (the same blocks named privately to one session's stay on
+an instance, for engines whose cache serves only the session that filled it), ``BlockCache`` (one instance's
+KV: blocks held by running requests, reference counted, and cached blocks no request holds, evicted least
+recently used — vLLM's automatic prefix caching) and
 ``SharedStore`` (the block keys published to TensorCast: every instance can fetch them). Pure bookkeeping on
 integers; no clock, no costs.
 
@@ -21,7 +23,7 @@ import xxhash
 
 from tensorcast.errors import InvalidArgument
 
-__all__ = ["BlockCache", "SharedStore", "extend_keys"]
+__all__ = ["BlockCache", "SharedStore", "extend_keys", "salt_keys", "session_salt"]
 
 Tokens = npt.NDArray[np.int32]
 
@@ -44,6 +46,18 @@ def extend_keys(prompt: Tokens, block_tokens: int, prev_prompt: Tokens | None = 
         seed = int(xxhash.xxh3_64_intdigest(data[b * block_tokens:(b + 1) * block_tokens].tobytes(), seed=seed))
         keys.append(seed)
     return keys
+
+
+def session_salt(session_id: str, stay: int) -> int:
+    """A non-zero salt naming one stay of a session on an instance (``stay`` counts its changes of instance):
+    blocks salted with it match only that session's requests during that stay."""
+    return int(xxhash.xxh3_64_intdigest(f"{session_id}/{stay}".encode())) | 1
+
+
+def salt_keys(keys: Sequence[int], salt: int) -> Sequence[int]:
+    """``keys`` as a cache private to ``salt`` names them (``salt`` 0: unchanged). XOR with a 64-bit salt: one
+    to one, so a salted prefix still matches block by block."""
+    return keys if not salt else [k ^ salt for k in keys]
 
 
 class SharedStore:

@@ -10,7 +10,9 @@ cluster.list_instances())``; with a rebalancer, every ``interval_s`` of simulate
 ``rebalancer.decide(now, cluster.list_instances(), sessions)`` is called with a ``SessionInfo`` per live
 session (where its KV is by the sticky router's ``SessionTable``, its KV tokens, whether a turn is in flight
 or it is moving), each returned ``Move`` is executed by the cluster, and on completion the table is rewritten
-(``table.assign``), as ``MoveSession.run`` does on success. A session's next turn waits while it moves; its
+(``table.assign``), as ``MoveSession.run`` does on success. With ``SimConfig.load_signal="sessions"`` the signals'
+``running`` counts the sessions whose KV each instance holds (the last instance a session's turn went to, or
+that it moved to) instead of the requests in its batch. A session's next turn waits while it moves; its
 TTFT counts from when it was issued.
 
 Turn timing: an agent turn is issued ``gap_s`` after the previous one finished; a replayed turn at its
@@ -24,19 +26,22 @@ Does not own: the engines (``sim.engine``), the cluster's signals and moves (``s
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
+import msgspec
 import numpy as np
 
 from tensorcast.errors import InvalidArgument
 from tensorcast.policies.rebalancer import Move, Rebalancer, SessionInfo
 from tensorcast.policies.routers import Request, Router, load
 from tensorcast.policies.sessions import StickySessions
+from tensorcast.records import InstanceInfo
 from tensorcast.sim.cluster import SimCluster
 from tensorcast.sim.engine import EventLoop, SimConfig, SimRequest
-from tensorcast.sim.kvcache import Tokens, extend_keys
+from tensorcast.sim.kvcache import Tokens, extend_keys, session_salt
 from tensorcast.sim.metrics import MoveRecord, SimResult, TurnRecord
 from tensorcast.workloads.agent import AgentWorkload
 from tensorcast.workloads.turns import Session
@@ -102,6 +107,8 @@ class _Live:
     context_keys: list[int] = field(default_factory=list)
     issued_s: float = 0.0
     busy: bool = False                                   # a turn issued and not finished
+    where: str | None = None                             # the instance holding its KV (its last turn's, or a move's)
+    stay: int = 0                                        # how many times it changed instance (SimConfig.prefix_sharing)
     moving: bool = False
     held_for_move: bool = False                          # its issued turn waits for the move to end
 
@@ -188,12 +195,28 @@ class _Simulation:
             if not keys or (len(live.next_keys) >= len(keys) and live.next_keys[len(keys) - 1] == keys[-1]):
                 extra = live.next_keys[len(keys):reused]
         live.prev_prompt, live.prev_keys = turn.prompt, keys
-        request = SimRequest(turn, keys, extra, live.issued_s, self._done)
-        instances = self.cluster.list_instances()
+        instances = self._signals()
         loads = [load(i) for i in instances]
         self.load_gaps.append(max(loads) - min(loads))
         target = self.policy.router.route(Request(live.session.session_id, turn.prompt), instances)
+        if target != live.where:  # a new stay (its first, or after a change of instance)
+            if live.where is not None:
+                live.stay += 1
+            live.where = target
+        request = SimRequest(turn, keys, extra, live.issued_s, self._done, salt=self._salt(live, live.stay))
         self.cluster.submit(target, request)
+
+    def _salt(self, live: _Live, stay: int) -> int:
+        """How an instance's own cache names this session's blocks during its ``stay``-th stay anywhere."""
+        return 0 if self.config.prefix_sharing else session_salt(live.session.session_id, stay)
+
+    def _signals(self) -> list[InstanceInfo]:
+        """``list_instances()``, with ``running`` counting resident sessions if the config says so."""
+        instances = self.cluster.list_instances()
+        if self.config.load_signal == "engine":
+            return instances
+        resident = Counter(live.where for live in self.live.values() if live.where is not None)
+        return [msgspec.structs.replace(i, running=resident[i.instance_id]) for i in instances]
 
     def _done(self, request: SimRequest) -> None:
         turn = request.turn
@@ -227,7 +250,7 @@ class _Simulation:
             where = self.table.get(sid) if self.table is not None else None
             if where is not None and live.context_tokens:
                 sessions.append(SessionInfo(sid, where, live.context_tokens, live.busy or live.moving))
-        for move in rebalancer.decide(self.loop.now, self.cluster.list_instances(), sessions):
+        for move in rebalancer.decide(self.loop.now, self._signals(), sessions):
             self._move(move)
         self.loop.at(self.loop.now + max(rebalancer.interval_s, MIN_TICK_S), self._tick)
 
@@ -238,11 +261,13 @@ class _Simulation:
             raise InvalidArgument(f"cannot move {move.session_id!r} from {move.source!r}: it is not an idle "
                                   f"session there (at {where!r})")
         live.moving = True
-        self.cluster.move(move, live.context_keys, lambda record: self._moved(live, record))
+        self.cluster.move(move, live.context_keys, lambda record: self._moved(live, record),
+                          salt=self._salt(live, live.stay + 1))
 
     def _moved(self, live: _Live, record: MoveRecord) -> None:
         self.moves.append(record)
         live.moving = False
+        live.where, live.stay = record.target, live.stay + 1
         if self.table is not None:
             self.table.assign(record.session_id, record.target)
         if live.held_for_move:

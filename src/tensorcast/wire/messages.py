@@ -86,6 +86,10 @@ class PutBegin(Msg):
     # in this order; digests may be left empty (the worker computes them from the bytes). The worker stores
     # and commits at once; PutPlan.artifact is the committed record.
     inline: bool = False
+    # Same host only: every digest is left empty and comes with PutCommit instead, so that the caller hashes
+    # the bytes while it writes them. The worker then cannot skip bytes it holds already: every tensor gets a
+    # target, and one whose blob is held by then is dropped at the commit.
+    digests_later: bool = False
 
 
 class PutPlan(Msg):
@@ -98,6 +102,9 @@ class PutPlan(Msg):
     stream: bool = False
     exists: bool = False
     artifact: ArtifactInfo | None = None  # an inline put's committed record
+    # A put begun with digests_later that needs its digests first (memory must be made room for, and the
+    # worker may hold some of the bytes already): nothing was reserved; begin it again with the digests.
+    digests_first: bool = False
 
 
 class PutData(Msg):
@@ -110,6 +117,8 @@ class PutData(Msg):
 
 class PutCommit(Msg):
     put_id: str
+    # A put begun with digests_later: every tensor's digest, in PutBegin order (otherwise empty).
+    digests: tuple[str, ...] = ()
 
 
 class PutAbort(Msg):

@@ -6,8 +6,11 @@ refusal — applied: evictions made and upload targets allocated, memory ones as
 pre-faulted stock), receiving bytes (same-host callers write the targets directly; remote callers stream
 ``PutData`` payloads straight into them), and ``PutCommit`` (digest checks for bytes that crossed a network,
 storing blobs, the disk copy a durable placement requires before the put returns); a small put's bytes may
-come with its ``PutBegin`` (``inline``: one request, digests computed here). Abandoned puts are reclaimed.
-Does not own: recording at the global store or extra replicas (``worker.storage``).
+come with its ``PutBegin`` (``inline``: one request, digests computed here); a same-host put's digests may come
+with its ``PutCommit`` (``digests_later``: the caller hashes while it writes; then nothing is skipped up front,
+and blobs held already are dropped at the commit; a put that memory cannot take without making room is asked
+for its digests first). Abandoned puts are reclaimed. Does not own: recording at the global store or extra
+replicas (``worker.storage``).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class PendingPut:
     to_memory: bool
     to_disk: bool
     hashed_here: bool = False  # an inline put: this worker computed the digests from the bytes it stored
+    digests_later: bool = False  # the digests (and so the artifact id) come with PutCommit
     memory_targets: dict[int, BlobLoc] = field(default_factory=dict)  # tensor index -> upload target
     disk_targets: dict[int, Segment] = field(default_factory=dict)
     received: dict[int, int] = field(default_factory=dict)
@@ -77,19 +81,28 @@ class PutManager:
         self.pending: dict[str, PendingPut] = {}
 
     async def begin(self, msg: PutBegin, placement: Placement) -> PutPlan:
-        tensors = validate_tensors(msg.tensors)
+        later = msg.digests_later
+        if later and (not msg.same_host or msg.inline or any(t.digest for t in msg.tensors)):
+            raise InvalidArgument("digests_later: only for a same-host put that is not inline, with every digest "
+                                  "left empty")
+        tensors = validate_tensors(msg.tensors, digests=not later)
         if msg.ttl is not None:
             check_ttl(msg.ttl)
-        aid = artifact_id(tensors)
+        # Digests later: the artifact's identity is not known yet, so every byte needs room.
+        aid = "" if later else artifact_id(tensors)
         memory = self.store.memory
-        need = _distinct_bytes(t for t in tensors if not memory.has_blob(t.digest))
-        decision = decide_put(placement, memory.state, need, time.time(), self.store.tiers(aid),
-                              has_disk=self.store.disk is not None, exclude=frozenset({aid}))
+        need = sum(t.nbytes for t in tensors) if later else \
+            _distinct_bytes(t for t in tensors if not memory.has_blob(t.digest))
+        if later and (not placement.wants_memory or need > memory.state.free):
+            # Making room (evicting, spilling) for bytes this worker may hold already would be a loss.
+            return PutPlan(put_id="", artifact_id="", digests_first=True)
+        decision = decide_put(placement, memory.state, need, time.time(), self.store.tiers(aid) if aid else (),
+                              has_disk=self.store.disk is not None, exclude=frozenset({aid}) if aid else frozenset())
         await self.store.evict_all(decision.evict)
         put = PendingPut(put_id=uuid.uuid4().hex, artifact_id=aid, tensors=tensors, key=msg.key, ttl=msg.ttl,
                          placement=placement, stream=not msg.same_host,
                          expires=time.time() + self.config.put_timeout,
-                         to_memory=decision.to_memory, to_disk=decision.to_disk)
+                         to_memory=decision.to_memory, to_disk=decision.to_disk, digests_later=later)
         try:
             refs = await self._allocate_targets(put)
         except BaseException:
@@ -110,7 +123,10 @@ class PutManager:
         seen: set[str] = set()
         new: list[int] = []
         for i, t in enumerate(tensors):
-            if t.nbytes and t.digest not in seen:
+            if put.digests_later:  # identities unknown: every tensor is new (duplicates dropped at the commit)
+                if t.nbytes:
+                    new.append(i)
+            elif t.nbytes and t.digest not in seen:
                 seen.add(t.digest)
                 if not memory.has_blob(t.digest):
                     new.append(i)
@@ -122,7 +138,7 @@ class PutManager:
         elif put.to_disk:
             disk = self.store.require_disk()
             for i in new:
-                if not disk.has_blob(tensors[i].digest):
+                if put.digests_later or not disk.has_blob(tensors[i].digest):
                     seg = disk.new_upload(tensors[i].nbytes)
                     put.disk_targets[i] = seg
                     refs[i] = SegmentRef(path=seg.path, size=tensors[i].nbytes, tier="disk")
@@ -206,12 +222,15 @@ class PutManager:
         put = self.get(msg.put_id)
         put.received[msg.index] = put.received.get(msg.index, 0) + nbytes
 
-    async def commit(self, put_id: str) -> PendingPut:
-        """Store the put's bytes locally as its placement says; the caller records it at the GS."""
+    async def commit(self, put_id: str, digests: tuple[str, ...] = ()) -> PendingPut:
+        """Store the put's bytes locally as its placement says (``digests``: those of a put begun with
+        ``digests_later``); the caller records it at the GS."""
         put = self.get(put_id)
         del self.pending[put.put_id]
         memory = self.store.memory
         try:
+            if put.digests_later or digests:
+                _take_digests(put, digests)
             verify = (put.stream and not put.hashed_here) or self.config.verify_local_puts
             for i in [*put.memory_targets, *put.disk_targets]:
                 meta = put.tensors[i]
@@ -270,6 +289,20 @@ def _distinct_bytes(tensors: Iterable[TensorMeta]) -> int:
     for t in tensors:
         seen[t.digest] = t.nbytes
     return sum(seen.values())
+
+
+def _take_digests(put: PendingPut, digests: tuple[str, ...]) -> None:
+    """Give a put begun with ``digests_later`` its digests and identity. A blob held already (or twice in
+    this put) is dropped when committed (``MemoryTier.commit_blob``, ``DiskTier.commit_upload``)."""
+    if not put.digests_later:
+        raise InvalidArgument(f"put {put.put_id}: digests come with the commit only after digests_later")
+    if len(digests) != len(put.tensors):
+        raise InvalidArgument(f"put {put.put_id}: {len(digests)} digests for {len(put.tensors)} tensors")
+    put.tensors = tuple(msgspec.structs.replace(t, digest=d) for t, d in zip(put.tensors, digests, strict=True))
+    for t in put.tensors:
+        _check_digest(t)
+    put.artifact_id = artifact_id(put.tensors)
+    put.digests_later = False
 
 
 def validate_tensors(tensors: tuple[TensorMeta, ...], digests: bool = True) -> tuple[TensorMeta, ...]:

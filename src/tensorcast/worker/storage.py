@@ -234,7 +234,7 @@ class StorageRole:
         # now, as committing hands the targets over.
         written = sum(pending.tensors[i].nbytes for i in pending.memory_targets) \
             if pending is not None and not pending.stream else 0
-        put = await self.puts.commit(msg.put_id)
+        put = await self.puts.commit(msg.put_id, msg.digests)
         self.parts.gs.kept(put.artifact_id)
         tiers = self.store.tiers(put.artifact_id)
         info = ArtifactInfo(id=put.artifact_id, tensors=put.tensors, nbytes=nbytes_of(put.tensors),
