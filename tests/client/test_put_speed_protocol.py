@@ -86,11 +86,14 @@ def test_digests_later_writes_every_tensor_and_stores_each_blob_once(puts: PutMa
 def test_digests_later_is_checked_and_a_bad_commit_stores_nothing(puts: PutManager) -> None:
     inputs = _inputs(a=np.arange(MiB, dtype=np.uint8), b=np.ones(10, np.int64))
     msg = PutBegin(tensors=tuple(t.meta_without_digest() for t in inputs), same_host=True, digests_later=True)
-    for bad in (msgspec.structs.replace(msg, same_host=False), msgspec.structs.replace(msg, inline=True),
-                msgspec.structs.replace(msg, tensors=tuple(t.meta for t in inputs))):
+    for bad in (msgspec.structs.replace(msg, same_host=False), msgspec.structs.replace(msg, inline=True)):
         with pytest.raises(InvalidArgument, match="digests_later"):
             asyncio.run(puts.begin(bad, PRESETS["cache"]))
+    stated = msgspec.structs.replace(msg, tensors=(inputs[0].meta_without_digest(), inputs[1].meta))
+    plan = asyncio.run(puts.begin(stated, PRESETS["cache"]))
     digests = tuple(t.meta.digest for t in inputs)
+    with pytest.raises(InvalidArgument, match="not the one PutBegin stated"):
+        asyncio.run(puts.commit(plan.put_id, (digests[0], "0" * 64)))
     for wrong, match in (((), "0 digests for 2"), (digests[:1], "1 digests"), ((digests[0], "x" * 64), "64 lowercase")):
         plan = asyncio.run(puts.begin(msg, PRESETS["cache"]))
         with pytest.raises(InvalidArgument, match=match):
@@ -100,6 +103,24 @@ def test_digests_later_is_checked_and_a_bad_commit_stores_nothing(puts: PutManag
         asyncio.run(puts.commit(plain.put_id, digests))
     memory = puts.store.memory
     assert memory.state.used == 0 and memory.state.reserved == 0 and not puts.pending
+
+
+def test_digests_stated_with_digests_later_are_deduplicated_up_front(puts: PutManager) -> None:
+    held = np.random.default_rng(3).integers(0, 255, 2 * MiB, dtype=np.uint8)
+    first = _inputs(w=held)
+    plan = asyncio.run(puts.begin(PutBegin(tensors=tuple(t.meta for t in first), same_host=True), PRESETS["cache"]))
+    _write_segments(writer := SegmentWriter(), plan, first)
+    asyncio.run(puts.commit(plan.put_id))
+    fresh = np.random.default_rng(4).integers(0, 255, MiB, dtype=np.uint8)
+    inputs = _inputs(w=held, z=fresh)  # w: held, digest stated; z: new, digest later
+    msg = PutBegin(tensors=(inputs[0].meta, inputs[1].meta_without_digest()), same_host=True, digests_later=True)
+    plan = asyncio.run(puts.begin(msg, PRESETS["cache"]))
+    assert [ref is not None for ref in plan.segments] == [False, True]
+    _write_segments(writer, plan, inputs)
+    writer.close()
+    put = asyncio.run(puts.commit(plan.put_id, tuple(t.meta.digest for t in inputs)))
+    assert put.artifact_id == artifact_id([t.meta for t in inputs])
+    assert puts.store.memory.state.used == 3 * MiB and puts.store.memory.state.reserved == 0
 
 
 def test_digests_later_asks_for_the_digests_when_memory_must_make_room(puts: PutManager) -> None:

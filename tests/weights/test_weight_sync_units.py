@@ -143,21 +143,25 @@ def test_publisher_digests_reuse_only_what_is_unchanged(monkeypatch: pytest.Monk
     hashed: list[int] = []
     real = tensors_mod.digest_bytes
     monkeypatch.setattr(tensors_mod, "digest_bytes", lambda data: hashed.append(len(data)) or real(data))
-    pub = AsyncWeightPublisher(client=None, model="m")  # type: ignore[arg-type]  # _digests needs no client
+    pub = AsyncWeightPublisher(client=None, model="m")  # type: ignore[arg-type]  # no put here: no client
     rng = np.random.default_rng(0)
     state = {f"w{i}": rng.standard_normal(256, dtype=np.float32) for i in range(4)}
+    left: list[str] = []
 
     def digests(changed: list[str] | None = None) -> dict[str, str]:
+        """One publish's digests: those reused, then (as the put does) the others computed and remembered."""
         inputs = normalize_tensors(state)
-        pub._digests(inputs, changed)
+        quick = pub._reuse_digests(inputs, changed)
+        left[:] = [t.name for t in inputs if not t.digest]  # what the put hashes while it writes
+        pub._remember(inputs, quick, {t.name: t.meta.digest for t in inputs})
         return {t.name: t.digest for t in inputs}
 
     first = digests()
-    assert len(hashed) == 4 and all(first[n] == digest_bytes(v) for n, v in state.items())
+    assert len(hashed) == 4 and left == list(state) and all(first[n] == digest_bytes(v) for n, v in state.items())
     hashed.clear()
     state["w1"][7] += 1.0  # changed in place: same array, same address
     second = digests()
-    assert hashed == [1024]  # only w1 was hashed with BLAKE3
+    assert hashed == [1024] and left == ["w1"]  # only w1 was hashed with BLAKE3
     assert all(second[n] == digest_bytes(v) for n, v in state.items()) and second["w1"] != first["w1"]
     hashed.clear()
     state["w2"] = state["w2"].reshape(16, 16)  # same bytes, another shape: a tensor of another kind
@@ -166,7 +170,7 @@ def test_publisher_digests_reuse_only_what_is_unchanged(monkeypatch: pytest.Monk
     state["w0"][0] += 1.0
     state["w3"][0] += 1.0  # changed, but the caller says only w0 did: w3 is taken at its word, not read
     third = digests(changed=["w0"])
-    assert hashed == [1024] and third["w3"] == second["w3"] != digest_bytes(state["w3"])
+    assert hashed == [1024] and left == ["w0"] and third["w3"] == second["w3"] != digest_bytes(state["w3"])
 
 
 def test_publish_refuses_changed_names_the_state_dict_lacks() -> None:

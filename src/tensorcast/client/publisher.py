@@ -203,11 +203,12 @@ class AsyncWeightPublisher:
 
     async def _put(self, tensors: Mapping[str, Any], key: str, ctx: CallContext,
                    changed: Collection[str] | None) -> ArtifactInfo:
-        """Put with every digest known first, so that the worker skips, before any byte is copied, each
-        tensor it holds already (a put that hashes while it copies would copy them all). Through another
-        gateway if this one goes away, like ``AsyncClient.put``."""
+        """Put with the digests of the tensors unchanged since the previous publish stated first, so that the
+        worker skips them before any byte is copied; the changed ones (new bytes: nothing to skip) are hashed
+        while they are written (``PutBegin.digests_later``). Through another gateway if this one goes away,
+        like ``AsyncClient.put``. Remembers each tensor's checksums once the version is stored."""
         inputs = await asyncio.to_thread(normalize_tensors, tensors)
-        await asyncio.to_thread(self._digests, inputs, changed)
+        quick = await asyncio.to_thread(self._reuse_digests, inputs, changed)
         caller = self.client.caller
         while True:
             address = caller.address
@@ -217,15 +218,23 @@ class AsyncWeightPublisher:
                     raise NotFound(f"no worker {clip(self.on)}")
                 address = workers[self.on].address
             try:
-                return await put_tensors(caller, self.client.locality, self.client.writer, address, inputs,
+                info = await put_tensors(caller, self.client.locality, self.client.writer, address, inputs,
                                          key=key, ttl=None, policy=self.policy, ctx=ctx)
             except (NotSent, ConnectionLost):
                 if self.on is not None or not caller.fail_over(address):
                     raise
+                continue
+            self._remember(inputs, quick, {t.name: t.digest for t in info.tensors})
+            return info
 
-    def _digests(self, inputs: list[TensorInput], changed: Collection[str] | None) -> None:
-        """Give every input its BLAKE3 digest, reusing the previous publish's where the bytes are the same
-        (``changed`` leaves them out, or their XXH3-128 is unchanged), and remember what was found."""
+    def _remember(self, inputs: list[TensorInput], quick: Mapping[str, str], stored: Mapping[str, str]) -> None:
+        """What the next publish compares against: each tensor's kind, XXH3-128 and stored BLAKE3 digest."""
+        self._seen = {t.name: (t.dtype, t.shape, quick[t.name], stored[t.name]) for t in inputs}
+
+    def _reuse_digests(self, inputs: list[TensorInput], changed: Collection[str] | None) -> dict[str, str]:
+        """Give the inputs whose bytes are the previous publish's (``changed`` leaves them out, or their
+        XXH3-128 is unchanged) that publish's BLAKE3 digest; the others keep none (the put computes it).
+        Returns every input's XXH3-128."""
         same = {t.name: b for t in inputs if (b := self._seen.get(t.name)) is not None and b[:2] == (t.dtype, t.shape)}
         check = [t for t in inputs if t.name not in same or changed is None or t.name in changed]
         quick = dict(zip((t.name for t in check), _xxh3_all([t.data for t in check]), strict=True))
@@ -235,8 +244,7 @@ class AsyncWeightPublisher:
                 quick.setdefault(t.name, before[2])  # not read (``changed`` leaves it out): as it was
                 if quick[t.name] == before[2]:
                     t.digest = before[3]
-        # .meta: the BLAKE3 digest, computed now unless reused above.
-        self._seen = {t.name: (t.dtype, t.shape, quick[t.name], t.meta.digest) for t in inputs}
+        return quick
 
     async def _collect(self, versions: Mapping[int, ArtifactInfo], ctx: CallContext | None) -> list[int]:
         in_use = await list_in_use(self.client.caller, self.model, ctx)

@@ -8,7 +8,8 @@ next (``client.write_maps``; a disk-tier target: ``pwrite``). Another host (or a
 ``/dev/shm`` this process cannot see): ``PutData`` payloads that the worker receives straight into the
 segment, each checked against its chunk checksums and sent again if a chunk arrived corrupted. A same-host
 put of many bytes not hashed yet hashes them while it writes them, and its digests go with the commit
-(``PutBegin.digests_later``); a put whose digests are known (``WeightPublisher``) states them first. A failed
+(``PutBegin.digests_later``); digests known already (a publisher's unchanged tensors) are stated first, so
+the worker skips those bytes. A failed
 put is aborted (the worker also reclaims abandoned ones). Does not own: normalizing inputs (``tensors``)
 or the artifact handle (``client.aio``).
 """
@@ -107,12 +108,13 @@ class _Put:
         return await self._finish(plan, lambda: _write(self.writer, plan, self.inputs))
 
     async def _hash_while_writing(self) -> ArtifactInfo:
-        """Same host, digests later: the worker reserves room for every tensor, which is written while the
-        digests are computed (BLAKE3 is bound by the CPU, the copy by memory: together they take little more
-        than the longer of the two), and the digests come with the commit. Bytes the worker held already are
-        written all the same and dropped at the commit: about what hashing them first would have cost."""
-        msg = PutBegin(tensors=tuple(t.meta_without_digest() for t in self.inputs), key=self.key, ttl=self.ttl,
-                       same_host=True, placement=self.policy, digests_later=True)
+        """Same host, digests later: the worker reserves room for every tensor not hashed yet, which is written
+        while its digest is computed (BLAKE3 is bound by the CPU, the copy by memory: together they take little
+        more than the longer of the two), and the digests come with the commit. Bytes the worker held already
+        are written all the same and dropped at the commit: about what hashing them first would have cost.
+        Tensors whose digest is known (a publisher's unchanged ones) are skipped up front as usual."""
+        msg = PutBegin(tensors=tuple(t.meta_without_digest(t.digest) for t in self.inputs), key=self.key,
+                       ttl=self.ttl, same_host=True, placement=self.policy, digests_later=True)
         # Hashing starts once the worker has answered: on two cores, hashing meanwhile slows its answer down
         # by more than it saves.
         plan = await self._call(msg, PutPlan)

@@ -86,9 +86,9 @@ class PutBegin(Msg):
     # in this order; digests may be left empty (the worker computes them from the bytes). The worker stores
     # and commits at once; PutPlan.artifact is the committed record.
     inline: bool = False
-    # Same host only: every digest is left empty and comes with PutCommit instead, so that the caller hashes
-    # the bytes while it writes them. The worker then cannot skip bytes it holds already: every tensor gets a
-    # target, and one whose blob is held by then is dropped at the commit.
+    # Same host only: digests may be left empty and come with PutCommit instead, so that the caller hashes
+    # those bytes while it writes them. The worker cannot skip them up front: each gets a target, and one
+    # whose blob is held by then is dropped at the commit. Digests stated here are deduplicated as usual.
     digests_later: bool = False
 
 

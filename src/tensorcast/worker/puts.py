@@ -7,10 +7,10 @@ pre-faulted stock), receiving bytes (same-host callers write the targets directl
 ``PutData`` payloads straight into them), and ``PutCommit`` (digest checks for bytes that crossed a network,
 storing blobs, the disk copy a durable placement requires before the put returns); a small put's bytes may
 come with its ``PutBegin`` (``inline``: one request, digests computed here); a same-host put's digests may come
-with its ``PutCommit`` (``digests_later``: the caller hashes while it writes; then nothing is skipped up front,
-and blobs held already are dropped at the commit; a put that memory cannot take without making room is asked
-for its digests first). Abandoned puts are reclaimed. Does not own: recording at the global store or extra
-replicas (``worker.storage``).
+with its ``PutCommit`` (``digests_later``: the caller hashes while it writes; tensors whose digest it left out
+then get a target each, and blobs held already are dropped at the commit; a put that memory cannot take
+without making room is asked for its digests first). Abandoned puts are reclaimed. Does not own: recording at
+the global store or extra replicas (``worker.storage``).
 """
 
 from __future__ import annotations
@@ -82,17 +82,19 @@ class PutManager:
 
     async def begin(self, msg: PutBegin, placement: Placement) -> PutPlan:
         later = msg.digests_later
-        if later and (not msg.same_host or msg.inline or any(t.digest for t in msg.tensors)):
-            raise InvalidArgument("digests_later: only for a same-host put that is not inline, with every digest "
-                                  "left empty")
+        if later and (not msg.same_host or msg.inline):
+            raise InvalidArgument("digests_later: only for a same-host put that is not inline")
         tensors = validate_tensors(msg.tensors, digests=not later)
+        for t in tensors if later else ():
+            if t.digest:  # stated now: deduplicated now
+                _check_digest(t)
         if msg.ttl is not None:
             check_ttl(msg.ttl)
-        # Digests later: the artifact's identity is not known yet, so every byte needs room.
+        # Digests later: the artifact's identity is not known yet, and tensors without a digest need room.
         aid = "" if later else artifact_id(tensors)
         memory = self.store.memory
-        need = sum(t.nbytes for t in tensors) if later else \
-            _distinct_bytes(t for t in tensors if not memory.has_blob(t.digest))
+        need = _distinct_bytes(t for t in tensors if t.digest and not memory.has_blob(t.digest)) + \
+            sum(t.nbytes for t in tensors if not t.digest)
         if later and (not placement.wants_memory or need > memory.state.free):
             # Making room (evicting, spilling) for bytes this worker may hold already would be a loss.
             return PutPlan(put_id="", artifact_id="", digests_first=True)
@@ -123,7 +125,7 @@ class PutManager:
         seen: set[str] = set()
         new: list[int] = []
         for i, t in enumerate(tensors):
-            if put.digests_later:  # identities unknown: every tensor is new (duplicates dropped at the commit)
+            if not t.digest:  # digests later: unknown, so new (a blob held already is dropped at the commit)
                 if t.nbytes:
                     new.append(i)
             elif t.nbytes and t.digest not in seen:
@@ -138,7 +140,7 @@ class PutManager:
         elif put.to_disk:
             disk = self.store.require_disk()
             for i in new:
-                if put.digests_later or not disk.has_blob(tensors[i].digest):
+                if not tensors[i].digest or not disk.has_blob(tensors[i].digest):
                     seg = disk.new_upload(tensors[i].nbytes)
                     put.disk_targets[i] = seg
                     refs[i] = SegmentRef(path=seg.path, size=tensors[i].nbytes, tier="disk")
@@ -298,6 +300,9 @@ def _take_digests(put: PendingPut, digests: tuple[str, ...]) -> None:
         raise InvalidArgument(f"put {put.put_id}: digests come with the commit only after digests_later")
     if len(digests) != len(put.tensors):
         raise InvalidArgument(f"put {put.put_id}: {len(digests)} digests for {len(put.tensors)} tensors")
+    for t, d in zip(put.tensors, digests, strict=True):
+        if t.digest and d != t.digest:
+            raise InvalidArgument(f"tensor {clip(t.name)}: the digest at the commit is not the one PutBegin stated")
     put.tensors = tuple(msgspec.structs.replace(t, digest=d) for t, d in zip(put.tensors, digests, strict=True))
     for t in put.tensors:
         _check_digest(t)
