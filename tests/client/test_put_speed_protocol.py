@@ -208,16 +208,20 @@ def test_putting_held_content_into_full_memory_deduplicates_instead_of_evicting(
         assert {x.key for x in c.ls()} == {"b", "c"}  # a (with its second key) was read longest ago
 
 
-def test_small_puts_in_one_request_keep_their_placement() -> None:
+def test_small_and_hashed_while_written_puts_keep_their_placement() -> None:
+    big = np.random.default_rng(5).integers(0, 255, 6 * MiB, dtype=np.uint8)  # digests later: 4 MiB and more
     with running_cluster(workers=1, memory_capacity="64MiB") as cluster, tc.connect(cluster.address) as c:
         kept = c.put({"w": np.arange(1000, dtype=np.float32)}, key="small/durable", policy="durable")
+        large = c.put({"b": big}, key="large/durable", policy="durable")
         leased = c.put(np.arange(10), key="small/leased", ttl=60.0)
-        assert {r.tier for r in kept.refresh().replicas} == {"memory", "disk"}  # the disk copy before returning
+        for art in (kept, large):  # the disk copy before returning
+            assert {r.tier for r in art.refresh().replicas} == {"memory", "disk"}
         assert c.artifact("small/leased").id == leased.id
         cluster.kill_worker("w0")
         cluster.restart_worker("w0")
         got = c.artifact("small/durable").tensor_dict(like="numpy")
         assert np.array_equal(got["w"], np.arange(1000, dtype=np.float32))
+        assert np.array_equal(c.artifact("large/durable").tensor(like="numpy"), big)
 
 
 def test_copy_bytes_hint_counts_what_normalizing_copies() -> None:
