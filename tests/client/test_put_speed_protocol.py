@@ -129,11 +129,33 @@ def test_digests_later_asks_for_the_digests_when_memory_must_make_room(puts: Put
     _write_segments(writer := SegmentWriter(), plan, big)
     writer.close()
     asyncio.run(puts.commit(plan.put_id))
-    more = _inputs(a=np.ones(30 * MiB, np.uint8))  # 40 of 64 MiB used: 30 more fit only by evicting
-    msg = PutBegin(tensors=tuple(t.meta_without_digest() for t in more), same_host=True, digests_later=True)
-    reply = asyncio.run(puts.begin(msg, PRESETS["cache"]))
-    assert reply.digests_first and not reply.segments and not puts.pending
+    # 40 of 64 MiB used: 30 more fit only by evicting; 22 more fit, but above the high watermark (95%), where
+    # the housekeeping would evict.
+    for size, preset in ((30, "cache"), (22, "cache")):
+        more = _inputs(a=np.ones(size * MiB, np.uint8))
+        msg = PutBegin(tensors=tuple(t.meta_without_digest() for t in more), same_host=True, digests_later=True)
+        reply = asyncio.run(puts.begin(msg, PRESETS[preset]))
+        assert reply.digests_first and not reply.segments and not puts.pending, (size, preset)
     assert puts.store.memory.state.reserved == 0 and puts.store.memory.has_replica(plan.artifact_id)
+    fits = _inputs(a=np.ones(16 * MiB, np.uint8))  # 56 of 64 MiB: under the watermark, taken
+    msg = PutBegin(tensors=tuple(t.meta_without_digest() for t in fits), same_host=True, digests_later=True)
+    assert not asyncio.run(puts.begin(msg, PRESETS["cache"])).digests_first
+
+
+def test_putting_held_content_with_digests_later_leaves_the_held_replica_as_it_was(puts: PutManager) -> None:
+    inputs = _inputs(w=np.random.default_rng(6).integers(0, 255, 2 * MiB, dtype=np.uint8))
+    plan = asyncio.run(puts.begin(PutBegin(tensors=tuple(t.meta for t in inputs), same_host=True), PRESETS["cache"]))
+    _write_segments(writer := SegmentWriter(), plan, inputs)
+    asyncio.run(puts.commit(plan.put_id))
+    msg = PutBegin(tensors=tuple(t.meta_without_digest() for t in inputs), same_host=True, digests_later=True)
+    again = asyncio.run(puts.begin(msg, PRESETS["pinned"]))  # a stronger promise, asked for the same bytes
+    _write_segments(writer, again, inputs)
+    writer.close()
+    put = asyncio.run(puts.commit(again.put_id, tuple(t.meta.digest for t in inputs)))
+    memory = puts.store.memory
+    assert put.artifact_id == plan.artifact_id and not put.to_memory  # held already: not added again
+    assert memory.state.replicas[plan.artifact_id].evictable  # as a hash-first put of held bytes leaves it
+    assert memory.state.used == 2 * MiB and memory.state.reserved == 0
 
 
 def test_a_small_put_in_one_request_is_hashed_by_the_worker(puts: PutManager) -> None:
@@ -170,8 +192,8 @@ def test_every_path_gives_the_same_artifact_for_the_same_content(client: tc.Clie
         client.delete(art.id)
 
 
-def test_a_large_same_host_put_hashed_while_written_is_the_same_artifact(client: tc.Client,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def spy_put_begins(monkeypatch: pytest.MonkeyPatch) -> list[PutBegin]:
+    """Every ``PutBegin`` this process's clients send (not inline ones, which go another way) from now on."""
     from tensorcast.client import puts as client_puts
 
     begun: list[PutBegin] = []
@@ -183,6 +205,12 @@ def test_a_large_same_host_put_hashed_while_written_is_the_same_artifact(client:
         return await call(self, msg, expect)
 
     monkeypatch.setattr(client_puts._Put, "_call", spy)
+    return begun
+
+
+def test_a_large_same_host_put_hashed_while_written_is_the_same_artifact(client: tc.Client,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    begun = spy_put_begins(monkeypatch)
     rng = np.random.default_rng(11)
     w = rng.integers(0, 255, 6 * MiB, dtype=np.uint8)
     data = {"w": w, "w2": w.copy(), "v": rng.standard_normal(1000)}
@@ -208,11 +236,13 @@ def test_putting_held_content_into_full_memory_deduplicates_instead_of_evicting(
         assert {x.key for x in c.ls()} == {"b", "c"}  # a (with its second key) was read longest ago
 
 
-def test_small_and_hashed_while_written_puts_keep_their_placement() -> None:
+def test_small_and_hashed_while_written_puts_keep_their_placement(monkeypatch: pytest.MonkeyPatch) -> None:
+    begun = spy_put_begins(monkeypatch)
     big = np.random.default_rng(5).integers(0, 255, 6 * MiB, dtype=np.uint8)  # digests later: 4 MiB and more
     with running_cluster(workers=1, memory_capacity="64MiB") as cluster, tc.connect(cluster.address) as c:
         kept = c.put({"w": np.arange(1000, dtype=np.float32)}, key="small/durable", policy="durable")
         large = c.put({"b": big}, key="large/durable", policy="durable")
+        assert [m.digests_later for m in begun if m.key == "large/durable"] == [True]
         leased = c.put(np.arange(10), key="small/leased", ttl=60.0)
         for art in (kept, large):  # the disk copy before returning
             assert {r.tier for r in art.refresh().replicas} == {"memory", "disk"}

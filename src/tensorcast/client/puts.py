@@ -94,7 +94,7 @@ class _Put:
 
     async def same_host(self) -> ArtifactInfo:
         """Write straight into the worker's shared memory. With few bytes to hash, hashed first, so that the
-        worker skips those it holds already; with many, hashed on one thread while written on another."""
+        worker skips those it holds already; with many, hashed on other threads while written on another."""
         try:
             if sum(t.nbytes for t in self.inputs if not t.digest) >= _HASH_WHILE_WRITING_BYTES:
                 return await self._hash_while_writing()
@@ -126,7 +126,7 @@ class _Put:
             try:
                 await _write(self.writer, plan, self.inputs)
             finally:
-                await hashing  # the caller's bytes are not read once the put has returned
+                await hashing  # the hash is waited for (a copy on a thread, cancelled, still runs to its end)
 
         return await self._finish(plan, write, digests=lambda: tuple(t.digest for t in self.inputs))
 

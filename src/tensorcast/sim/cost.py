@@ -192,8 +192,9 @@ def fit_overheads(samples: Sequence[OverheadSample], contention: float = 0.0) ->
 
 def fit_transfer(samples: Sequence[tuple[int, float]], bandwidth: float) -> tuple[float, float]:
     """``(latency, bandwidth)`` of a copy from ``(bytes, seconds)`` samples: the least-squares line through
-    them when its slope is positive; otherwise (too few samples, or sizes too alike to tell) the median of
-    what the samples took beyond ``bandwidth``, with ``bandwidth`` kept."""
+    them when its slope is positive and its intercept not negative; otherwise (too few samples, sizes too alike
+    to tell, or a line that makes no sense) the median of what the samples took beyond ``bandwidth``, with
+    ``bandwidth`` kept."""
     if not samples:
         raise InvalidArgument("need at least one transfer sample")
     x = np.array([[1.0, float(b)] for b, _ in samples])

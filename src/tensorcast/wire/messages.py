@@ -32,7 +32,7 @@ from tensorcast.records import (
 
 # 2: records moved out of messages; ArtifactInfo travels inside ArtifactReply; payload checksums.
 # 3: small puts in one request (PutBegin.inline with the bytes as its payload; PutPlan.artifact).
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class Msg(msgspec.Struct, frozen=True, tag=True, kw_only=True, omit_defaults=True):
@@ -95,7 +95,7 @@ class PutBegin(Msg):
 class PutPlan(Msg):
     put_id: str
     artifact_id: str
-    # One entry per tensor (in PutBegin order): where to write it, or None when the worker already
+    # One entry per tensor (PutBegin's tensors sorted by name): where to write it, or None when the worker already
     # holds those bytes (dedup) or the tensor is empty. Empty when the whole artifact exists.
     segments: tuple[SegmentRef | None, ...] = ()
     # True: bytes go as PutData payloads over this connection instead of through shared memory.
@@ -103,7 +103,8 @@ class PutPlan(Msg):
     exists: bool = False
     artifact: ArtifactInfo | None = None  # an inline put's committed record
     # A put begun with digests_later that needs its digests first (memory must be made room for, and the
-    # worker may hold some of the bytes already): nothing was reserved; begin it again with the digests.
+    # worker may hold some of the bytes already; or its placement keeps no copy in memory): nothing was
+    # reserved; begin it again with the digests.
     digests_first: bool = False
 
 
@@ -117,7 +118,8 @@ class PutData(Msg):
 
 class PutCommit(Msg):
     put_id: str
-    # A put begun with digests_later: every tensor's digest, in PutBegin order (otherwise empty).
+    # A put begun with digests_later: every tensor's digest, in the order of PutBegin's tensors sorted by name
+    # (the order of PutPlan.segments; otherwise empty).
     digests: tuple[str, ...] = ()
 
 

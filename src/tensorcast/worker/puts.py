@@ -95,8 +95,11 @@ class PutManager:
         memory = self.store.memory
         need = _distinct_bytes(t for t in tensors if t.digest and not memory.has_blob(t.digest)) + \
             sum(t.nbytes for t in tensors if not t.digest)
-        if later and (not placement.wants_memory or need > memory.state.free):
-            # Making room (evicting, spilling) for bytes this worker may hold already would be a loss.
+        state = memory.state
+        if later and (not placement.wants_memory or need > state.free or
+                      state.used + state.reserved + need > self.config.memory_high_watermark * state.capacity):
+            # Making room (evicting now, spilling, or the housekeeping's eviction above the high watermark) for
+            # bytes this worker may hold already would be a loss: with the digests, those bytes need no room.
             return PutPlan(put_id="", artifact_id="", digests_first=True)
         decision = decide_put(placement, memory.state, need, time.time(), self.store.tiers(aid) if aid else (),
                               has_disk=self.store.disk is not None, exclude=frozenset({aid}) if aid else frozenset())
@@ -233,6 +236,11 @@ class PutManager:
         try:
             if put.digests_later or digests:
                 _take_digests(put, digests)
+                # Now that its identity is known: tiers holding the artifact already are left as they are, as
+                # the placement's decision at PutBegin would have left them (``decide_put``).
+                present = self.store.tiers(put.artifact_id)
+                put.to_memory = put.to_memory and "memory" not in present
+                put.to_disk = put.to_disk and "disk" not in present
             verify = (put.stream and not put.hashed_here) or self.config.verify_local_puts
             for i in [*put.memory_targets, *put.disk_targets]:
                 meta = put.tensors[i]
