@@ -174,20 +174,8 @@ def fit_overheads(samples: Sequence[OverheadSample], contention: float = 0.0) ->
         raise InvalidArgument(f"need calls with and without a shared store to fit overheads "
                               f"({len(plain)} without, {len(stored)} with)")
     o = float(np.median(plain))
-    x = np.array([[1.0, float(s.computed)] for s in stored])
-    y = np.array([alone(s) - o for s in stored])
-    best, best_res = (0.0, 0.0), math.inf
-    for cols in ((0,), (1,), (0, 1)):
-        sol, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
-        if np.any(sol < 0):
-            continue
-        res = float(np.sum((x[:, cols] @ sol - y) ** 2))
-        if res < best_res:
-            w = [0.0, 0.0]
-            for c, v in zip(cols, sol, strict=True):
-                w[c] = float(v)
-            best, best_res = (w[0], w[1]), res
-    return max(o, 0.0), best[0], best[1]
+    s0, s1 = _nnls(np.array([[1.0, float(s.computed)] for s in stored]), np.array([alone(s) - o for s in stored]))
+    return max(o, 0.0), float(s0), float(s1)
 
 
 def fit_transfer(samples: Sequence[tuple[int, float]], bandwidth: float) -> tuple[float, float]:
@@ -243,24 +231,27 @@ class Fit:
 Matrix = npt.NDArray[np.float64]
 
 
-def _nnls_relative(x: Matrix, y: Matrix) -> Matrix:
-    """Non-negative coefficients minimising the squared *relative* error of ``x @ w`` against ``y``.
-
-    Rows are divided by their target, so a 5 ms step counts as much as a 5 s prefill. Exact for the few
+def _nnls(x: Matrix, y: Matrix) -> Matrix:
+    """Non-negative coefficients minimising the squared error of ``x @ w`` against ``y``. Exact for the few
     features here: the best least-squares solution over every subset of features whose solution is
-    non-negative (one of them is the constrained optimum)."""
-    xw, yw = x / y[:, None], np.ones_like(y)
+    non-negative (one of them is the constrained optimum); zeros if there is none."""
     best, best_res = np.zeros(x.shape[1]), math.inf
     for k in range(1, x.shape[1] + 1):
         for cols in itertools.combinations(range(x.shape[1]), k):
-            sol, *_ = np.linalg.lstsq(xw[:, cols], yw, rcond=None)
+            sol, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
             if np.any(sol < 0):
                 continue
-            res = float(np.sum((xw[:, cols] @ sol - yw) ** 2))
+            res = float(np.sum((x[:, cols] @ sol - y) ** 2))
             if res < best_res:
                 best_res, best = res, np.zeros(x.shape[1])
                 best[list(cols)] = sol
     return best
+
+
+def _nnls_relative(x: Matrix, y: Matrix) -> Matrix:
+    """``_nnls`` on *relative* error: rows are divided by their target, so a 5 ms step counts as much as a 5 s
+    prefill."""
+    return _nnls(x / y[:, None], np.ones_like(y))
 
 
 def _prefill_rows(samples: Sequence[PrefillSample], k: float) -> tuple[Matrix, Matrix]:

@@ -283,7 +283,7 @@ class StorageRole:
         for r in msg.reads[:MAX_REPORTED_READS]:
             if r.reads > 0 and self.store.memory.has_replica(r.artifact_id):
                 self.store.touch(r.artifact_id)
-                whole = sum(t.nbytes for t in self.store.memory.tensors(r.artifact_id))
+                whole = nbytes_of(self.store.memory.tensors(r.artifact_id))
                 nbytes = min(max(r.nbytes, 0), r.reads * whole)  # no more than the reads can have mapped
                 self.moved["shm", "sent"] += nbytes
                 metrics.kept_maps(r.reads, nbytes)
