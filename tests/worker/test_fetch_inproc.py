@@ -20,6 +20,7 @@ from tensorcast.tensors import artifact_id, normalize_tensors
 from tensorcast.transport.base import DataServer
 from tensorcast.transport.registry import make_transport
 from tensorcast.worker.fetch import Fetcher
+from tensorcast.wire.messages import DataRequest
 from tensorcast.worker.store import LocalStore
 
 MiB = 1 << 20
@@ -109,6 +110,23 @@ def test_a_rank_view_moves_only_its_slice(pair: Pair) -> None:
     assert pair.server.bytes_sent - sent == 64 * 8 * 4  # the holder cut the slice: only it crossed
     got = np.frombuffer(_bytes(pair.dst, metas[0]), np.float32).reshape(64, 8)
     assert np.array_equal(got, w[:, 8:16])
+
+
+def test_a_row_slice_stays_leased_until_sent(pair: Pair) -> None:
+    """Contiguous rows are served straight from the pool's pages: dropping the artifact meanwhile must not
+    let new bytes take those pages before the sender is done (a small blob's arena slot is reused first)."""
+    w = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+    info = _hold(pair.src, {"w": w})
+    half = 8
+    lease = pair.src.open_source(DataRequest(artifact_id=info.id, name="w", slices=(SliceSpec(dim=0, start=0,
+                                                                                               stop=half),)))
+    assert pair.src.drop(info.id)
+    pair.src.memory.release_unreferenced()
+    for _ in range(4):  # new bytes of the same size, where the freed pages would go first
+        loc = pair.src.memory.allocate(w.nbytes)
+        loc.view()[:] = b"\xff" * w.nbytes
+    assert np.array_equal(np.frombuffer(lease.view, np.float32).reshape(half, 8), w[:half])
+    lease.release()
 
 
 def test_corrupted_chunks_are_fetched_again() -> None:

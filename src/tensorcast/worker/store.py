@@ -286,8 +286,12 @@ class LocalStore:
             try:
                 arr = np.frombuffer(view, dtype=np.uint8).view(raw_dtype(meta.dtype)).reshape(meta.shape)
                 piece = np.ascontiguousarray(apply_slices(arr, req.slices))
-            finally:
+            except BaseException:
                 release()
+                raise
+            if np.may_share_memory(piece, arr):  # contiguous rows are a view of the pool: leased until sent
+                return SourceLease(piece.reshape(-1).view(np.uint8).data, tier, release)
+            release()
             return SourceLease(piece.reshape(-1).view(np.uint8).data, tier, lambda: None)
         checksums = None
         if req.offset % CHUNK_BYTES == 0:
