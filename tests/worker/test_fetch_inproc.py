@@ -19,8 +19,8 @@ from tensorcast.records import ArtifactInfo, ReplicaInfo, SliceSpec, TensorMeta
 from tensorcast.tensors import artifact_id, normalize_tensors
 from tensorcast.transport.base import DataServer
 from tensorcast.transport.registry import make_transport
-from tensorcast.worker.fetch import Fetcher
 from tensorcast.wire.messages import DataRequest
+from tensorcast.worker.fetch import Fetcher
 from tensorcast.worker.store import LocalStore
 
 MiB = 1 << 20

@@ -11,8 +11,9 @@ A swap is two steps:
   passes so that a swap never lands mid-step). This is the only step that writes live tensors.
 Both check a compare-and-swap on the active version (``expected``; ``VersionConflict`` when stale) through
 the pure ``weights.swap_state.SwapState``. ``staging="mapped"`` (default) stages the pool's pages mapped
-copy-on-write (no extra memory; activation copies from them); ``"copy"`` stages private copies on the bound
-tensors' device, filled while later groups are fetched (activation is then a same-device copy).
+copy-on-write (no extra memory; their pages are mapped in while later groups are fetched, and activation
+copies from them); ``"copy"`` stages private copies on the bound tensors' device, filled while later
+groups are fetched (activation is then a same-device copy).
 A bound tensor may also be composed of several version tensors concatenated along dim 0 (``sources``, for
 engines with fused parameters such as ``qkv_proj``; rows past the parts, e.g. vocabulary padding, are kept).
 Does not own: fetching (``client.staging``), use records (``client.uses``), group swaps (``plans.group_swap``).
@@ -38,6 +39,7 @@ from tensorcast.client.publisher import ClientPort, list_versions, wait_newer
 from tensorcast.client.staging import Job, Key, stage
 from tensorcast.client.uses import UseRecords
 from tensorcast.errors import InternalError, InvalidArgument, NotFound, SwapAborted, clip
+from tensorcast.pool.segments import populate_read
 from tensorcast.records import ArtifactInfo, SliceSpec, TensorMeta, WorkerInfo
 from tensorcast.tensors import dtype_name, numpy_dtype
 from tensorcast.views import TP, TPRules, sliced_shape
@@ -103,6 +105,15 @@ def _targets(into: Any) -> dict[str, Any]:
 
 def _dtype(t: Any) -> str:
     return dtype_name(t.dtype)
+
+
+def _populate(t: Any) -> None:
+    """Fault in a mapped staging tensor's pages (a contiguous host tensor; others are left as they are)."""
+    if isinstance(t, np.ndarray):
+        if t.nbytes and t.flags.c_contiguous:
+            populate_read(t.ctypes.data, t.nbytes)
+    elif t.device.type == "cpu" and t.is_contiguous() and t.numel():
+        populate_read(t.data_ptr(), t.numel() * t.element_size())
 
 
 class AsyncBinding:
@@ -216,8 +227,12 @@ class AsyncBinding:
         tensors: dict[Key, Any] = {}
 
         def absorb(group: dict[Key, Any]) -> None:
-            tensors.update(group if self.staging_mode == "mapped" else
-                           {k: self._private_copy(k, src) for k, src in group.items()})
+            if self.staging_mode == "mapped":
+                for src in group.values():  # while the next group is fetched: activation then only copies
+                    _populate(src)
+                tensors.update(group)
+            else:
+                tensors.update({k: self._private_copy(k, src) for k, src in group.items()})
 
         meta = {"binding": self.model, **({"tp": f"{self.tp.rank}/{self.tp.world_size}"} if self.tp else {})}
         stats = await stage(self.client, info, jobs, like=self.like, via=self.via, meta=meta, ctx=ctx, absorb=absorb)
