@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tensorcast.errors import InvalidArgument
-from tensorcast.weights.group import ABORT, ACTIVATE, PREPARE, GroupSwap
+from tensorcast.weights.group import ABORT, ACTIVATE, PREPARE, GroupSwap, fetch_mode
 
 RANKS = ("r0", "r1")
 
@@ -141,3 +141,12 @@ def test_an_abort_is_not_sent_to_a_rank_already_on_the_version() -> None:
     assert g.decision == "abort" and g.actions(2) == [("r1", ABORT)]
     g.done("r1", ABORT, 3)
     assert g.finished and g.status == "aborted"
+
+
+def test_fetch_mode_is_whole_only_when_every_rank_shares_one_worker() -> None:
+    assert fetch_mode(RANKS, {"r0": "w1", "r1": "w1"}) == "whole"  # one engine on one host: pulled once
+    assert fetch_mode(RANKS, {"r0": "w1", "r1": "w2"}) == "view"  # spread over hosts: each its slices
+    assert fetch_mode(RANKS, {"r0": "w1"}) == "view"  # a rank not listed (gone): no assumption
+    assert fetch_mode(("r0",), {"r0": "w1"}) == "whole"
+    assert fetch_mode(RANKS, {"r0": "w1", "r1": "w1"}, "view") == "view"  # the caller's word wins
+    assert fetch_mode(RANKS, {"r0": "w1", "r1": "w2"}, "whole") == "whole"

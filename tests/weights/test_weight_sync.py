@@ -21,7 +21,7 @@ import torch
 
 import tensorcast as tc
 from tensorcast.cluster import LocalCluster
-from tensorcast.errors import SwapAborted, VersionConflict
+from tensorcast.errors import InvalidArgument, SwapAborted, VersionConflict
 from tensorcast.testing import running_cluster
 
 MODEL = "qwen-tiny"
@@ -124,7 +124,12 @@ def test_group_swaps_delta_and_gc(sync: tuple[LocalCluster, dict[int, dict[str, 
     result = ctl.group_swap(RANKS, MODEL, expected=1, timeout=60)  # the newest
     assert result.version == 2 and active(ctl) == [2, 2]
     assert_holds(ctl, published[2], ptrs)
-    assert all(r["path"] == "via w1" and r["fetched_bytes"] > 0 for r in result.ranks.values())
+    # Both ranks are attached to w1: it pulled the whole version once, and each rank sliced it there.
+    assert result.fetch == "whole" and all(r["path"] == "via w1 (whole)" for r in result.ranks.values())
+    # Blobs are content-addressed: equal tensors are one blob, and w1 holds version 1's already.
+    held = {digest(t) for t in published[1].values()}
+    new_blobs = sum(n for d, n in {digest(t): t.nbytes for t in published[2].values()}.items() if d not in held)
+    assert new_blobs <= sum(r["fetched_bytes"] for r in result.ranks.values()) <= new_blobs + 64  # + version tag
 
     # A delta version: 10% of the tensors change. Only they are copied into the pool, moved and copied in.
     names = sorted(n for n in published[2] if n.endswith(("q_proj.weight", "down_proj.weight", "up_proj.weight")))
@@ -141,8 +146,9 @@ def test_group_swaps_delta_and_gc(sync: tuple[LocalCluster, dict[int, dict[str, 
     for r, rank in enumerate(RANKS):
         report = result.ranks[rank]
         assert (report["phase"], report["changed"]) == ("active", len(changed))
-        want = sum(rank_slice(n, published[3][n], r).nbytes for n in changed)
-        assert report["fetched_bytes"] == want and report["copied_bytes"] == want
+        assert report["copied_bytes"] == sum(rank_slice(n, published[3][n], r).nbytes for n in changed)
+    # Only the changed tensors crossed to w1 (it held the rest from version 2).
+    assert p3.changed_bytes <= sum(r["fetched_bytes"] for r in result.ranks.values()) <= p3.changed_bytes + 64
     assert_holds(ctl, published[3], ptrs)
 
     # GC keeps keep_last versions plus those bindings use.
@@ -150,7 +156,12 @@ def test_group_swaps_delta_and_gc(sync: tuple[LocalCluster, dict[int, dict[str, 
         published[v] = {n: t + 0.5 for n, t in published[v - 1].items()}
         pub.publish(published[v])
     assert pub.versions() == [3, 4, 5] and pub.in_use() == {3: tuple(RANKS)}
-    ctl.group_swap(RANKS, MODEL, 5, expected=3, timeout=60)
+    result = ctl.group_swap(RANKS, MODEL, 5, expected=3, timeout=60, fetch="view")  # each rank's slices only
+    for r, rank in enumerate(RANKS):
+        report = result.ranks[rank]
+        want = sum(rank_slice(n, t, r).nbytes for n, t in published[5].items())
+        # At most its slices (equal slices of equal tensors are one blob): never the other rank's.
+        assert (report["path"], report["copied_bytes"]) == ("via w1", want) and 0 < report["fetched_bytes"] <= want
     assert_holds(ctl, published[5], ptrs)
     wait_until(lambda: pub.in_use() == {5: tuple(RANKS)}, "the ranks to release version 3")
     assert pub.gc() == (3,) and pub.versions() == [4, 5]
@@ -168,6 +179,8 @@ def test_failed_prepare_or_stale_cas_keeps_the_group_and_a_retry_succeeds(
 
     with pytest.raises(SwapAborted, match="VERSION_CONFLICT"):
         ctl.group_swap(RANKS, MODEL, new, expected=old - 1, timeout=60)
+    with pytest.raises(InvalidArgument, match="fetch must be one of"):
+        ctl.group_swap(RANKS, MODEL, new, expected=old, timeout=60, fetch="all")
     engine(ctl, RANKS[1], "test.fault", mode="fail", count=1)
     with pytest.raises(SwapAborted, match="injected prepare failure"):
         ctl.group_swap(RANKS, MODEL, new, expected=old, timeout=60)
@@ -191,7 +204,8 @@ def test_source_worker_killed_mid_swap(sync: tuple[LocalCluster, dict[int, dict[
     with tc.connect(cluster.workers["w1"].address) as ctl, concurrent.futures.ThreadPoolExecutor(1) as pool:
         ptrs = addresses(ctl)
         engine(ctl, RANKS[1], "test.fault", mode="hold", path=str(release))  # rank 1 waits before fetching
-        swap = pool.submit(ctl.group_swap, RANKS, MODEL, new, expected=old, timeout=60)
+        # Each rank fetches its own slices from w0 (with "whole", rank 0 would bring rank 1's too).
+        swap = pool.submit(ctl.group_swap, RANKS, MODEL, new, expected=old, timeout=60, fetch="view")
         wait_until(lambda: (engine(ctl, RANKS[0], "weights.status")["staged"] or {}).get("version") == new,
                    "rank 0 to prepare")
         cluster.kill_worker("w0")  # the only holder of the new version, while rank 1 has not fetched it

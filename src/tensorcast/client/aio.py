@@ -461,11 +461,13 @@ class AsyncClient:
         return binding
 
     async def group_swap(self, instances: Sequence[str], model: str, version: int | None = None, *,
-                         expected: int | None = None, timeout: float | None = None) -> GroupSwapResult:
+                         expected: int | None = None, timeout: float | None = None,
+                         fetch: str | None = None) -> GroupSwapResult:
         """Swap the binding ranks served as ``instances`` (one tensor-parallel engine) to ``version`` (default:
         the newest) together, through a gateway plan: all prepare, then all activate; ``SwapAborted`` (every
-        rank kept its version) if one fails to prepare or the deadline comes first."""
-        return await group_swap(self, instances, model, version, expected=expected, timeout=timeout)
+        rank kept its version) if one fails to prepare or the deadline comes first. ``fetch``: see
+        ``Plan.group_swap`` (None: the whole version once per host when all ranks share a worker)."""
+        return await group_swap(self, instances, model, version, expected=expected, timeout=timeout, fetch=fetch)
 
     def plan(self, ctx: CallContext | None = None) -> Plan:
         """A plan builder; ``await plan.run(concurrency=k)`` submits it to the gateway."""

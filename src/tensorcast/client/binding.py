@@ -48,9 +48,10 @@ from tensorcast.weights.swap_state import NOOP, READY, Staged, SwapState
 from tensorcast.weights.versions import check_holder, check_model, check_version, version_key
 from tensorcast.wire.messages import ArtifactReply, GetArtifact
 
-__all__ = ["STAGING", "AsyncBinding", "SwapReport", "resolve_rules"]
+__all__ = ["FETCH", "STAGING", "AsyncBinding", "SwapReport", "resolve_rules"]
 
 STAGING = ("mapped", "copy")
+FETCH = ("view", "whole")
 log = logging.getLogger("tensorcast.weights")
 
 
@@ -179,19 +180,25 @@ class AsyncBinding:
 
     # ----------------------------------------------------------------- swapping
     async def swap(self, version: int | None = None, *, expected: int | None = None,
-                   timeout: float | None = None) -> SwapReport:
+                   timeout: float | None = None, fetch: str = "view") -> SwapReport:
         """Prepare then activate ``version`` (default: the newest). ``expected``: the version that must be
-        active (0: none; None: no check), else ``VersionConflict`` and nothing changes."""
-        report = await self.prepare(version, expected=expected, timeout=timeout)
+        active (0: none; None: no check), else ``VersionConflict`` and nothing changes. ``fetch``: see
+        ``prepare``."""
+        report = await self.prepare(version, expected=expected, timeout=timeout, fetch=fetch)
         if report.status == NOOP:
             return report
         return await self.activate(report.swap_id, expected=expected)
 
     async def prepare(self, version: int | None = None, *, expected: int | None = None, swap_id: str | None = None,
-                      timeout: float | None = None) -> SwapReport:
-        """Fetch ``version``'s slices of the tensors that change into staging; live tensors are untouched."""
+                      timeout: float | None = None, fetch: str = "view") -> SwapReport:
+        """Fetch ``version``'s slices of the tensors that change into staging; live tensors are untouched.
+        ``fetch``: how a version held on another host comes to this one through ``via``: ``"view"`` (only
+        this rank's slices), or ``"whole"`` (the whole version, once for every rank on this host; right when
+        all of an engine's ranks are here, as a group swap decides)."""
         if self._closed:
             raise InvalidArgument("binding is closed")
+        if fetch not in FETCH:
+            raise InvalidArgument(f"fetch must be one of {FETCH}, got {clip(fetch)}")
         ctx = self.client.caller.context(timeout)
         if version is None:
             version = max(await list_versions(self.client.caller, self.model, ctx), default=None)
@@ -206,7 +213,7 @@ class AsyncBinding:
                 return self._staged.report
             self._preparing = version
             try:
-                staged = await self._prepare(version, swap_id, ctx)
+                staged = await self._prepare(version, swap_id, ctx, fetch == "whole")
                 self.state.prepared(swap_id, version, time.time())
             except BaseException:
                 self._preparing = 0
@@ -217,7 +224,7 @@ class AsyncBinding:
             await self._settle_uses()
             return self._report(staged.report)
 
-    async def _prepare(self, version: int, swap_id: str, ctx: Any) -> _Staging:
+    async def _prepare(self, version: int, swap_id: str, ctx: Any, whole: bool) -> _Staging:
         t0 = time.perf_counter()
         await self.uses.hold(version, ctx)  # before resolving: collection keeps it from now on
         key = version_key(self.model, version)
@@ -235,7 +242,8 @@ class AsyncBinding:
                 tensors.update({k: self._private_copy(k, src) for k, src in group.items()})
 
         meta = {"binding": self.model, **({"tp": f"{self.tp.rank}/{self.tp.world_size}"} if self.tp else {})}
-        stats = await stage(self.client, info, jobs, like=self.like, via=self.via, meta=meta, ctx=ctx, absorb=absorb)
+        stats = await stage(self.client, info, jobs, like=self.like, via=self.via, meta=meta, ctx=ctx, absorb=absorb,
+                            whole=whole)
         report.fetched_bytes, report.path = stats.fetched_bytes, stats.path
         report.prepare_s = time.perf_counter() - t0
         return _Staging(swap_id, version, tensors, held, regions, report)

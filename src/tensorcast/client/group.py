@@ -33,6 +33,7 @@ class GroupSwapResult:
     swap_id: str
     seconds: float
     ranks: dict[str, dict[str, Any]] = field(default_factory=dict)  # instance -> phase and its swap report
+    fetch: str = ""  # how the ranks fetched: "view" or "whole" (see ``Plan.group_swap``)
 
 
 class PlanPort(Protocol):
@@ -42,7 +43,8 @@ class PlanPort(Protocol):
 
 
 async def group_swap(client: PlanPort, instances: Sequence[str], model: str, version: int | None = None, *,
-                     expected: int | None = None, timeout: float | None = None) -> GroupSwapResult:
+                     expected: int | None = None, timeout: float | None = None,
+                     fetch: str | None = None) -> GroupSwapResult:
     """Run a one-step plan swapping ``instances`` (binding ranks) to ``version`` (default: the newest)."""
     t0 = time.perf_counter()
     ctx = client.caller.context(timeout)
@@ -51,10 +53,11 @@ async def group_swap(client: PlanPort, instances: Sequence[str], model: str, ver
         if version is None:
             raise NotFound(f"no version of {model} is published")
     plan = Plan(ctx, client.run_plan)
-    step = plan.group_swap(instances, model, version, expected=expected)
+    step = plan.group_swap(instances, model, version, expected=expected, fetch=fetch)
     outcome: PlanOutcome = await plan.run(concurrency=1)
     result = outcome[step]
     if not outcome.ok:
         raise error_from_code(result.error_code or "INTERNAL", result.error or result.status, ctx.trace_id)
     return GroupSwapResult(model=model, version=version, swap_id=str(result.result.get("swap_id", "")),
-                           seconds=time.perf_counter() - t0, ranks=dict(result.result.get("ranks", {})))
+                           seconds=time.perf_counter() - t0, ranks=dict(result.result.get("ranks", {})),
+                           fetch=str(result.result.get("fetch", "")))

@@ -1,12 +1,14 @@
 """Fetching one rank's slices of a weight version into staging, group by group, copy overlapped with fetch.
 
 Owns: which path the bytes take — a replica on this host: mapped and sliced here (zero-copy for contiguous
-slices); else through a worker on this host (``via``): it materializes the slices as a view artifact,
-pulled worker-to-worker over the data plane (only the slices' bytes cross the network, and only those of
-tensors whose blobs it does not hold yet), and this process maps it; else straight from a remote holder,
-which cuts the slices — and cutting the work into a few groups by size, so that while one group is being
-absorbed into staging (on a thread) the next is being fetched. Reports the bytes fetched. Does not own:
-deciding which tensors changed, or staging and activation (``client.binding``).
+slices); else through a worker on this host (``via``): it materializes the slices as a view artifact, pulled
+worker-to-worker over the data plane (only the slices' bytes cross the network, and only those of tensors
+whose blobs it does not hold yet), and this process maps it — or, with ``whole`` (every rank of the engine is
+on this host), the worker pulls the whole version once (the ranks' concurrent requests share one transfer;
+only blobs it lacks move, so a delta moves only what changed) and each rank slices it here; else straight from
+a remote holder, which cuts the slices — and cutting the work into a few groups by size, so that while one
+group is being absorbed into staging (on a thread) the next is being fetched. Reports the bytes fetched. Does
+not own: deciding which tensors changed, or staging and activation (``client.binding``).
 """
 
 from __future__ import annotations
@@ -66,17 +68,31 @@ class _Fetch:
     """One path's fetch of a group: ``{source name: tensor}`` (mapped or fetched, contiguous)."""
 
     def __init__(self, client: ClientPort, info: ArtifactInfo, like: str, via: WorkerInfo | None, meta: dict[str, str],
-                 ctx: CallContext, stats: StageStats) -> None:
+                 ctx: CallContext, stats: StageStats, whole: bool = False) -> None:
         self.client, self.info, self.like, self.via, self.meta, self.ctx, self.stats = \
             client, info, like, via, meta, ctx, stats
         here = [r for r in info.replicas if r.alive and r.address and client.locality.same_host(r.host_id)]
         self.local = bool(here)
-        stats.path = "local" if here else f"via {via.worker_id}" if via is not None else "remote"
+        self.whole = whole and not here and via is not None
+        stats.path = "local" if here else "remote" if via is None else \
+            f"via {via.worker_id}{' (whole)' if self.whole else ''}"
+
+    async def _pull_whole(self) -> None:
+        """Have ``via`` hold the whole version (a no-op where it does); from then on this host has it."""
+        assert self.via is not None
+        msg = Prefetch(artifact_id=self.info.id, worker_id=self.via.worker_id)
+        done = await self.client.caller.call(msg, Prefetched, self.ctx, address=self.via.address)
+        self.stats.fetched_bytes += done.bytes_moved
+        if done.artifact is not None:
+            self.info = done.artifact
+        self.local, self.whole = True, False
 
     async def __call__(self, group: list[Job]) -> dict[str, Any]:
         slices = {j.source: j.specs for j in group}
         names = tuple(slices)
         reader = self.client.reader
+        if self.whole:
+            await self._pull_whole()
         if self.local or self.via is None:
             out, diag = await reader.materialize(self.info, names, self.like, slices,
                                                  "local_only" if self.local else "auto", ctx=self.ctx)
@@ -95,11 +111,11 @@ class _Fetch:
 
 async def stage(client: ClientPort, info: ArtifactInfo, jobs: Sequence[Job], *, like: str, via: WorkerInfo | None,
                 meta: dict[str, str], ctx: CallContext,
-                absorb: Callable[[dict[Key, Any]], None]) -> StageStats:
+                absorb: Callable[[dict[Key, Any]], None], whole: bool = False) -> StageStats:
     """Fetch ``jobs`` group by group; ``absorb({key: tensor})`` runs on a thread for each group while the
-    next one is fetched."""
+    next one is fetched. ``whole``: ``via`` pulls the whole version (see the module's docstring)."""
     stats = StageStats()
-    fetch = _Fetch(client, info, like, via, meta, ctx, stats)
+    fetch = _Fetch(client, info, like, via, meta, ctx, stats, whole)
     pending: asyncio.Future[None] | None = None
     try:
         for group in groups_of(jobs):

@@ -232,9 +232,11 @@ class Client:
                                                           staging=staging, holder=holder, lease_ttl=lease_ttl)))
 
     def group_swap(self, instances: Sequence[str], model: str, version: int | None = None, *,
-                   expected: int | None = None, timeout: float | None = None) -> GroupSwapResult:
+                   expected: int | None = None, timeout: float | None = None,
+                   fetch: str | None = None) -> GroupSwapResult:
         """Swap binding ranks together through a gateway plan; see ``AsyncClient.group_swap``."""
-        return self._run(self.aio.group_swap(instances, model, version, expected=expected, timeout=timeout))
+        return self._run(self.aio.group_swap(instances, model, version, expected=expected, timeout=timeout,
+                                             fetch=fetch))
 
     def plan(self, ctx: CallContext | None = None) -> Plan:
         """A plan builder with one shared CallContext; ``plan.run(concurrency=k)`` returns an Operation."""

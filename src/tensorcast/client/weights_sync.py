@@ -103,12 +103,13 @@ class Binding:
         return self.inner.status()
 
     def swap(self, version: int | None = None, *, expected: int | None = None,
-             timeout: float | None = None) -> SwapReport:
-        return self._run(self.inner.swap(version, expected=expected, timeout=timeout))
+             timeout: float | None = None, fetch: str = "view") -> SwapReport:
+        return self._run(self.inner.swap(version, expected=expected, timeout=timeout, fetch=fetch))
 
     def prepare(self, version: int | None = None, *, expected: int | None = None, swap_id: str | None = None,
-                timeout: float | None = None) -> SwapReport:
-        return self._run(self.inner.prepare(version, expected=expected, swap_id=swap_id, timeout=timeout))
+                timeout: float | None = None, fetch: str = "view") -> SwapReport:
+        return self._run(self.inner.prepare(version, expected=expected, swap_id=swap_id, timeout=timeout,
+                                            fetch=fetch))
 
     def activate(self, swap_id: str | None = None, *, expected: int | None = None) -> SwapReport:
         return self._run(self.inner.activate(swap_id, expected=expected))

@@ -62,7 +62,8 @@ class BindingAdaptor:
         if command == "weights.prepare":
             timeout = args.get("timeout")
             report = binding.prepare(_optional_int(args, "version"), expected=_optional_int(args, "expected"),
-                                     swap_id=swap_id, timeout=None if timeout is None else float(timeout))
+                                     swap_id=swap_id, timeout=None if timeout is None else float(timeout),
+                                     fetch=str(args.get("fetch") or "view"))
             return report.as_dict()
         if command == "weights.activate":
             report = binding.activate(swap_id, expected=_optional_int(args, "expected"))

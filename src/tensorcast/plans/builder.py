@@ -118,14 +118,16 @@ class Plan:
 
     def group_swap(self, instances: Sequence[str], model: str, version: int, *, expected: int | None = None,
                    swap_id: str | None = None, reserve: float | None = None, max_attempts: int | None = None,
-                   after: Sequence[PlanStep | str] | None = None) -> PlanStep:
+                   fetch: str | None = None, after: Sequence[PlanStep | str] | None = None) -> PlanStep:
         """Swap the binding ranks served as ``instances`` (one tensor-parallel engine) to ``version`` of
         ``model`` together: all prepare, then all activate; if any fails to prepare or the deadline passes
         first, all keep their version (``SwapAborted``). ``expected``: the version every rank must have active
-        (0: none). ``reserve``: seconds kept for activating after the commit point. See docs/weight-sync.md."""
+        (0: none). ``reserve``: seconds kept for activating after the commit point. ``fetch``: ``"view"``
+        (each rank's slices come to its host) or ``"whole"`` (each host's worker pulls the whole version
+        once); None: whole when every rank is attached to one worker. See docs/weight-sync.md."""
         return self._add("group_swap", {"instances": list(instances), "model": model, "version": version,
                                         "expected": expected, "swap_id": swap_id or uuid.uuid4().hex,
-                                        "reserve": reserve, "max_attempts": max_attempts}, after)
+                                        "reserve": reserve, "max_attempts": max_attempts, "fetch": fetch}, after)
 
     # ------------------------------------------------------------- submission
     def spec(self, concurrency: int = 4) -> RunPlan:

@@ -1,13 +1,14 @@
 """The ``group_swap`` plan operation: a tensor-parallel group's ranks swap weights together, or not at all.
 
-Owns: validating the step's arguments and running the two-phase protocol of ``weights.group.GroupSwap``
-on a gateway: every rank (an instance serving a binding, ``instance.binding``) is sent engine commands
+Owns: validating the step's arguments and running the two-phase protocol of ``weights.group.GroupSwap`` on a
+gateway: every rank (an instance serving a binding, ``instance.binding``) is sent engine commands
 ``weights.prepare`` / ``weights.activate`` / ``weights.abort`` through the gateway's instance calls,
-concurrently, with the step's deadline. Prepares get until the commit point (``deadline - reserve``);
-activations get the rest. Aborted: ``SwapAborted`` (every rank kept its old version). Committed but a rank
-could not be activated: ``Unavailable`` (retryable: the plan runs the same swap again, which completes it;
-ranks already on the version are no-ops). Does not own: the decisions (``weights.group``), what a rank
-does (``client.binding``).
+concurrently, with the step's deadline. Prepares are told how to fetch (``fetch``: asked by the step, else
+``weights.group.fetch_mode`` on the ranks' home workers: ``whole`` when they share one). Prepares get until
+the commit point (``deadline - reserve``); activations get the rest. Aborted: ``SwapAborted`` (every rank kept
+its old version). Committed but a rank could not be activated: ``Unavailable`` (retryable: the plan runs the
+same swap again, which completes it; ranks already on the version are no-ops). Does not own: the decisions
+(``weights.group``), what a rank does (``client.binding``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, Protocol
 
 from tensorcast.context import CallContext
 from tensorcast.errors import InternalError, InvalidArgument, SwapAborted, TensorCastError, Unavailable, clip
-from tensorcast.weights.group import PREPARE, GroupSwap
+from tensorcast.weights.group import FETCH_MODES, PREPARE, GroupSwap, fetch_mode
 from tensorcast.wire.messages import InstanceCall, InstanceReply
 
 __all__ = ["DEFAULT_RESERVE", "InstancePort", "run_group_swap", "validate_group_swap"]
@@ -35,6 +36,8 @@ class InstancePort(Protocol):
     async def instance_call(self, instance_id: str, msg: InstanceCall, ctx: CallContext) -> InstanceReply: ...
 
     async def instance_ids(self, ctx: CallContext) -> set[str]: ...
+
+    async def instance_homes(self, ctx: CallContext) -> dict[str, str]: ...
 
 
 def _number(args: dict[str, Any], key: str, low: float) -> None:
@@ -61,6 +64,9 @@ async def validate_group_swap(args: dict[str, Any], gw: InstancePort, ctx: CallC
         raise InvalidArgument("group_swap: swap_id must be a non-empty string")
     _number(args, "reserve", 0)
     _number(args, "max_attempts", 1)
+    if args.get("fetch") is not None and args["fetch"] not in FETCH_MODES:
+        raise InvalidArgument(f"group_swap: fetch must be one of {FETCH_MODES} (or none: decided), got "
+                              f"{clip(args['fetch'])}")
 
 
 def _machine(args: dict[str, Any], ctx: CallContext) -> GroupSwap:
@@ -79,6 +85,7 @@ async def _send(gw: InstancePort, machine: GroupSwap, rank: str, action: str, ar
     call_ctx = ctx
     if action == PREPARE:
         command["version"] = args["version"]
+        command["fetch"] = args["fetch"]
         if machine.commit_by is not None:  # a prepare must end by the commit point, fetches included
             call_ctx = replace(ctx, deadline=machine.commit_by)
             command["timeout"] = max(0.0, machine.commit_by - time.time())
@@ -90,6 +97,7 @@ async def _send(gw: InstancePort, machine: GroupSwap, rank: str, action: str, ar
 async def run_group_swap(args: dict[str, Any], gw: InstancePort, ctx: CallContext) -> dict[str, Any]:
     """Run the protocol to its end; returns the per-rank report of a fully activated swap."""
     machine = _machine(args, ctx)
+    args = {**args, "fetch": fetch_mode(machine.ranks, await gw.instance_homes(ctx), args.get("fetch"))}
     running: dict[asyncio.Task[dict[str, Any]], tuple[str, str]] = {}
     try:
         while not machine.finished:
@@ -129,5 +137,6 @@ def _outcome(machine: GroupSwap, args: dict[str, Any]) -> dict[str, Any]:
         failed = {r: s["error"] for r, s in report.items() if s["phase"] != "active"}
         raise Unavailable(f"group swap of {args['model']} to version {args['version']} committed, but ranks "
                           f"{sorted(failed)} were not activated ({failed}); run the same swap again")
-    return {"status": "activated", "version": args["version"], "swap_id": args["swap_id"], "ranks": report}
+    return {"status": "activated", "version": args["version"], "swap_id": args["swap_id"], "fetch": args["fetch"],
+            "ranks": report}
 

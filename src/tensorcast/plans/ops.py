@@ -45,6 +45,8 @@ class GatewayPort(Protocol):
 
     async def instance_ids(self, ctx: CallContext) -> set[str]: ...
 
+    async def instance_homes(self, ctx: CallContext) -> dict[str, str]: ...
+
 
 @dataclass(frozen=True)
 class StepOutcome:
@@ -190,7 +192,7 @@ OPS: dict[str, StepOp] = {
         _op("hydrate", ("instance", "request_id", "artifacts"), ("options",), _instance_op("hydrate", True, True)),
         _op("transform_into", ("instance", "artifacts"), ("options",), _instance_op("transform_into", False, True)),
         StepOp("wait", ("seconds",), ("artifacts",), _validate_wait, _run_wait),
-        StepOp("group_swap", ("instances", "model", "version", "swap_id"), ("expected", "reserve", "max_attempts"),
-               validate_group_swap, _run_group_swap),
+        StepOp("group_swap", ("instances", "model", "version", "swap_id"),
+               ("expected", "reserve", "max_attempts", "fetch"), validate_group_swap, _run_group_swap),
     )
 }

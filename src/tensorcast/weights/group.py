@@ -20,19 +20,32 @@ when to wake up. No I/O, no time reads. Does not own: sending anything (``plans.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from tensorcast.errors import InvalidArgument
 
-__all__ = ["ABORT", "ACTIVATE", "PREPARE", "GroupSwap", "RankSwap"]
+__all__ = ["ABORT", "ACTIVATE", "FETCH_MODES", "PREPARE", "GroupSwap", "RankSwap", "fetch_mode"]
 
 PREPARE, ACTIVATE, ABORT = "prepare", "activate", "abort"
+FETCH_MODES = ("view", "whole")  # how the ranks' prepares bring a version to their hosts (``client.binding``)
 COMMIT, ABORTED = "commit", "abort"
 # Rank phases.
 PENDING, PREPARED, ACTIVE, FAILED, DROPPED, DROP_FAILED = (
     "pending", "prepared", "active", "failed", "aborted", "abort_failed")
+
+
+def fetch_mode(ranks: Sequence[str], homes: Mapping[str, str], asked: str | None = None) -> str:
+    """How the ranks' prepares bring a version held on another host to theirs: ``asked`` when given; else
+    ``"whole"`` when every rank is attached to the same worker (an engine whose ranks are all on one host:
+    that host's worker pulls the version once and each rank slices it locally, the same bytes as the ranks'
+    views with fewer requests and no gathering of slices at the source), else ``"view"`` (each rank's
+    slices only: ranks spread over hosts)."""
+    if asked is not None:
+        return asked
+    workers = {homes.get(r, "") for r in ranks}
+    return "whole" if len(workers) == 1 and "" not in workers else "view"
 
 
 @dataclass
