@@ -1,6 +1,7 @@
 """A worker's pull path (``worker.fetch.Fetcher``) over the in-process transport: two local stores in this
 process, no sockets and no worker processes. Whole artifacts, rank views, corrupted chunks retried, a dead
-source skipped for the next replica, and nothing partial kept when every source fails."""
+source skipped for the next replica, and nothing partial kept when every source fails. Also a store serving
+over TCP in process: chunk checksums learned while sending, and a slice's lease held until it is sent."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from tensorcast.checksums import CHUNK_BYTES, chunk_checksums
 from tensorcast.config import Config, TransportConfig
 from tensorcast.errors import NotFound, Unavailable
 from tensorcast.pool.placement import PRESETS
@@ -127,6 +129,51 @@ def test_a_row_slice_stays_leased_until_sent(pair: Pair) -> None:
         loc.view()[:] = b"\xff" * w.nbytes
     assert np.array_equal(np.frombuffer(lease.view, np.float32).reshape(half, 8), w[:half])
     lease.release()
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+def test_a_fresh_blobs_chunk_checksums_are_learned_as_it_is_sent(streams: int) -> None:
+    """Over TCP: a blob nobody hashed yet is hashed chunk by chunk as it is sent (not in a pass before its
+    first byte), and the checksums come back to the store, whole once the ranges cover the blob."""
+    src = _store("src")
+    transport = make_transport("tcp", Config().wire, token=None, max_streams=4)
+    server = transport.serve(src.open_source)
+    server.start("127.0.0.1", 0)
+    try:
+        data = np.random.default_rng(3).integers(0, 255, 3 * CHUNK_BYTES + 999, dtype=np.uint8)
+        info = _hold(src, {"x": data})
+        digest = info.tensors[0].digest
+        assert src.checksums_of(digest) is None
+        out = np.zeros_like(data)
+        transport.fetch(server.address, DataRequest(artifact_id=info.id, name="x"), memoryview(out), streams=streams)
+        assert np.array_equal(out, data)
+        assert src.checksums_of(digest) == chunk_checksums(memoryview(data))
+        again = np.zeros_like(data)  # served from the learned checksums now: the receiver still checks each chunk
+        transport.fetch(server.address, DataRequest(artifact_id=info.id, name="x"), memoryview(again), streams=2)
+        assert np.array_equal(again, data)
+    finally:
+        server.close()
+        transport.close()
+        src.close()
+
+
+def test_a_part_of_a_blob_teaches_only_its_chunks() -> None:
+    src = _store("src")
+    transport = make_transport("tcp", Config().wire, token=None, max_streams=4)
+    server = transport.serve(src.open_source)
+    server.start("127.0.0.1", 0)
+    try:
+        data = np.random.default_rng(4).integers(0, 255, 3 * CHUNK_BYTES, dtype=np.uint8)
+        info = _hold(src, {"x": data})
+        part = np.zeros(CHUNK_BYTES, np.uint8)
+        req = DataRequest(artifact_id=info.id, name="x", offset=CHUNK_BYTES, length=CHUNK_BYTES)
+        transport.fetch(server.address, req, memoryview(part))
+        assert np.array_equal(part, data[CHUNK_BYTES : 2 * CHUNK_BYTES])
+        assert src.checksums_of(info.tensors[0].digest) is None  # 1 of 3 chunks known: not a whole list
+    finally:
+        server.close()
+        transport.close()
+        src.close()
 
 
 def test_corrupted_chunks_are_fetched_again() -> None:

@@ -49,6 +49,9 @@ class SourceLease:
     release: Callable[[], None]
     # xxh3-64 of each CHUNK_BYTES-sized chunk of ``view`` if already known (saves the sender a pass).
     checksums: list[int] | None = None
+    # Where not known: ``learn(first_chunk, sums)`` takes those a sender computed for whole chunks of the grid
+    # as it sent them (chunk ``first_chunk`` on), so that later sends need no hashing pass.
+    learn: Callable[[int, list[int]], None] | None = None
 
 
 # Resolves a request to the bytes it names (the worker's store), on the transport's threads.

@@ -6,7 +6,8 @@ one total deadline (``wire.handshake_timeout`` from accept, whatever the peer tr
 are at most ``wire.max_handshake_bytes``), idle connections waiting for their next request in the one
 selector thread (no thread per socket; closed after ``transport.idle_timeout``), and sending requested
 ranges on a bounded pool of threads (blocking ``sendall`` from memoryviews releases the GIL: several
-streams move at once). Each chunk is preceded by its xxh3-64 checksum (cached per blob where possible).
+streams move at once). Each chunk is preceded by its xxh3-64 checksum (cached per blob where
+possible; else computed as the chunk is sent and handed back to the source, ``SourceLease.learn``).
 Every refusal is a typed error frame before the close, logged at a bounded rate. Does not own: which
 bytes a request names (``open_source``).
 """
@@ -275,7 +276,9 @@ class TcpDataServer:
                                                  f"{len(whole)} bytes"))
                 return
             chunk = CHUNK_BYTES
-            cached = lease.checksums if req.offset % chunk == 0 and not req.slices else None
+            on_grid = req.offset % chunk == 0 and not req.slices
+            cached = lease.checksums if on_grid else None
+            learned: list[int] | None = [] if on_grid and lease.learn is not None else None
             send_frame(conn, RESPONSE, DataReply(total=length, chunk_bytes=chunk, tier=lease.tier), trace_id)
             view = whole[req.offset : req.offset + length]
             for start in range(0, length, chunk):
@@ -284,10 +287,14 @@ class TcpDataServer:
                 # A cached checksum covers a whole grid chunk; a range ending mid-chunk needs its own.
                 whole_chunk = len(piece) == min(chunk, len(whole) - at)
                 check = cached[at // chunk] if cached and whole_chunk else xxhash.xxh3_64_intdigest(piece)
+                if learned is not None and whole_chunk:
+                    learned.append(check)
                 piece = self._maybe_corrupt(piece)
                 conn.sendall(CHECKSUM.pack(check))
                 conn.sendall(piece)
                 self.bytes_sent += len(piece)
+            if learned and lease.learn is not None:
+                lease.learn(req.offset // chunk, learned)
         finally:
             with self._lock:
                 self.active -= 1

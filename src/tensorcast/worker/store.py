@@ -10,6 +10,7 @@ plane needs it. Does not own: the put and fetch protocols (``worker.puts``, ``wo
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tensorcast.checksums import CHUNK_BYTES, chunk_checksums
+from tensorcast.checksums import CHUNK_BYTES, chunk_count
 from tensorcast.config import WorkerConfig
 from tensorcast.errors import InvalidArgument, NotFound, clip
 from tensorcast.pool.disk import DiskTier, Manifest
@@ -41,6 +42,8 @@ log = logging.getLogger("tensorcast.worker")
 
 # Called when a replica disappears from this worker without the GS having asked (eviction, TTL).
 ReplicaGone = Callable[[str, str], Awaitable[None]]
+# Blobs whose chunk checksums senders are still collecting (ranges sent so far do not cover them yet).
+_MAX_LEARNING = 4096
 
 
 class LocalStore:
@@ -56,6 +59,7 @@ class LocalStore:
         self._lock = threading.Lock()
         self._disk_segments: dict[str, Segment] = {}  # open read mappings of disk blobs
         self._checksums: dict[str, list[int]] = {}  # digest -> data-plane chunk checksums
+        self._learning: dict[str, dict[int, int]] = {}  # digest -> chunk checksums senders computed so far
         # Checkpoints registered in place (from_disk): artifact id -> tensor name -> where its bytes are.
         self.external: dict[str, dict[str, CheckpointTensor]] = {}
         self._external_meta: dict[str, tuple[TensorMeta, ...]] = {}
@@ -293,18 +297,35 @@ class LocalStore:
                 return SourceLease(piece.reshape(-1).view(np.uint8).data, tier, release)
             release()
             return SourceLease(piece.reshape(-1).view(np.uint8).data, tier, lambda: None)
-        checksums = None
-        if req.offset % CHUNK_BYTES == 0:
-            checksums = self._checksums.get(meta.digest)
-            if checksums is None:
-                checksums = chunk_checksums(view)
-                self._checksums[meta.digest] = checksums
-        return SourceLease(view, tier, release, checksums)
+        if req.offset % CHUNK_BYTES:
+            return SourceLease(view, tier, release)
+        checksums = self._checksums.get(meta.digest)
+        if checksums is not None:
+            return SourceLease(view, tier, release, checksums)
+        # Not hashed yet (a fresh put's blob): the sender hashes each chunk as it sends it, which overlaps the
+        # hashing with the transfer (a pass over the whole blob first would delay its first byte), and
+        # hands the checksums back for the next send.
+        learn = functools.partial(self._learn_checksums, meta.digest, chunk_count(len(view)))
+        return SourceLease(view, tier, release, learn=learn)
+
+    def _learn_checksums(self, digest: str, chunks: int, first: int, sums: list[int]) -> None:
+        with self._lock:
+            if len(self._learning) > _MAX_LEARNING:  # ranges never completed: start over, never unbounded
+                self._learning.clear()
+            known = self._learning.setdefault(digest, {})
+            known.update(enumerate(sums, first))
+            if len(known) >= chunks:
+                self._checksums[digest] = [known[i] for i in range(chunks)]
+                del self._learning[digest]
 
     def remember_checksums(self, digest: str, checksums: list[int]) -> None:
         """Chunk checksums a receiver verified: serving the blob later needs no hashing pass."""
         if checksums:
             self._checksums[digest] = checksums
+
+    def checksums_of(self, digest: str) -> list[int] | None:
+        """The data-plane chunk checksums known for a blob (None: it will be hashed as it is sent)."""
+        return self._checksums.get(digest)
 
     def segment_refs(self, artifact_id: str, names: tuple[str, ...], tier: str) -> list[SegmentRef | None]:
         """Same host: the files a caller may map for these tensors (None: read it instead)."""
