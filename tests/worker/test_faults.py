@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+import urllib.request
 
 import numpy as np
 import pytest
 
 import tensorcast as tc
+import tensorcast.aio
 from tensorcast.errors import DeadlineExceeded, NotFound, ResourceExhausted, Unavailable
 from tensorcast.testing import running_cluster
 
@@ -90,3 +93,52 @@ def test_paused_worker_calls_fail_with_deadline_exceeded() -> None:
             c.put(np.arange(3), ctx=ctx)
         with pytest.raises(NotFound):
             c.artifact("never-put")
+
+
+def _gauge(url: str, name: str, *labels: str) -> float:
+    """A sample of the worker's metrics: the sum of ``name``'s samples with every one of ``labels``."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and all(label in line for label in labels))
+
+
+def _reserved(url: str) -> float:
+    """The worker's memory reserved for puts in flight."""
+    return _gauge(url, "tensorcast_pool_bytes", 'state="reserved"', 'tier="memory"')
+
+
+def _begins_served(url: str) -> float:
+    return _gauge(url, "tensorcast_rpc_served_total", 'method="PutBegin"')
+
+
+def test_a_put_cancelled_before_its_plan_arrives_frees_its_room_at_once() -> None:
+    """The worker answers PutBegin after the caller gave up (here: the worker was paused meanwhile). The
+    room it reserved is given back when the answer arrives, not after ``worker.put_timeout`` (minutes)."""
+    with running_cluster(workers=1) as cluster:
+        wid = cluster.worker_ids[0]
+        url = cluster.metrics_urls[wid]
+
+        async def main() -> None:
+            async with await tc.aio.connect(cluster.address) as c:
+                await c.put(np.arange(10))  # the connection is up: the put below sends PutBegin at once
+                begins = _begins_served(url)
+                cluster.pause_worker(wid)
+                try:
+                    put = asyncio.ensure_future(c.put(np.ones(8 << 20, np.uint8)))
+                    await asyncio.sleep(0.3)  # hashed (or not: 8 MiB are hashed while written) and begun
+                    assert not put.done()
+                    put.cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await put
+                finally:
+                    cluster.resume_worker(wid)
+                # The worker answers now and reserves 8 MiB; the late answer's put is aborted.
+                deadline = time.monotonic() + 10.0
+                while _begins_served(url) == begins:
+                    assert time.monotonic() < deadline, "the worker never answered PutBegin"
+                    await asyncio.sleep(0.05)
+                while _reserved(url) > 0:
+                    assert time.monotonic() < deadline, "the cancelled put kept its room"
+                    await asyncio.sleep(0.05)
+
+        asyncio.run(main())

@@ -9,9 +9,9 @@ next (``client.write_maps``; a disk-tier target: ``pwrite``). Another host (or a
 segment, each checked against its chunk checksums and sent again if a chunk arrived corrupted. A same-host
 put of many bytes not hashed yet hashes them while it writes them, and its digests go with the commit
 (``PutBegin.digests_later``); digests known already (a publisher's unchanged tensors) are stated first, so
-the worker skips those bytes. A failed
-put is aborted (the worker also reclaims abandoned ones). Does not own: normalizing inputs (``tensors``)
-or the artifact handle (``client.aio``).
+the worker skips those bytes. A failed put is aborted, also one whose caller was cancelled while
+``PutBegin`` was being answered (the worker also reclaims abandoned ones). Does not own: normalizing inputs
+(``tensors``) or the artifact handle (``client.aio``).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ _INLINE_PUT_BYTES = 256 << 10
 # digests_later); below this, both run on the event loop one after the other (a thread hop costs more).
 _HASH_WHILE_WRITING_BYTES = _INLINE_WRITE_BYTES
 T = TypeVar("T")
+_LATE_ABORTS: set[asyncio.Task[None]] = set()
 
 
 async def put_tensors(caller: Caller, locality: Locality, writer: SegmentWriter, address: str,
@@ -77,6 +78,24 @@ class _Put:
     async def _call(self, msg: Any, expect: type[T]) -> T:
         return await self.caller.call(msg, expect, self.ctx, address=self.address)
 
+    async def _begin_put(self, msg: PutBegin) -> PutPlan:
+        """``PutBegin``, whose answer reserves room on the worker. A caller cancelled before the answer came
+        does not leave that room reserved until the worker reclaims the put (``worker.put_timeout``,
+        minutes): the answer is still awaited, off the caller's path, and the put aborted."""
+        answer = asyncio.ensure_future(self._call(msg, PutPlan))
+        try:
+            return await asyncio.shield(answer)
+        except asyncio.CancelledError:
+            answer.add_done_callback(self._abort_late)
+            raise
+
+    def _abort_late(self, answer: asyncio.Future[PutPlan]) -> None:
+        if answer.cancelled() or answer.exception() is not None:
+            return
+        task = asyncio.ensure_future(_abort(self.caller, answer.result().put_id, self.address))
+        _LATE_ABORTS.add(task)  # a reference until it is done (the loop keeps only weak ones)
+        task.add_done_callback(_LATE_ABORTS.discard)
+
     def _begin(self, same_host: bool) -> PutBegin:
         return PutBegin(tensors=tuple(t.meta for t in self.inputs), key=self.key, ttl=self.ttl, same_host=same_host,
                         placement=self.policy)
@@ -104,7 +123,7 @@ class _Put:
 
     async def _hash_then_write(self) -> ArtifactInfo:
         await _hash(self.inputs)
-        plan = await self._call(self._begin(True), PutPlan)
+        plan = await self._begin_put(self._begin(True))
         return await self._finish(plan, lambda: _write(self.writer, plan, self.inputs))
 
     async def _hash_while_writing(self) -> ArtifactInfo:
@@ -117,7 +136,7 @@ class _Put:
                        ttl=self.ttl, same_host=True, placement=self.policy, digests_later=True)
         # Hashing starts once the worker has answered: on two cores, hashing meanwhile slows its answer down
         # by more than it saves.
-        plan = await self._call(msg, PutPlan)
+        plan = await self._begin_put(msg)
         if plan.digests_first:  # the worker must make room: with the digests, it skips the bytes it holds
             return await self._hash_then_write()
 
@@ -133,7 +152,7 @@ class _Put:
     async def streamed(self) -> ArtifactInfo:
         """Another host: the bytes as checksummed payloads, which the worker checks against the digests."""
         await _hash(self.inputs)
-        plan = await self._call(self._begin(False), PutPlan)
+        plan = await self._begin_put(self._begin(False))
 
         async def send() -> None:
             for i, ref in enumerate(plan.segments):
