@@ -17,7 +17,7 @@ Systems:
 - **TensorCast**: ``client.publisher(model, keep_last=2).publish(state_dict)`` into host A's worker (w0;
   shared memory, only changed tensors copied), then ``client.group_swap(ranks, model, version)`` through host
   B's gateway (w1): every rank (``tensorcast.testing.weight_rank``: a binding served as an instance) prepares
-  (all ranks are attached to w1, so w1 pulls the changed tensors whole from w0 over TCP, once for all ranks,
+  (all ranks stage through w1, so w1 pulls the changed tensors whole from w0 over TCP, once for all ranks,
   and each rank maps its slices of them) and, once all have, activates (copies them into its tensors).
 - **default updater** (the paper's "Default", what RL frameworks do without a weight service): the trainer
   saves the state dict as safetensors shards (<= 1 GiB each) to a directory shared with host B (``--files-dir``;

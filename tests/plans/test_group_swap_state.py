@@ -143,10 +143,11 @@ def test_an_abort_is_not_sent_to_a_rank_already_on_the_version() -> None:
     assert g.finished and g.status == "aborted"
 
 
-def test_fetch_mode_is_whole_only_when_every_rank_shares_one_worker() -> None:
+def test_fetch_mode_is_whole_only_when_every_rank_stages_through_one_worker() -> None:
     assert fetch_mode(RANKS, {"r0": "w1", "r1": "w1"}) == "whole"  # one engine on one host: pulled once
     assert fetch_mode(RANKS, {"r0": "w1", "r1": "w2"}) == "view"  # spread over hosts: each its slices
-    assert fetch_mode(RANKS, {"r0": "w1"}) == "view"  # a rank not listed (gone): no assumption
+    assert fetch_mode(RANKS, {"r0": "w1"}) == "view"  # a rank that did not answer: no assumption
+    assert fetch_mode(RANKS, {"r0": "w1", "r1": ""}) == "view"  # a rank with no worker on its host
     assert fetch_mode(("r0",), {"r0": "w1"}) == "whole"
     assert fetch_mode(RANKS, {"r0": "w1", "r1": "w1"}, "view") == "view"  # the caller's word wins
     assert fetch_mode(RANKS, {"r0": "w1", "r1": "w2"}, "whole") == "whole"

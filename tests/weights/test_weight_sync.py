@@ -124,7 +124,7 @@ def test_group_swaps_delta_and_gc(sync: tuple[LocalCluster, dict[int, dict[str, 
     result = ctl.group_swap(RANKS, MODEL, expected=1, timeout=60)  # the newest
     assert result.version == 2 and active(ctl) == [2, 2]
     assert_holds(ctl, published[2], ptrs)
-    # Both ranks are attached to w1: it pulled the whole version once, and each rank sliced it there.
+    # Both ranks stage through w1: it pulled the whole version once, and each rank sliced it there.
     assert result.fetch == "whole" and all(r["path"] == "via w1 (whole)" for r in result.ranks.values())
     # Blobs are content-addressed: equal tensors are one blob, and w1 holds version 1's already.
     held = {digest(t) for t in published[1].values()}
@@ -321,3 +321,26 @@ def test_composed_tensors_and_copy_staging(sync: tuple[LocalCluster, dict[int, d
         with pytest.raises(tc.errors.InvalidArgument, match="cannot take"):
             c.bind("fused-model", into={"fused": torch.zeros(1, 4)}, tp=tc.TP(1, 2), rules={"*": 0},
                    sources={"fused": ["a", "b"]}).swap()
+
+
+def test_a_binding_of_some_tensors_fetches_views_even_when_asked_for_whole(
+        sync: tuple[LocalCluster, dict[int, dict[str, torch.Tensor]]]) -> None:
+    """A pipeline stage's binding (some of the version's tensors) on host B: ``fetch="whole"`` would make its
+    worker pull the other stages' tensors too, so it fetches its views; a binding of every tensor pulls whole."""
+    cluster, _ = sync
+    full = {"stage0": torch.arange(64.0).reshape(8, 8), "stage1": torch.arange(64.0).reshape(8, 8) + 1000}
+    on_b = tc.Config.load(overrides={"client.host_id": cluster.host_id_of(1)})
+    with tc.connect(cluster.workers["w0"].address) as trainer, \
+            tc.connect(cluster.workers["w1"].address, config=on_b) as rank:
+        trainer.publisher("staged-model").publish(full)
+        part = {"stage0": torch.zeros(4, 8)}
+        report = rank.bind("staged-model", into=part, tp=tc.TP(0, 2), rules={"*": 0}).swap(fetch="whole")
+        assert report.path == "via w1" and report.fetched_bytes == part["stage0"].nbytes
+        assert torch.equal(part["stage0"], full["stage0"][:4])
+        both = {"stage0": torch.zeros(4, 8), "stage1": torch.zeros(4, 8)}
+        report = rank.bind("staged-model", into=both, tp=tc.TP(1, 2), rules={"*": 0}).swap(fetch="whole")
+        whole = sum(t.nbytes for t in full.values())
+        assert report.path == "via w1 (whole)" and whole <= report.fetched_bytes <= whole + 64  # + the version tag
+        assert all(torch.equal(both[n], full[n][4:]) for n in full)
+        with pytest.raises(InvalidArgument, match="fetch must be one of"):
+            rank.bind("staged-model", into=part, tp=tc.TP(0, 2), rules={"*": 0}).prepare(fetch="all")

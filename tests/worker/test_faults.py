@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import urllib.request
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import tensorcast as tc
 import tensorcast.aio
 from tensorcast.errors import DeadlineExceeded, NotFound, ResourceExhausted, Unavailable
 from tensorcast.testing import running_cluster
+from tensorcast.wire.messages import PutBegin
 
 
 def test_overflow_is_refused_and_worker_keeps_serving() -> None:
@@ -122,10 +124,20 @@ def test_a_put_cancelled_before_its_plan_arrives_frees_its_room_at_once() -> Non
             async with await tc.aio.connect(cluster.address) as c:
                 await c.put(np.arange(10))  # the connection is up: the put below sends PutBegin at once
                 begins = _begins_served(url)
+                begun = asyncio.Event()
+                inner = c.caller.call
+
+                async def call(msg: Any, *args: Any, **kwargs: Any) -> Any:
+                    if isinstance(msg, PutBegin):
+                        begun.set()
+                    return await inner(msg, *args, **kwargs)
+
+                c.caller.call = call  # type: ignore[method-assign]
                 cluster.pause_worker(wid)
                 try:
                     put = asyncio.ensure_future(c.put(np.ones(8 << 20, np.uint8)))
-                    await asyncio.sleep(0.3)  # hashed (or not: 8 MiB are hashed while written) and begun
+                    await asyncio.wait_for(begun.wait(), 10.0)
+                    await asyncio.sleep(0.2)  # on its way: written to the socket (the loop has nothing else to do)
                     assert not put.done()
                     put.cancel()
                     with pytest.raises(asyncio.CancelledError):

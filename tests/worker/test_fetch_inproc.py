@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -131,6 +131,13 @@ def test_a_row_slice_stays_leased_until_sent(pair: Pair) -> None:
     lease.release()
 
 
+def _eventually(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
 @pytest.mark.parametrize("streams", [1, 3])
 def test_a_fresh_blobs_chunk_checksums_are_learned_as_it_is_sent(streams: int) -> None:
     """Over TCP: a blob nobody hashed yet is hashed chunk by chunk as it is sent (not in a pass before its
@@ -147,6 +154,8 @@ def test_a_fresh_blobs_chunk_checksums_are_learned_as_it_is_sent(streams: int) -
         out = np.zeros_like(data)
         transport.fetch(server.address, DataRequest(artifact_id=info.id, name="x"), memoryview(out), streams=streams)
         assert np.array_equal(out, data)
+        # The sender hands them back after its last chunk left: the receiver may be done a moment earlier.
+        _eventually(lambda: src.checksums_of(digest) is not None, "the learned checksums")
         assert src.checksums_of(digest) == chunk_checksums(memoryview(data))
         again = np.zeros_like(data)  # served from the learned checksums now: the receiver still checks each chunk
         transport.fetch(server.address, DataRequest(artifact_id=info.id, name="x"), memoryview(again), streams=2)
@@ -157,7 +166,7 @@ def test_a_fresh_blobs_chunk_checksums_are_learned_as_it_is_sent(streams: int) -
         src.close()
 
 
-def test_a_part_of_a_blob_teaches_only_its_chunks() -> None:
+def test_parts_of_a_blob_teach_their_chunks_until_the_whole_list_is_known() -> None:
     src = _store("src")
     transport = make_transport("tcp", Config().wire, token=None, max_streams=4)
     server = transport.serve(src.open_source)
@@ -165,11 +174,18 @@ def test_a_part_of_a_blob_teaches_only_its_chunks() -> None:
     try:
         data = np.random.default_rng(4).integers(0, 255, 3 * CHUNK_BYTES, dtype=np.uint8)
         info = _hold(src, {"x": data})
-        part = np.zeros(CHUNK_BYTES, np.uint8)
-        req = DataRequest(artifact_id=info.id, name="x", offset=CHUNK_BYTES, length=CHUNK_BYTES)
-        transport.fetch(server.address, req, memoryview(part))
-        assert np.array_equal(part, data[CHUNK_BYTES : 2 * CHUNK_BYTES])
-        assert src.checksums_of(info.tensors[0].digest) is None  # 1 of 3 chunks known: not a whole list
+        digest = info.tensors[0].digest
+        sent = server.bytes_sent
+        for n, first in enumerate((1, 0, 2)):  # one chunk at a time, out of order
+            part = np.zeros(CHUNK_BYTES, np.uint8)
+            req = DataRequest(artifact_id=info.id, name="x", offset=first * CHUNK_BYTES, length=CHUNK_BYTES)
+            transport.fetch(server.address, req, memoryview(part))
+            assert np.array_equal(part, data[first * CHUNK_BYTES : (first + 1) * CHUNK_BYTES])
+            _eventually(lambda n=n: server.bytes_sent - sent >= (n + 1) * CHUNK_BYTES and not server.active,
+                        "the sender to finish")
+            if n < 2:
+                assert src.checksums_of(digest) is None  # some chunks known: not a whole list yet
+        assert src.checksums_of(digest) == chunk_checksums(memoryview(data))
     finally:
         server.close()
         transport.close()

@@ -43,15 +43,15 @@ from tensorcast.pool.segments import populate_read
 from tensorcast.records import ArtifactInfo, SliceSpec, TensorMeta, WorkerInfo
 from tensorcast.tensors import dtype_name, numpy_dtype
 from tensorcast.views import TP, TPRules, sliced_shape
+from tensorcast.weights.group import FETCH_MODES
 from tensorcast.weights.rules import rules_for
 from tensorcast.weights.swap_state import NOOP, READY, Staged, SwapState
-from tensorcast.weights.versions import check_holder, check_model, check_version, version_key
+from tensorcast.weights.versions import VERSION_TENSOR, check_holder, check_model, check_version, version_key
 from tensorcast.wire.messages import ArtifactReply, GetArtifact
 
-__all__ = ["FETCH", "STAGING", "AsyncBinding", "SwapReport", "resolve_rules"]
+__all__ = ["STAGING", "AsyncBinding", "SwapReport", "resolve_rules"]
 
 STAGING = ("mapped", "copy")
-FETCH = ("view", "whole")
 log = logging.getLogger("tensorcast.weights")
 
 
@@ -194,11 +194,12 @@ class AsyncBinding:
         """Fetch ``version``'s slices of the tensors that change into staging; live tensors are untouched.
         ``fetch``: how a version held on another host comes to this one through ``via``: ``"view"`` (only
         this rank's slices), or ``"whole"`` (the whole version, once for every rank on this host; right when
-        all of an engine's ranks are here, as a group swap decides)."""
+        all of an engine's ranks are here, as a group swap decides; ``view`` all the same for a binding that
+        binds only some of the version's tensors)."""
         if self._closed:
             raise InvalidArgument("binding is closed")
-        if fetch not in FETCH:
-            raise InvalidArgument(f"fetch must be one of {FETCH}, got {clip(fetch)}")
+        if fetch not in FETCH_MODES:
+            raise InvalidArgument(f"fetch must be one of {FETCH_MODES}, got {clip(fetch)}")
         ctx = self.client.caller.context(timeout)
         if version is None:
             version = max(await list_versions(self.client.caller, self.model, ctx), default=None)
@@ -242,6 +243,9 @@ class AsyncBinding:
                 tensors.update({k: self._private_copy(k, src) for k, src in group.items()})
 
         meta = {"binding": self.model, **({"tp": f"{self.tp.rank}/{self.tp.world_size}"} if self.tp else {})}
+        # Whole only for a binding of every tensor (a pipeline stage's binding would pull the other stages').
+        whole = whole and {s for ss in self.sources.values() for s in ss} >= {t.name for t in info.tensors} - {
+            VERSION_TENSOR}
         stats = await stage(self.client, info, jobs, like=self.like, via=self.via, meta=meta, ctx=ctx, absorb=absorb,
                             whole=whole)
         report.fetched_bytes, report.path = stats.fetched_bytes, stats.path

@@ -124,7 +124,7 @@ class Plan:
         first, all keep their version (``SwapAborted``). ``expected``: the version every rank must have active
         (0: none). ``reserve``: seconds kept for activating after the commit point. ``fetch``: ``"view"``
         (each rank's slices come to its host) or ``"whole"`` (each host's worker pulls the whole version
-        once); None: whole when every rank is attached to one worker. See docs/weight-sync.md."""
+        once); None: whole when every rank stages through one worker. See docs/weight-sync.md."""
         return self._add("group_swap", {"instances": list(instances), "model": model, "version": version,
                                         "expected": expected, "swap_id": swap_id or uuid.uuid4().hex,
                                         "reserve": reserve, "max_attempts": max_attempts, "fetch": fetch}, after)

@@ -4,17 +4,18 @@ Owns: validating the step's arguments and running the two-phase protocol of ``we
 gateway: every rank (an instance serving a binding, ``instance.binding``) is sent engine commands
 ``weights.prepare`` / ``weights.activate`` / ``weights.abort`` through the gateway's instance calls,
 concurrently, with the step's deadline. Prepares are told how to fetch (``fetch``: asked by the step, else
-``weights.group.fetch_mode`` on the ranks' home workers: ``whole`` when they share one). Prepares get until
-the commit point (``deadline - reserve``); activations get the rest. Aborted: ``SwapAborted`` (every rank kept
-its old version). Committed but a rank could not be activated: ``Unavailable`` (retryable: the plan runs the
-same swap again, which completes it; ranks already on the version are no-ops). Does not own: the decisions
-(``weights.group``), what a rank does (``client.binding``).
+``weights.group.fetch_mode`` on the workers the ranks stage through, from ``weights.status``: ``whole`` when
+they share one). Prepares get until the commit point (``deadline - reserve``); activations get the rest.
+Aborted: ``SwapAborted`` (every rank kept its old version). Committed but a rank could not be activated:
+``Unavailable`` (retryable: the plan runs the same swap again, which completes it; ranks already on the
+version are no-ops). Does not own: the decisions (``weights.group``), what a rank does (``client.binding``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -36,8 +37,6 @@ class InstancePort(Protocol):
     async def instance_call(self, instance_id: str, msg: InstanceCall, ctx: CallContext) -> InstanceReply: ...
 
     async def instance_ids(self, ctx: CallContext) -> set[str]: ...
-
-    async def instance_homes(self, ctx: CallContext) -> dict[str, str]: ...
 
 
 def _number(args: dict[str, Any], key: str, low: float) -> None:
@@ -94,10 +93,22 @@ async def _send(gw: InstancePort, machine: GroupSwap, rank: str, action: str, ar
     return dict(reply.result or {})
 
 
+async def _vias(gw: InstancePort, ranks: Sequence[str], model: str, ctx: CallContext) -> dict[str, str]:
+    """The worker each rank stages through (its binding's ``via``), from ``weights.status``; a rank that
+    does not answer is left out (the decision is then ``view``, and its prepare reports the failure)."""
+    async def via(rank: str) -> str:
+        msg = InstanceCall(instance_id=rank, op="engine", args={"command": "weights.status", "model": model})
+        return str((await gw.instance_call(rank, msg, ctx)).result.get("via") or "")
+
+    answers = await asyncio.gather(*(via(r) for r in ranks), return_exceptions=True)
+    return {r: a for r, a in zip(ranks, answers, strict=True) if isinstance(a, str) and a}
+
+
 async def run_group_swap(args: dict[str, Any], gw: InstancePort, ctx: CallContext) -> dict[str, Any]:
     """Run the protocol to its end; returns the per-rank report of a fully activated swap."""
     machine = _machine(args, ctx)
-    args = {**args, "fetch": fetch_mode(machine.ranks, await gw.instance_homes(ctx), args.get("fetch"))}
+    fetch = args.get("fetch") or fetch_mode(machine.ranks, await _vias(gw, machine.ranks, args["model"], ctx))
+    args = {**args, "fetch": fetch}
     running: dict[asyncio.Task[dict[str, Any]], tuple[str, str]] = {}
     try:
         while not machine.finished:

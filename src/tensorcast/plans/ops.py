@@ -45,8 +45,6 @@ class GatewayPort(Protocol):
 
     async def instance_ids(self, ctx: CallContext) -> set[str]: ...
 
-    async def instance_homes(self, ctx: CallContext) -> dict[str, str]: ...
-
 
 @dataclass(frozen=True)
 class StepOutcome:

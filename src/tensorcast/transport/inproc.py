@@ -56,9 +56,12 @@ class InProcDataServer:
             length = len(whole) - req.offset if req.length < 0 else req.length
             if req.offset < 0 or length != len(dest) or req.offset + length > len(whole):
                 raise InvalidArgument(f"range [{req.offset}, {req.offset + len(dest)}) outside {len(whole)} bytes")
+            learned: list[int] = []
             for i, start in enumerate(range(0, length, CHUNK_BYTES)):
                 src = whole[req.offset + start : req.offset + min(start + CHUNK_BYTES, length)]
                 expected = xxhash.xxh3_64_intdigest(src)
+                if len(src) == CHUNK_BYTES or req.offset + start + len(src) == len(whole):  # a whole grid chunk
+                    learned.append(expected)
                 piece = dest[start : start + len(src)]
                 piece[:] = src
                 with self._lock:
@@ -71,6 +74,8 @@ class InProcDataServer:
                     raise ChunkCorrupted(f"chunk at byte {req.offset + start} of {req.name!r} from {self.address} "
                                          "failed its checksum")
                 self.bytes_sent += len(piece)
+            if lease.learn is not None and learned and req.offset % CHUNK_BYTES == 0 and not req.slices:
+                lease.learn(req.offset // CHUNK_BYTES, learned)
             return lease.tier
         finally:
             with self._lock:

@@ -36,15 +36,15 @@ PENDING, PREPARED, ACTIVE, FAILED, DROPPED, DROP_FAILED = (
     "pending", "prepared", "active", "failed", "aborted", "abort_failed")
 
 
-def fetch_mode(ranks: Sequence[str], homes: Mapping[str, str], asked: str | None = None) -> str:
+def fetch_mode(ranks: Sequence[str], vias: Mapping[str, str], asked: str | None = None) -> str:
     """How the ranks' prepares bring a version held on another host to theirs: ``asked`` when given; else
-    ``"whole"`` when every rank is attached to the same worker (an engine whose ranks are all on one host:
-    that host's worker pulls the version once and each rank slices it locally, the same bytes as the ranks'
-    views with fewer requests and no gathering of slices at the source), else ``"view"`` (each rank's
-    slices only: ranks spread over hosts)."""
+    ``"whole"`` when every rank stages through the same worker (``vias``: each rank's binding's ``via``; an
+    engine whose ranks are all on one host: that host's worker pulls the version once and each rank slices
+    it locally, the same bytes as the ranks' views with fewer requests and no gathering of slices at the
+    source), else ``"view"`` (each rank's slices only: ranks spread over hosts, or one unknown)."""
     if asked is not None:
         return asked
-    workers = {homes.get(r, "") for r in ranks}
+    workers = {vias.get(r, "") for r in ranks}
     return "whole" if len(workers) == 1 and "" not in workers else "view"
 
 

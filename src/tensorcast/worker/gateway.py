@@ -81,6 +81,3 @@ class GatewayRole:
 
     async def instance_ids(self, ctx: CallContext) -> set[str]:
         return await self.parts.peers.instance_ids(ctx)
-
-    async def instance_homes(self, ctx: CallContext) -> dict[str, str]:
-        return await self.parts.peers.instance_homes(ctx)

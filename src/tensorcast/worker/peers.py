@@ -38,10 +38,6 @@ class Peers:
     async def instance_ids(self, ctx: CallContext) -> set[str]:
         return {i.instance_id for i in await self.gs.list_instances(ctx)}
 
-    async def instance_homes(self, ctx: CallContext) -> dict[str, str]:
-        """Each live instance's home worker."""
-        return {i.instance_id: i.home_worker for i in await self.gs.list_instances(ctx)}
-
     async def address(self, worker_id: str, ctx: CallContext) -> str:
         address = self._addresses.get(worker_id)
         if address is None:
