@@ -5,11 +5,11 @@ slices); else through a worker on this host (``via``): it materializes the slice
 worker-to-worker over the data plane (only the slices' bytes cross the network, and only those of tensors
 whose blobs it does not hold yet), and this process maps it — or, with ``whole`` (every rank of the engine is
 on this host), the worker pulls the whole version once (the ranks' concurrent requests share one transfer;
-only blobs it lacks move: once it holds a version whole, a delta moves only what changed) and each rank
-slices it here; else straight from
-a remote holder, which cuts the slices — and cutting the work into a few groups by size, so that while one
-group is being absorbed into staging (on a thread) the next is being fetched. Reports the bytes fetched. Does
-not own: deciding which tensors changed, or staging and activation (``client.binding``).
+only blobs it lacks move: once it holds a version whole, a delta moves only what changed) and each rank slices
+it here; else straight from a remote holder, which cuts the slices — and cutting the work into a few groups by
+size, so that while one group is being absorbed into staging (on a thread) the next is being fetched. Reports
+the bytes fetched. Does not own: deciding which tensors changed, or staging and activation
+(``client.binding``).
 """
 
 from __future__ import annotations
