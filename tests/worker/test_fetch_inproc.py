@@ -192,6 +192,21 @@ def test_parts_of_a_blob_teach_their_chunks_until_the_whole_list_is_known() -> N
         src.close()
 
 
+def test_the_checksum_cache_keeps_the_newest_blobs(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tensorcast.worker.store as store_module
+
+    monkeypatch.setattr(store_module, "_MAX_CHECKSUMS", 2)
+    store = _store("src")
+    try:
+        for digest in ("a", "b", "c"):
+            store.remember_checksums(digest, [1, 2])
+        store.remember_checksums("b", [3])  # used again: now the newest
+        store.remember_checksums("d", [4])
+        assert [store.checksums_of(d) for d in "abcd"] == [None, [3], None, [4]]
+    finally:
+        store.close()
+
+
 def test_corrupted_chunks_are_fetched_again() -> None:
     p = Pair(corrupt_chunks=2)
     try:

@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
@@ -42,8 +43,10 @@ log = logging.getLogger("tensorcast.worker")
 
 # Called when a replica disappears from this worker without the GS having asked (eviction, TTL).
 ReplicaGone = Callable[[str, str], Awaitable[None]]
-# Blobs whose chunk checksums senders are still collecting (ranges sent so far do not cover them yet).
+# Blobs whose chunk checksums senders are still collecting (ranges sent so far do not cover them yet), and
+# blobs whose checksums are cached (a few hundred bytes each; the blobs themselves come and go).
 _MAX_LEARNING = 4096
+_MAX_CHECKSUMS = 65536
 
 
 class LocalStore:
@@ -58,7 +61,8 @@ class LocalStore:
         self._on_replica_gone = on_replica_gone
         self._lock = threading.Lock()
         self._disk_segments: dict[str, Segment] = {}  # open read mappings of disk blobs
-        self._checksums: dict[str, list[int]] = {}  # digest -> data-plane chunk checksums
+        # digest -> data-plane chunk checksums, the most recently added last (bounded: blobs come and go).
+        self._checksums: OrderedDict[str, list[int]] = OrderedDict()
         self._learning: dict[str, dict[int, int]] = {}  # digest -> chunk checksums senders computed so far
         # Checkpoints registered in place (from_disk): artifact id -> tensor name -> where its bytes are.
         self.external: dict[str, dict[str, CheckpointTensor]] = {}
@@ -315,13 +319,22 @@ class LocalStore:
             known = self._learning.setdefault(digest, {})
             known.update(enumerate(sums, first))
             if len(known) >= chunks:
-                self._checksums[digest] = [known[i] for i in range(chunks)]
                 del self._learning[digest]
+                self._keep_checksums(digest, [known[i] for i in range(chunks)])
 
     def remember_checksums(self, digest: str, checksums: list[int]) -> None:
         """Chunk checksums a receiver verified: serving the blob later needs no hashing pass."""
         if checksums:
-            self._checksums[digest] = checksums
+            with self._lock:
+                self._keep_checksums(digest, checksums)
+
+    def _keep_checksums(self, digest: str, checksums: list[int]) -> None:
+        """(The lock held.) Cache a blob's checksums; the oldest go beyond ``_MAX_CHECKSUMS`` blobs (a blob
+        sent again after that is hashed as it is sent, and learned again)."""
+        self._checksums[digest] = checksums
+        self._checksums.move_to_end(digest)
+        while len(self._checksums) > _MAX_CHECKSUMS:
+            self._checksums.popitem(last=False)
 
     def checksums_of(self, digest: str) -> list[int] | None:
         """The data-plane chunk checksums known for a blob (None: it will be hashed as it is sent)."""
