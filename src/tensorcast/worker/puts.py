@@ -101,7 +101,7 @@ class PutManager:
             # Making room (evicting now, spilling, or the housekeeping's eviction above the high watermark) for
             # bytes this worker may hold already would be a loss: with the digests, those bytes need no room.
             return PutPlan(put_id="", artifact_id="", digests_first=True)
-        decision = decide_put(placement, memory.state, need, time.time(), self.store.tiers(aid) if aid else (),
+        decision = decide_put(placement, state, need, time.time(), self.store.tiers(aid) if aid else (),
                               has_disk=self.store.disk is not None, exclude=frozenset({aid}) if aid else frozenset())
         await self.store.evict_all(decision.evict)
         put = PendingPut(put_id=uuid.uuid4().hex, artifact_id=aid, tensors=tensors, key=msg.key, ttl=msg.ttl,
