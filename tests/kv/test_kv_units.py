@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tensorcast.errors import InvalidArgument, ResourceExhausted, StaleFencingToken
 from tensorcast.kv.blocks import BlockRegions
 from tensorcast.kv.hrw import assignment, candidates
 from tensorcast.kv.keys import MAX_KEY_BYTES, KVLayout, check_keys, page_keys, shard_of
-from tensorcast.kv.leases import HomeLeases, LeaseRecord, grant, release, renew
+from tensorcast.kv.leases import HomeLeases, LeaseFeed, LeaseMirror, LeaseRecord, grant, release, renew
 from tensorcast.kv.pages import PageStore
 from tensorcast.testing import leaked_segments
 
@@ -111,6 +113,41 @@ def test_home_acquisition_plan() -> None:
     # Holding a shard whose rank-0 home is alive again: give it back.
     a.granted(s, 2, 0.0, 100.0)
     assert s in a.plan({}, homes, 16, gs_now=10, grace=0.25)[1]
+
+
+def test_lease_deltas_carry_changes_of_holder_token_or_liveness_not_renewals() -> None:
+    feed, mirror = LeaseFeed("e1"), LeaseMirror()
+    table = {s: LeaseRecord(s, "a", 1, expiry=10.0, acquired_at=0.0) for s in range(64)}
+
+    def follow(now: float) -> int:
+        """One reader's catch-up at the store's clock ``now``: how many records the answer carried."""
+        feed.observe(table, now)
+        full, shards = feed.since(mirror.epoch, mirror.revision)
+        mirror.apply(full, (table[s] for s in shards), now, feed.revision, feed.epoch)
+        return len(shards)
+
+    assert follow(now=1.0) == 64  # the first read is the whole table
+    for tick in range(2, 9):  # every lease renewed each tick: nothing for the reader
+        table = {s: replace(r, expiry=tick + 10.0) for s, r in table.items()}
+        assert follow(now=float(tick)) == 0
+    vacant = lambda now: [s for s, r in mirror.records.items() if r.expiry <= now]  # noqa: E731
+    assert vacant(now=1e9) == []  # reported live: live until the store says otherwise
+    table[3] = replace(table[3], holder="b", token=2)  # handed over
+    table[5] = replace(table[5], holder="", expiry=0.0)  # released
+    assert follow(now=9.0) == 2 and mirror.records[3].holder == "b" and vacant(now=9.0) == [5]
+    # Shard 7's holder stops renewing: once the store's clock passes its expiry, it is reported, with the
+    # real expiry (lower-ranked candidates count their wait from it).
+    frozen = table[7].expiry
+    table = {s: (r if s in (5, 7) else replace(r, expiry=30.0)) for s, r in table.items()}
+    assert follow(now=frozen - 0.5) == 0
+    assert follow(now=frozen + 0.5) == 1 and mirror.records[7].expiry == frozen
+    assert sorted(vacant(now=frozen + 0.5)) == [5, 7]
+    # Another store's numbering: the whole table again, and nothing of the old one kept.
+    other = LeaseFeed("e2")
+    other.observe({1: table[1]}, 20.0)
+    full, shards = other.since(mirror.epoch, mirror.revision)
+    mirror.apply(full, [table[s] for s in shards], 20.0, other.revision, other.epoch)
+    assert full and list(mirror.records) == [1]
 
 
 def test_page_store_lru_ttl_shards_and_leases() -> None:

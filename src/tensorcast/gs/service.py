@@ -299,11 +299,11 @@ class GlobalStore:
 
     async def shard_table(self, since: int = 0, epoch: str = "") -> ShardTable:
         """The lease table, or what changed in it since ``since`` of this store's ``epoch``."""
-        leases = await self._leases()
-        self._feed.observe(leases)
+        leases, now = await self._leases(), time.time()
+        self._feed.observe(leases, now)
         full, shards = self._feed.since(epoch, since)
         workers = await self._workers() if shards else {}
-        return ShardTable(num_shards=self.config.gs.kv_num_shards, now=time.time(),
+        return ShardTable(num_shards=self.config.gs.kv_num_shards, now=now,
                           leases=tuple(_lease_msg(leases[s], workers) for s in shards),
                           revision=self._feed.revision, epoch=self._feed.epoch, full=full)
 

@@ -24,7 +24,7 @@ from tensorcast.config import KVConfig
 from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument, NotFound, StaleFencingToken, TensorCastError
 from tensorcast.kv.keys import MAX_KEY_BYTES, check_keys, shards_of
-from tensorcast.kv.leases import HomeLeases, LeaseRecord
+from tensorcast.kv.leases import HomeLeases, LeaseMirror, LeaseRecord
 from tensorcast.kv.pages import Page, PageStore
 from tensorcast.limits import check_ttl
 from tensorcast.obs import metrics
@@ -91,8 +91,7 @@ class ShardHome:
         self.serving = True
         self._last_renewal = 0.0  # monotonic time the last renewal was sent (for the renewal-lag metric)
         # The lease table as followed from the global store: deltas since (epoch, revision).
-        self._table: dict[int, LeaseRecord] = {}
-        self._revision, self._epoch = 0, ""
+        self._mirror = LeaseMirror()
         # The leases as served, for checking a request's tokens in one step: shard -> token of every held
         # shard, and the earliest local expiry among them. Rebuilt whenever a lease is granted or lost.
         self._live: dict[int, int] = {}
@@ -128,16 +127,14 @@ class ShardHome:
 
     async def tick(self) -> None:
         ctx = CallContext(deadline=time.time() + max(2.0, self.config.renew_interval))
-        table = await self.gs.call(ListShards(since=self._revision, epoch=self._epoch), ShardTable, ctx)
+        mirror = self._mirror
+        table = await self.gs.call(ListShards(since=mirror.revision, epoch=mirror.epoch), ShardTable, ctx)
         workers = await self.gs.call(ListWorkers(), WorkerList, ctx)
         self.num_shards = table.num_shards
         # Deltas after the first read (the whole table again only from another global store).
-        if table.full:
-            self._table = {}
-        self._table.update({s.shard: LeaseRecord(s.shard, s.holder, s.token, s.expiry, s.acquired_at)
-                            for s in table.leases})
-        self._revision, self._epoch = table.revision, table.epoch
-        leases = self._table
+        mirror.apply(table.full, (LeaseRecord(s.shard, s.holder, s.token, s.expiry, s.acquired_at)
+                                  for s in table.leases), table.now, table.revision, table.epoch)
+        leases = mirror.records
         # Shard homes heartbeating within a lease TTL: a dead one drops out by the time its leases expire.
         homes = [w.worker_id for w in workers.workers
                  if "shard-home" in w.roles and table.now - w.last_heartbeat < self.config.lease_ttl]

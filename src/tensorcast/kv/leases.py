@@ -13,13 +13,14 @@ it has even talked to the store. Fed events and a clock value, returning decisio
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from tensorcast.errors import StaleFencingToken
 from tensorcast.kv.hrw import candidates
 
-__all__ = ["HeldShard", "HomeLeases", "LeaseFeed", "LeaseRecord", "grant", "release", "renew"]
+__all__ = ["HeldShard", "HomeLeases", "LeaseFeed", "LeaseMirror", "LeaseRecord", "grant", "release", "renew"]
 
 
 @dataclass(frozen=True)
@@ -130,26 +131,50 @@ class HomeLeases:
 class LeaseFeed:
     """Numbers the changes of a lease table so that readers can ask what changed since they last looked.
 
-    ``observe`` takes the current table (records in, no I/O); every record that differs from the last one
-    seen gets the next revision. ``since(epoch, revision)`` answers with the shards changed after that
-    revision, or all of them (``full``) when the reader's numbering is another feed's (``epoch``)."""
+    ``observe`` takes the current table and the store's clock (records in, no I/O). A record gets the next
+    revision when its holder, token or liveness changed: granted, released, handed over, or seen expired.
+    A renewal only moves a live lease's expiry, so it is kept without a new revision: with every home
+    renewing every tick, counting renewals would make each delta the whole table (shards x homes per
+    tick). ``since(epoch, revision)`` answers with the shards changed after that revision, or all of them
+    (``full``) when the reader's numbering is another feed's (``epoch``)."""
 
     def __init__(self, epoch: str) -> None:
         self.epoch = epoch
         self.revision = 0
-        self._records: dict[int, LeaseRecord] = {}
+        self._states: dict[int, tuple[str, int, float, bool]] = {}  # shard -> its state when last observed
         self._changed_at: dict[int, int] = {}
 
-    def observe(self, table: Mapping[int, LeaseRecord]) -> None:
+    def observe(self, table: Mapping[int, LeaseRecord], now: float) -> None:
         for shard, rec in table.items():
-            if self._records.get(shard) != rec:
+            state = (rec.holder, rec.token, rec.acquired_at, rec.expiry > now)  # all but a live expiry
+            if self._states.get(shard) != state:
+                self._states[shard] = state
                 self.revision += 1
-                self._records[shard] = rec
                 self._changed_at[shard] = self.revision
 
     def since(self, epoch: str, revision: int) -> tuple[bool, list[int]]:
         """(full, shards): every shard when ``epoch`` is not this feed's, else those changed after
         ``revision``."""
         if epoch != self.epoch or revision <= 0 or revision > self.revision:
-            return True, sorted(self._records)
+            return True, sorted(self._states)
         return False, sorted(s for s, r in self._changed_at.items() if r > revision)
+
+
+class LeaseMirror:
+    """A reader's copy of a global store's lease table, followed through ``LeaseFeed`` deltas.
+
+    The feed does not report renewals, so a lease reported live is taken as live (expiry at infinity) until
+    the store reports its change; an expired lease is reported with its real expiry, which the lower-ranked
+    candidates' wait (``HomeLeases.plan``) counts from. Records in; no I/O."""
+
+    def __init__(self) -> None:
+        self.records: dict[int, LeaseRecord] = {}
+        self.revision, self.epoch = 0, ""
+
+    def apply(self, full: bool, records: Iterable[LeaseRecord], now: float, revision: int, epoch: str) -> None:
+        """Merge one answer: ``records`` as of the store's clock ``now``, the whole table when ``full``."""
+        if full:
+            self.records = {}
+        for rec in records:
+            self.records[rec.shard] = rec if rec.expiry <= now else replace(rec, expiry=math.inf)
+        self.revision, self.epoch = revision, epoch
