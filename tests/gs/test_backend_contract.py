@@ -219,6 +219,23 @@ def test_shard_leases_and_page_index(make: Callable[[], MetadataBackend]) -> Non
     assert run(b.page_index_get(("k2", "k3"))) == ["w0", ""]
 
 
+def test_big_updates_are_not_limited_by_one_transaction(make: Callable[[], MetadataBackend]) -> None:
+    """etcd refuses a transaction of over 128 operations: a backend on it splits what a caller asks for in
+    one call (lease updates over many shards, an artifact under many keys) without losing any of it."""
+    b = make()
+    shards = range(300)
+    recs = [LeaseRecord(s, f"w{s % 3}", 1, 10.0 + s, 1.0) for s in shards]
+    assert run(b.update_leases(shards, lambda s, cur: recs[s])) == recs
+    assert run(b.load_leases()) == {r.shard: r for r in recs}
+    keys = [f"alias/{i:03d}" for i in range(80)]
+    for i, key in enumerate(keys):  # the same content put under 80 keys: one artifact
+        run(b.commit_artifact(artifact(A), "w0", key, None, 1.0 + i))
+    assert sorted(run(b.keys_of(A))) == keys
+    run(b.delete_artifact(A, 100.0))
+    assert run(b.get_artifact(A)) is None and run(b.keys_of(A)) == ()
+    assert all(run(b.resolve_key(k)) is None and run(b.tombstone(k)) == (A, "deleted") for k in keys)
+
+
 def test_everything_acknowledged_survives_a_reopen(make: Callable[[], MetadataBackend]) -> None:
     b = make()
     inc, _ = run(b.register_worker(worker("w0"), 1.0))

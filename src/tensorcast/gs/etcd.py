@@ -45,6 +45,8 @@ log = logging.getLogger("tensorcast.gs.etcd")
 
 # Operations per transaction kept well under etcd's 128 (each shard costs a compare and a put).
 _LEASE_BATCH = 60
+# Keys unbound per transaction when an artifact is deleted (4 operations each), leaving room for the rest.
+_KEY_BATCH = 24
 
 
 class EtcdBackend(MetadataBackend):
@@ -362,6 +364,15 @@ class EtcdBackend(MetadataBackend):
 
     async def delete_artifact(self, artifact_id: str, now: float, reason: str = "deleted") -> list[str]:
         keys = await self.keys_of(artifact_id)
+        # Keys beyond what fits in one transaction beside the record are unbound first, a batch per
+        # transaction: a delete cut short leaves the artifact with fewer keys, never a key to nothing.
+        while len(keys) > _KEY_BATCH:
+            batch, keys = keys[:_KEY_BATCH], keys[_KEY_BATCH:]
+
+            async def unbind(tx: Txn, batch: tuple[str, ...] = batch) -> None:
+                await self._unbind_keys(tx, artifact_id, batch, codec.Tomb(artifact_id, reason, now))
+
+            await self.etcd.atomically(unbind)
 
         async def decide(tx: Txn) -> list[str]:
             raw = await tx.get(self._k("a", artifact_id))  # a concurrent commit rewrites it: this one retries
@@ -370,17 +381,21 @@ class EtcdBackend(MetadataBackend):
             tx.delete(self._k("a", artifact_id))
             if rec is not None:
                 self._set_expiry(tx, artifact_id, rec.lease_expiry, None)
-            for k in keys:
-                if (await tx.get(self._k("k", k)) or b"").decode() == artifact_id:
-                    tx.delete(self._k("k", k))
-                    tx.put(self._k("tk", k), codec.ENC.encode(codec.Tomb(artifact_id, reason, now)))
-                tx.delete(self._k("ka", artifact_id, k))
+            await self._unbind_keys(tx, artifact_id, keys, codec.Tomb(artifact_id, reason, now))
             for w in holders:
                 tx.put(self._k("dw", w, artifact_id), b"")
             tx.put(self._k("t", artifact_id), codec.ENC.encode(codec.Tomb(artifact_id, reason, now)))
             return holders
 
         return await self.etcd.atomically(decide)
+
+    async def _unbind_keys(self, tx: Txn, artifact_id: str, keys: tuple[str, ...], tomb: codec.Tomb) -> None:
+        """Remove ``keys`` from the artifact, and tombstone those that still named it (1 check, 3 writes each)."""
+        for k in keys:
+            if (await tx.get(self._k("k", k)) or b"").decode() == artifact_id:
+                tx.delete(self._k("k", k))
+                tx.put(self._k("tk", k), codec.ENC.encode(tomb))
+            tx.delete(self._k("ka", artifact_id, k))
 
     async def tombstone(self, key_or_id: str) -> tuple[str, str] | None:
         raw = await self.etcd.get(self._k("t", key_or_id)) or await self.etcd.get(self._k("tk", key_or_id))
