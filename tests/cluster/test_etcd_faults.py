@@ -4,6 +4,7 @@ still be there afterwards, every byte read must be right, and fencing tokens mus
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ import xxhash
 import tensorcast as tc
 from tensorcast.cluster import LocalCluster
 from tensorcast.errors import StaleFencingToken, TensorCastError
+from tensorcast.gs.etcd import EtcdBackend
 from tensorcast.kv.keys import KVLayout, page_keys, shard_of
 from tensorcast.testing import running_cluster, wait_shards_settled
 from tensorcast.testing.etcd import EtcdCluster
@@ -205,6 +207,11 @@ def test_restarted_worker_reannounces_and_rejoins_on_etcd(etcd: EtcdCluster) -> 
         while any(lease.holder == "w1" and lease.expiry > c.list_shards().now for lease in c.list_shards().leases):
             assert time.monotonic() < deadline
             time.sleep(0.2)
+        # While w0 is down, its replica records go (as after a store whose records were lost): only w0's
+        # announcement on restart can bring its disk replica back.
+        cluster.kill_worker("w0")
+        left = asyncio.run(forget_replicas(etcd.endpoints, cluster.etcd_prefix, art.id, "w0"))
+        assert [w for w, _ in left if w == "w0"] == []
         cluster.restart_worker("w0")  # w0 comes back: its disk replica is announced again
         deadline = time.monotonic() + 30
         while True:
@@ -217,3 +224,21 @@ def test_restarted_worker_reannounces_and_rejoins_on_etcd(etcd: EtcdCluster) -> 
         cluster.restart_worker("w1")
         wait_shards_settled(c, {"w0", "w1"})  # both compete for shards again: the HRW assignment returns
         assert np.array_equal(c.artifact("durable/a").tensor("w", like="numpy"), data["w"])
+        # Both restarted homes serve pages again, on their shards' new fencing tokens.
+        keys = page_keys(list(range(64 * LAYOUT.page_size)), LAYOUT)
+        assert {shard_of(k, len(c.list_shards().leases)) for k in keys} != set()
+        c.kv.put(keys, [page_for(k) for k in keys])
+        assert all(np.array_equal(g, page_for(k)) for k, g in zip(keys, c.kv.get(keys), strict=True))
+
+
+async def forget_replicas(endpoints: str, prefix: str, artifact_id: str,
+                          worker_id: str) -> list[tuple[str, str]]:
+    """Remove ``worker_id``'s replica records of the artifact in etcd; the replicas left."""
+    backend = EtcdBackend(endpoints, prefix=prefix)
+    await backend.open()
+    try:
+        for tier in ("memory", "disk"):
+            await backend.remove_replica(artifact_id, worker_id, tier)
+        return await backend.replicas_of(artifact_id)
+    finally:
+        await backend.close()
