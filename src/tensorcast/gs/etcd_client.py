@@ -278,7 +278,9 @@ class EtcdClient:
         while True:
             req = rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
                 key=prefix, range_end=prefix_end(prefix), start_revision=revision, progress_notify=True))
-            call = self._watch.Watch()
+            # "hasleader": a member cut off from its cluster's leader ends the watch instead of going quiet,
+            # so the mirror moves to a member that still hears about changes.
+            call = self._watch.Watch(metadata=(("hasleader", "true"),))
             try:
                 await call.write(req)
                 while True:
