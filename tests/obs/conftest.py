@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import time
 import urllib.request
 from collections import defaultdict
+from collections.abc import Callable
+from typing import TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -22,6 +25,20 @@ def value(samples: dict[str, list[tuple[dict[str, str], float]]], name: str, **l
     """The sum of ``name``'s samples whose labels include ``labels`` (0 when there is none)."""
     return sum(v for lab, v in samples.get(name, []) if all(lab.get(k) == want for k, want in labels.items()))
 
+
+T = TypeVar("T")
+
+
+def eventually(probe: Callable[[], T], done: Callable[[T], bool], timeout: float, every: float = 0.05) -> T:
+    """``probe()`` once ``done`` holds for it, polling until ``timeout`` seconds have passed; then the last value
+    fails the test. For counters a process updates just after its reply has gone out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = probe()
+        if done(got):
+            return got
+        assert time.monotonic() < deadline, f"still {got!r} after {timeout:g} s"
+        time.sleep(every)
 
 
 def system_tool(path: str, package: str) -> str:

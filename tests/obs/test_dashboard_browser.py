@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import threading
 import time
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -22,70 +24,94 @@ CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-q
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
-def _page_workers(page: object) -> dict[str, dict[str, str]]:
+def _page_workers(page: Any) -> dict[str, dict[str, list[str]]]:
+    """Each worker row's cells: field -> [data-value, visible text]; the memory cell's capacity as its own field."""
     return page.evaluate("""() => Object.fromEntries([...document.querySelectorAll('#workers tr[data-worker]')]
         .map(tr => [tr.dataset.worker, Object.fromEntries([...tr.querySelectorAll('td[data-field]')]
-        .map(td => [td.dataset.field, td.dataset.value])) ]))""")  # type: ignore[attr-defined, no-any-return]
+        .flatMap(td => [[td.dataset.field, [td.dataset.value, td.textContent]]].concat(td.dataset.capacity
+            === undefined ? [] : [[td.dataset.field.replace('used', 'capacity'), [td.dataset.capacity, '']]])))
+        ]))""")
 
 
 def _recorded(client: tc.Client) -> dict[str, dict[str, str]]:
-    return {w.worker_id: {"memory_used": str(w.memory_used), "artifacts": str(w.artifacts),
-                          "alive": "true" if w.alive else "false"} for w in client.list_workers()}
+    return {w.worker_id: {"memory_used": str(w.memory_used), "memory_capacity": str(w.memory_capacity),
+                          "artifacts": str(w.artifacts), "alive": "true" if w.alive else "false"}
+            for w in client.list_workers()}
 
 
-def test_dashboard_shows_list_workers(tmp_path: Path) -> None:
+def _bytes(n: float) -> str:
+    """The page's ``bytes()``: binary units, one decimal (JavaScript's ``toFixed`` rounds halves up)."""
+    units = ["B", "KiB", "MiB", "GiB", "TiB"]
+    i = 0
+    while abs(n) >= 1024 and i < len(units) - 1:
+        n /= 1024
+        i += 1
+    shown = str(Decimal(n).quantize(Decimal("0.1"), ROUND_HALF_UP)) if i else str(int(n))
+    return f"{shown} {units[i]}"
+
+
+def _workload(client: tc.Client, stop: threading.Event, put: list[tc.Artifact]) -> None:
+    rng = np.random.default_rng(1)
+    i = 0
+    while not stop.is_set():
+        art = client.put({"t": rng.random((64, 1024), dtype=np.float32)}, key=f"dash/{i}")
+        art.prefetch(to="w1").result(timeout=30)
+        put.append(art)
+        i += 1
+
+
+def _shows_list_workers(page: Any, client: tc.Client) -> None:
+    stop = threading.Event()
+    put: list[tc.Artifact] = []
+    worker = threading.Thread(target=_workload, args=(client, stop, put))
+    worker.start()
+    try:
+        # While it runs the page keeps updating and shows the artifacts arriving.
+        page.wait_for_function("Number(document.body.dataset.updates) >= 4", timeout=30_000)
+        page.wait_for_function(
+            "Number(document.querySelector('[data-field=artifacts_total]').dataset.value) >= 3", timeout=60_000)
+    finally:
+        stop.set()
+        worker.join(timeout=60)
+    # Once the heartbeats have carried the final state, the page shows exactly what callers see.
+    deadline = time.monotonic() + 40 * max(HEARTBEAT, REFRESH)
+    while True:
+        want = _recorded(client)
+        cells = _page_workers(page)
+        shown = {w: {k: v[k][0] for k in want[w]} for w, v in cells.items() if w in want}
+        if shown == want and int(want["w1"]["artifacts"]) == len(put):
+            break
+        assert time.monotonic() < deadline, (shown, want, len(put))
+        time.sleep(REFRESH)
+    for v in cells.values():  # what a person reads is the same number
+        assert v["artifacts"][1] == v["artifacts"][0]
+        assert v["memory_used"][1] == f"{_bytes(int(v['memory_used'][0]))} / {_bytes(int(v['memory_capacity'][0]))}"
+    assert {v["memory_capacity"][0] for v in cells.values()} == {str(256 * 2**20)}
+    total = page.get_attribute("[data-field=artifacts_total]", "data-value")
+    assert total == str(len(put))
+    prefix = page.get_attribute("#artifacts tr[data-prefix='dash/'] td[data-field=keys]", "data-value")
+    assert prefix == str(len(put))
+
+
+def test_dashboard_shows_list_workers() -> None:
     chromium = system_tool("chromium", "chromium")
     from playwright.sync_api import sync_playwright
 
+    out = Path(os.environ.get("TENSORCAST_TEST_ARTIFACTS", "test-artifacts"))
+    shot = out / "dashboard.png"
     config = {"worker.heartbeat_interval": HEARTBEAT, "metrics.dashboard_refresh": REFRESH}
     with running_cluster(workers=2, memory_capacity="256MiB", config=config) as cluster, \
             tc.connect(cluster.address) as client, sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(cluster.dashboard_url)
-            page.wait_for_function("Number(document.body.dataset.updates || 0) >= 1", timeout=30_000)
-
-            stop = threading.Event()
-            put = []
-
-            def workload() -> None:
-                rng = np.random.default_rng(1)
-                i = 0
-                while not stop.is_set():
-                    art = client.put({"t": rng.random((64, 1024), dtype=np.float32)}, key=f"dash/{i}")
-                    art.prefetch(to="w1").result(timeout=30)
-                    put.append(art)
-                    i += 1
-
-            worker = threading.Thread(target=workload)
-            worker.start()
             try:
-                # While it runs the page keeps updating and shows the artifacts arriving.
-                page.wait_for_function("Number(document.body.dataset.updates) >= 4", timeout=30_000)
-                page.wait_for_function(
-                    "Number(document.querySelector('[data-field=artifacts_total]').dataset.value) >= 3",
-                    timeout=60_000)
-            finally:
-                stop.set()
-                worker.join(timeout=60)
-            # Once the heartbeats have carried the final state, the page shows exactly what callers see.
-            deadline = time.monotonic() + 40 * max(HEARTBEAT, REFRESH)
-            while True:
-                want = _recorded(client)
-                shown = {w: {k: v[k] for k in ("memory_used", "artifacts", "alive")}
-                         for w, v in _page_workers(page).items()}
-                if shown == want and int(want["w1"]["artifacts"]) == len(put):
-                    break
-                assert time.monotonic() < deadline, (shown, want, len(put))
-                time.sleep(REFRESH)
-            total = page.get_attribute("[data-field=artifacts_total]", "data-value")
-            assert total == str(len(put))
-            prefix = page.get_attribute("#artifacts tr[data-prefix='dash/'] td[data-field=keys]", "data-value")
-            assert prefix == str(len(put))
-            out = Path(os.environ.get("TENSORCAST_TEST_ARTIFACTS", "test-artifacts"))
-            out.mkdir(parents=True, exist_ok=True)
-            page.screenshot(path=str(out / "dashboard.png"), full_page=True)
-            assert (out / "dashboard.png").stat().st_size > 10_000
+                page.goto(cluster.dashboard_url)
+                page.wait_for_function("Number(document.body.dataset.updates || 0) >= 1", timeout=30_000)
+                _shows_list_workers(page, client)
+            finally:  # a failing run leaves its screenshot too: what the page showed then
+                out.mkdir(parents=True, exist_ok=True)
+                page.screenshot(path=str(shot), full_page=True)
         finally:
             browser.close()
+    assert shot.stat().st_size > 10_000

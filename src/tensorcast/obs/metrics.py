@@ -51,7 +51,7 @@ _OP_SECONDS = Histogram("tensorcast_operation_seconds", "Duration of those opera
 _KV_PAGES = Counter("tensorcast_kv_pages", "KV pages a shard home answered for, by operation (get, put, exists) "
                     "and result (hit, miss, stored).", ["op", "result"])
 _KV_RENEWAL_LAG = Histogram("tensorcast_kv_lease_renewal_lag_seconds", "Time between a shard home's successive "
-                            "lease renewals beyond the configured renew interval (0 when on time).", [],
+                            "lease renewals beyond its loop period, kv.renew_interval / 2 (0 when on time).", [],
                             (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0))
 _PLAN_STEPS = Counter("tensorcast_plan_steps", "Plan step attempts a gateway ran, by operation and outcome "
                       "(succeeded, retryable_error, failed).", ["op", "outcome"])
@@ -87,8 +87,8 @@ def rpc_sent(method: str, peer: str, outcome: str, seconds: float) -> None:
 
 
 def operation(op: str, path: str, nbytes: int, seconds: float, outcome: str = "ok") -> None:
-    """One put (path: shm or network), get (map) or transfer (fetch, view) done by a worker; failures are
-    counted under their error code, with no bytes or duration."""
+    """One put (path: shm or network), get (map, or network: a range its data server sent) or transfer
+    (fetch, view) done by a worker; failures are counted under their error code, with no bytes or duration."""
     if _enabled:
         _OPS.inc((op, path, outcome))
         if outcome == "ok":
@@ -114,6 +114,7 @@ def kv_pages(op: str, hits: int, misses: int = 0) -> None:
 
 
 def shard_renewal(lag: float) -> None:
+    """How much later than its loop period a shard home renewed its leases (negative: on time)."""
     if _enabled:
         _KV_RENEWAL_LAG.observe((), max(0.0, lag))
 

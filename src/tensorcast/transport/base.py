@@ -52,6 +52,9 @@ class SourceLease:
     # Where not known: ``learn(first_chunk, sums)`` takes those a sender computed for whole chunks of the grid
     # as it sent them (chunk ``first_chunk`` on), so that later sends need no hashing pass.
     learn: Callable[[int, list[int]], None] | None = None
+    # Called with the range's byte count once all of it has been sent (not when a send breaks off): the
+    # owner of the bytes counts what it served without the transport knowing how.
+    sent: Callable[[int], None] | None = None
 
 
 # Resolves a request to the bytes it names (the worker's store), on the transport's threads.

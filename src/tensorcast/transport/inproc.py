@@ -76,6 +76,8 @@ class InProcDataServer:
                 self.bytes_sent += len(piece)
             if lease.learn is not None and learned and req.offset % CHUNK_BYTES == 0 and not req.slices:
                 lease.learn(req.offset // CHUNK_BYTES, learned)
+            if lease.sent is not None:
+                lease.sent(length)
             return lease.tier
         finally:
             with self._lock:

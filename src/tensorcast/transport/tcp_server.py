@@ -295,6 +295,8 @@ class TcpDataServer:
                 self.bytes_sent += len(piece)
             if learned and lease.learn is not None:
                 lease.learn(req.offset // chunk, learned)
+            if lease.sent is not None:
+                lease.sent(length)
         finally:
             with self._lock:
                 self.active -= 1

@@ -40,8 +40,9 @@ def worker_samples(worker_id: str, storage: StorageRole, kv_home: ShardHome | No
         yield Sample("tensorcast_pool_bytes", _POOL, {**w, "tier": tier, "state": kind}, value)
     yield Sample("tensorcast_pool_evicted_bytes", "Memory freed by evicting replicas.", w, store.evicted_bytes,
                  counter=True)
-    yield Sample("tensorcast_pool_replicas", "Artifacts with a replica on this worker, by tier.",
-                 {**w, "tier": "memory"}, len(state.replicas))
+    for tier, count in (("memory", len(state.replicas)), ("disk", len(store.disk.manifests) if store.disk else 0)):
+        yield Sample("tensorcast_pool_replicas", "Artifacts with a replica on this worker, by tier (memory, disk).",
+                     {**w, "tier": tier}, count)
     moved = dict(storage.moved)
     moved[storage.parts.config.transport.kind, "sent"] = storage.data_server.bytes_sent
     for (transport, direction), nbytes in sorted(moved.items()):

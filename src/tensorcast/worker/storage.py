@@ -30,11 +30,13 @@ from tensorcast.obs import metrics
 from tensorcast.pool.device import DeviceTier
 from tensorcast.pool.placement import replica_targets, resolve_placement
 from tensorcast.records import ArtifactInfo, TensorMeta, WorkerInfo
+from tensorcast.transport.base import SourceLease
 from tensorcast.transport.cuda_ipc import export_handle
 from tensorcast.transport.registry import make_transport
 from tensorcast.wire.messages import (
     MAX_REPORTED_READS,
     Ack,
+    DataRequest,
     DropArtifact,
     Evict,
     Mapped,
@@ -77,8 +79,7 @@ class StorageRole:
         self.devices = DeviceTier(config.worker.device_capacity)
         self.transport = make_transport(config.transport.kind, config.wire, token=config.token,
                                         max_streams=config.transport.max_streams * 2, limits=config.transport)
-        self.data_server = self.transport.serve(self.store.open_source,
-                                                corrupt_chunks=config.worker.fault_corrupt_chunks)
+        self.data_server = self.transport.serve(self.serve_source, corrupt_chunks=config.worker.fault_corrupt_chunks)
         self.fetcher = Fetcher(parts.worker_id, self.store, self.transport, config.transport)
         self.bytes_in = 0  # payload and fetched bytes received, for the network-pressure signal
         # Bytes by (transport, direction) for metrics: "rpc" carries put payloads from remote callers, "shm" the
@@ -277,6 +278,18 @@ class StorageRole:
             if all(n in on_device for n in names):
                 return Mapped(segments=refs, cuda_ipc=tuple(export_handle(on_device[n]) for n in names))
         return Mapped(segments=refs)
+
+    def serve_source(self, req: DataRequest) -> SourceLease:
+        """The data server's bytes for ``req`` (on its threads): each range sent in full counts as a get over
+        the network, timed from here to its last byte; one the store refuses counts under its error code."""
+        started = time.perf_counter()
+        try:
+            lease = self.store.open_source(req)
+        except TensorCastError as exc:
+            metrics.operation("get", "network", 0, 0.0, exc.code)
+            raise
+        lease.sent = lambda nbytes: metrics.operation("get", "network", nbytes, time.perf_counter() - started)
+        return lease
 
     async def report_reads(self, msg: ReportReads, req: Request) -> Ack:
         """Reads a same-host caller served from places this worker named before: uses and gets all the same."""
