@@ -1,16 +1,14 @@
-"""The global store beyond one machine: metadata operations on SQLite vs etcd (1 and 3 members), shard-lease
-failover time vs the lease TTL, and worker-to-worker transfers between real hosts (network namespaces)
-against a raw socket between the same namespaces — all measured in one run.
+"""The global store beyond one machine: metadata operations on SQLite vs etcd (1 and 3 members) and shard-lease
+failover time vs the lease TTL, measured in one run. (Transfers between real hosts in network namespaces
+against a raw socket: ``benchmarks/transfer.py --netns``.)
 
 1. Metadata ops through a global-store process (the RPC a worker sends), per backend: CommitArtifact (a new
    artifact with a key), GetArtifact, Heartbeat and RenewShards (64 shards); p50/p99 one at a time, and
    ops/s with 32 in flight. Baseline: the same process on SQLite (FULL sync, the embedded default).
 2. Shard-lease failover: kill -9 a shard home of a 3-worker cluster and time until every shard it held is
    held by a survivor, for several ``kv.lease_ttl`` (renew interval TTL/4); the bound is TTL + renew interval.
-3. With root: a 2-host cluster in network namespaces (no shared memory, veth + bridge): prefetch w0 -> w1 of
-   64 MiB..256 MiB vs a raw Python socket (``sendall`` / ``recv_into``) between the same two namespaces.
 
-Needs Debian ``etcd-server`` (sections 1-2 on etcd) and root for section 3 (skipped otherwise, saying so).
+Needs Debian ``etcd-server`` for the etcd columns (SQLite only otherwise, saying so).
 
 Usage: python benchmarks/metadata.py [--quick] [--json PATH]
 """
@@ -20,20 +18,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
-import statistics
-import subprocess
-import sys
 import time
 from typing import Any
 
 import numpy as np
 
 import tensorcast as tc
-from benchlib import fmt_size, write_json
+from benchlib import write_json
 from tensorcast.config import Config
 from tensorcast.kv.hrw import assignment
-from tensorcast.netns import netns_available
 from tensorcast.records import ArtifactInfo, TensorMeta, WorkerInfo
 from tensorcast.testing.etcd import EtcdCluster, etcd_binary
 from tensorcast.wire.caller import Caller
@@ -47,8 +40,6 @@ from tensorcast.wire.messages import (
     Registered,
     RegisterWorker,
 )
-
-MiB = 1 << 20
 
 
 def pct(values: list[float], q: float) -> float:
@@ -132,57 +123,9 @@ def _wait_assigned(c: tc.Client, homes: set[str], timeout: float) -> None:
     raise TimeoutError(f"shards not settled on {homes}")
 
 
-_RAW = r"""
-import socket, sys, time, numpy as np
-role, addr, size, reps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-buf = np.ones(size, np.uint8)
-if role == "send":
-    srv = socket.create_server((addr, 47000)); print("ready", flush=True)
-    for _ in range(reps):
-        c, _ = srv.accept(); c.sendall(buf); c.close()
-else:
-    times = []
-    for _ in range(reps):
-        s = socket.create_connection((addr, 47000)); view = memoryview(buf); got = 0; t0 = time.perf_counter()
-        while got < size:
-            got += s.recv_into(view[got:], size - got)
-        times.append(time.perf_counter() - t0); s.close()
-    print(sorted(times)[len(times) // 2])
-"""
-
-
-def bench_netns(sizes: list[int], reps: int) -> list[dict[str, float]]:
-    rows = []
-    with tc.LocalCluster(workers=2, hosts=2, netns=True, memory_capacity="2GiB") as cluster, \
-            tc.connect(cluster.address, cluster.token) as c:
-        net = cluster.net
-        assert net is not None
-        for size in sizes:
-            sender = subprocess.Popen([*net.exec_args(0), sys.executable, "-c", _RAW, "send", net.address(0),
-                                       str(size), str(reps)], stdout=subprocess.PIPE, text=True)
-            assert sender.stdout is not None and sender.stdout.readline().strip() == "ready"
-            recv = subprocess.run([*net.exec_args(1), sys.executable, "-c", _RAW, "recv", net.address(0),
-                                   str(size), str(reps)], capture_output=True, text=True, check=True)
-            sender.wait(timeout=60)
-            t_raw = float(recv.stdout.strip())
-            art = c.put({"t": np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)}, key=f"x/{size}")
-            times = []
-            for _ in range(reps):
-                with contextlib.suppress(tc.errors.TensorCastError):
-                    art.evict(on="w1")
-                t0 = time.perf_counter()
-                art.prefetch(to="w1").result(timeout=120)
-                times.append(time.perf_counter() - t0)
-            t_ours = statistics.median(times)
-            rows.append({"size": size, "raw_GBps": size / t_raw / 1e9, "ours_GBps": size / t_ours / 1e9,
-                         "ratio": t_raw / t_ours})
-            c.delete(art.id)
-    return rows
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer operations and sizes (about a minute)")
+    ap.add_argument("--quick", action="store_true", help="fewer operations and TTLs (about a minute)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     n = 200 if args.quick else 1000
@@ -210,16 +153,7 @@ def main() -> None:
             failover.append({"ttl": ttl, "backend": name, "seconds": seconds, "bound": ttl * 1.25})
             print(f"{ttl:>11.1f} {name:>8} {seconds:>11.2f} {ttl * 1.25:>22.2f}")
 
-    netns_rows: list[dict[str, float]] = []
-    if netns_available():
-        sizes = [64 * MiB, 256 * MiB] if args.quick else [16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB]
-        netns_rows = bench_netns(sizes, 3 if args.quick else 5)
-        print(f"\n{'between namespaced hosts':<24} {'raw GB/s':>9} {'ours GB/s':>10} {'ours/raw':>9}")
-        for r in netns_rows:
-            print(f"{fmt_size(int(r['size'])):<24} {r['raw_GBps']:>9.2f} {r['ours_GBps']:>10.2f} {r['ratio']:>9.2f}")
-    else:
-        print(f"\nnetwork namespaces need root (uid {os.geteuid()}): section 3 skipped")
-    write_json(args.json, "metadata", args.quick, metadata=meta, failover=failover, netns_transfer=netns_rows)
+    write_json(args.json, "metadata", args.quick, metadata=meta, failover=failover)
 
 
 if __name__ == "__main__":

@@ -5,22 +5,29 @@ Owns: creating the namespaces, the bridge (in the caller's namespace, which gets
 so that a test process reaches every host) and a veth pair per host; running commands in a host
 (``exec_args``); faults (``partition``/``heal``: each side's neighbor entry for the other is pinned to a
 MAC address nobody has, so packets between the two vanish silently, as in a real partition, while both
-still reach everyone else; ``netem`` for delay and loss on a host's link); and removing all of it, also for
-namespaces a crashed run left behind. Needs root (CAP_NET_ADMIN) and iproute2. Processes in different
-hosts still share the filesystem; distinct host ids keep them off each other's shared memory. Does not
-own: what runs on the hosts (``cluster.LocalCluster(netns=...)``).
+still reach everyone else; ``netem`` for delay and loss on a host's link; ``loss`` for random loss by
+packet filter, which needs nftables but not the kernel's ``sch_netem``); and removing all of it, also
+for namespaces and filter tables a crashed run left behind. Needs root (CAP_NET_ADMIN) and iproute2
+(and nftables for ``loss``). Processes in different hosts still share the filesystem; distinct host ids
+keep them off each other's shared memory. Does not own: what runs on the hosts
+(``cluster.LocalCluster(netns=...)``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
+import logging
 import os
 import random
 import re
+import shutil
 import subprocess
 
 from tensorcast.errors import InvalidArgument, Unavailable
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Hosts", "ROOT", "netns_available"]
 
@@ -32,6 +39,17 @@ _NOWHERE = "02:00:00:00:00:01"  # a locally administered MAC address no interfac
 def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
     cmd = ["ip", *(["netns", "exec", ns, "ip"] if ns else []), *args]
     return subprocess.run(cmd, capture_output=True, text=True, check=check, timeout=30)
+
+
+def _nft(*args: str, ns: str | None = None, stdin: str | None = None,
+         check: bool = True) -> subprocess.CompletedProcess[str]:
+    if shutil.which("nft") is None:
+        raise Unavailable("nft not found (Debian: apt-get install nftables): packet loss cannot be injected")
+    cmd = [*(["ip", "netns", "exec", ns] if ns else []), "nft", *args]
+    done = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=30)
+    if check and done.returncode != 0:
+        raise Unavailable(f"nft {' '.join(args)} failed: {done.stderr.strip()}")
+    return done
 
 
 def netns_available() -> bool:
@@ -52,11 +70,16 @@ def _remove_stale() -> None:
     """Namespaces and bridges of runs whose process is gone (a crashed test run)."""
     names = _ip("netns", "list", check=False).stdout.split()
     links = re.findall(r"^\d+: ([^:@]+)", _ip("-o", "link", check=False).stdout, re.M)
-    for name in [*names, *links]:
+    tables: list[str] = []
+    if shutil.which("nft"):  # the loss filters' halves in this namespace (the others went with their hosts)
+        tables = re.findall(r"^table netdev (\S+)$", _nft("list", "tables", "netdev", check=False).stdout, re.M)
+    for name in [*names, *links, *tables]:
         m = re.fullmatch(rf"{_PREFIX}([0-9a-z]+)x\w*", name)
         if m and not os.path.exists(f"/proc/{int(m.group(1), 36)}"):
             if name in names:
                 _ip("netns", "del", name, check=False)
+            elif name in tables:
+                _nft("delete", "table", "netdev", name, check=False)
             else:
                 _ip("link", "del", name, check=False)
 
@@ -72,6 +95,7 @@ class Hosts:
         self.net = self._free_subnet()
         self.names = [f"{self.tag}h{i}" for i in range(count)]
         self._cuts: set[tuple[int, int]] = set()
+        self._lossy: set[int] = set()
         self._up = False
 
     @staticmethod
@@ -170,9 +194,67 @@ class Hosts:
         self.netem(0)
         return True
 
+    def loss_available(self) -> bool:
+        """Whether this kernel takes the packet filter ``loss`` uses (nf_tables with netdev ingress hooks);
+        ``nft`` itself missing is an error, not an answer (it is a package to install)."""
+        try:
+            self.loss(0, 1)
+        except Unavailable as exc:
+            if shutil.which("nft") is None:
+                raise
+            self.loss(0, 0)
+            log.info("no packet loss by filter on this kernel: %s", exc)
+            return False
+        self.loss(0, 0)
+        return True
+
+    def _loss_filters(self, host: int) -> list[tuple[str | None, str, str]]:
+        """(namespace, table, device) of the two halves of ``host``'s loss filter: packets arriving at the
+        host (ingress of its end of the veth pair) and packets it sent (ingress of the bridge's end, in the
+        caller's namespace). Both drop on receipt, as a lossy link does: the sender's stack believes the
+        packet sent, whereas a drop in its own output path is reported to the sending socket as an error
+        (EPERM), which no real link does."""
+        inner, outer = self._veth(host)
+        table = f"{self.tag}l{host}"
+        return [(self.names[host], table, inner), (None, table, outer)]
+
+    def loss(self, host: int, percent: float) -> None:
+        """Drop ``percent`` % of the IPv4 packets into and out of ``host``, at random (nftables ``numgen``),
+        with counters (``lost``); 0 removes it. Works without ``sch_netem``; ARP is spared, so that a lossy
+        link does not turn into a partition when a neighbor entry expires."""
+        if not 0 <= percent <= 100:
+            raise InvalidArgument("loss percent must be in 0..100")
+        if percent == 0 and host not in self._lossy:
+            return
+        for ns, table, _ in self._loss_filters(host):
+            _nft("delete", "table", "netdev", table, ns=ns, check=False)
+        self._lossy.discard(host)
+        if percent == 0:
+            return
+        self._lossy.add(host)
+        for ns, table, dev in self._loss_filters(host):
+            _nft("-f", "-", ns=ns, stdin=(
+                f"table netdev {table} {{\n chain lossy {{\n"
+                f"  type filter hook ingress device \"{dev}\" priority 0;\n"
+                f"  meta protocol ip numgen random mod 10000 < {round(percent * 100)} counter drop\n }}\n}}\n"))
+
+    def lost(self, host: int) -> int:
+        """Packets ``host``'s loss filter has dropped so far, both directions (0 without one)."""
+        if host not in self._lossy:
+            return 0
+        dropped = 0
+        for ns, table, _ in self._loss_filters(host):
+            listing = json.loads(_nft("-j", "list", "table", "netdev", table, ns=ns).stdout)
+            dropped += sum(e["counter"]["packets"] for item in listing["nftables"]
+                           for e in item.get("rule", {}).get("expr", []) if "counter" in e)
+        return dropped
+
     def close(self) -> None:
         with contextlib.suppress(OSError, subprocess.TimeoutExpired):
             self.heal()
+        for host in sorted(self._lossy):  # the halves in the caller's namespace outlive the hosts
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired, Unavailable):
+                self.loss(host, 0)
         for ns in self.names:
             with contextlib.suppress(OSError, subprocess.TimeoutExpired):
                 _ip("netns", "del", ns, check=False)  # its veth ends go with it

@@ -1,5 +1,6 @@
 """``tensorcast up`` as a user runs it, with real processes: it says when a worker or the global store dies,
-restarts a dead worker with ``--restart-dead``, and leaves no process behind when stopped."""
+restarts a dead worker with ``--restart-dead``, runs several global stores on an etcd cluster, and leaves no
+process behind when stopped."""
 
 from __future__ import annotations
 
@@ -17,7 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 import tensorcast as tc
+from tensorcast.testing.etcd import EtcdCluster
+from tensorcast.wire.messages import ArtifactReply, GetArtifact
 
 
 def _alive(pid: int) -> bool:
@@ -135,3 +140,36 @@ def test_up_gives_every_process_its_config_file(tmp_path: Path) -> None:
         address = json.loads((tmp_path / "tc-data" / "cluster.json").read_text())["workers"]["w0"]["address"]
         with tc.connect(address) as client:
             assert {w.memory_capacity for w in client.list_workers()} == {300 << 20}
+
+
+def test_up_runs_two_global_stores_on_etcd(tmp_path: Path, etcd_cluster: EtcdCluster, cli_anywhere: Any) -> None:
+    with running_up(tmp_path, "--etcd", etcd_cluster.endpoints, "--global-stores", "2") as (up, pids):
+        assert {"gs", "gs1", "w0", "w1"} <= set(pids)
+        manifest = json.loads((tmp_path / "tc-data" / "cluster.json").read_text())
+        stores = manifest["gs_addresses"]
+        assert len(set(stores)) == 2
+        banner = next(line for line in up.seen if line.startswith("TensorCast cluster up"))
+        assert all(a in banner for a in stores) and etcd_cluster.endpoints in banner
+        # Both stores are listed to a user: the one answering as "gs", the other as "gs@ADDRESS" (each says it
+        # is alive in etcd a few times per liveness timeout, so the second may take a moment to appear).
+        deadline = time.monotonic() + 15
+        while True:
+            status = cli_anywhere("status", "--json", "--address", manifest["address"])
+            assert status.returncode == 0, status.stderr
+            urls = json.loads(status.stdout)["metrics_urls"]
+            named = {name for name in urls if name.startswith("gs")}
+            if len(named) == 2:
+                break
+            assert time.monotonic() < deadline, urls
+            time.sleep(0.5)
+        assert "gs" in named and any(f"gs@{a}" in named for a in stores)
+
+        data = np.random.default_rng(5).random((64, 64), dtype=np.float32)
+        with tc.connect(manifest["address"]) as client:
+            art = client.put({"x": data}, key="up/etcd")
+            assert np.array_equal(client.artifact("up/etcd").tensor("x", like="numpy"), data)
+            # The metadata is on etcd, not in one process: each global store answers for the key.
+            for address in stores:
+                reply = client._run(client.aio.caller.call(GetArtifact(key_or_id="up/etcd"), ArtifactReply,
+                                                           address=address))
+                assert reply.artifact.id == art.id, address

@@ -1,4 +1,5 @@
-"""A real etcd cluster of N members on loopback, for tests, benchmarks and ``tensorcast up --etcd local``.
+"""A real etcd cluster of N members on loopback, for tests and benchmarks (point ``tensorcast up --etcd`` at
+its ``endpoints`` to try several global stores by hand).
 
 Owns: starting ``etcd`` processes (Debian ``etcd-server``) with their own data directories and free ports,
 waiting until the cluster is healthy, the fault hooks (kill -9 a member, restart it, find the leader) and

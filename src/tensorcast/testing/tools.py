@@ -1,5 +1,5 @@
-"""System tools that tests drive (etcd, Prometheus, Chromium, iproute2): found, or the test is skipped saying
-how to install it, or failed where ``TENSORCAST_REQUIRE_SYSTEM_TOOLS=1`` (CI, which installs them all)."""
+"""System tools that tests drive (etcd, Prometheus, Chromium, iproute2, nftables): found, or the test is skipped
+saying how to install it, or failed where ``TENSORCAST_REQUIRE_SYSTEM_TOOLS=1`` (CI, which installs them all)."""
 
 from __future__ import annotations
 
