@@ -62,16 +62,34 @@ def kustomization(directory: Path) -> Doc:
     return doc
 
 
+# Lists that a strategic-merge patch merges item by item, keyed by "name" (their patchMergeKey in the
+# Kubernetes API); any other list in a patch is refused.
+_MERGED_BY_NAME = {"containers", "initContainers", "env", "volumes", "volumeMounts"}
+
+
 def merge(base: Any, patch: Any, where: str) -> Any:
-    """Strategic merge for maps: key by key, a scalar replaces. List merges (by key, in kustomize) and
-    deletions (null) are refused rather than guessed."""
-    assert patch is not None, f"{where}: null (delete) is not implemented by this test's loader"
+    """Strategic merge: maps key by key (null deletes a key), a scalar replaces, the lists of
+    ``_MERGED_BY_NAME`` item by item by name (an item of a new name is appended)."""
     if isinstance(patch, dict) and isinstance(base, dict):
         out = dict(base)
         for key, value in patch.items():
-            out[key] = merge(base[key], value, f"{where}.{key}") if key in base else copy.deepcopy(value)
+            if value is None:
+                assert key in base, f"{where}.{key}: deletes nothing"
+                del out[key]
+            else:
+                out[key] = merge(base[key], value, f"{where}.{key}") if key in base else copy.deepcopy(value)
         return out
-    assert not isinstance(patch, list), f"{where}: list patches are not implemented by this test's loader"
+    if isinstance(patch, list):
+        key = where.rsplit(".", 1)[-1]
+        assert key in _MERGED_BY_NAME, f"{where}: this test's loader merges only the lists {_MERGED_BY_NAME}"
+        out_list = list(base)
+        for item in patch:
+            names = [i for i, have in enumerate(out_list) if have["name"] == item["name"]]
+            if names:
+                out_list[names[0]] = merge(out_list[names[0]], item, f"{where}[{item['name']}]")
+            else:
+                out_list.append(copy.deepcopy(item))
+        return out_list
     return patch
 
 
@@ -100,6 +118,10 @@ def render(directory: Path, accumulated: list[Doc] | None = None) -> list[Doc]:
         for patch in load_yaml(directory / patch_ref["path"]):
             hits = [i for i, doc in enumerate(docs) if _same_object(doc, patch)]
             assert len(hits) == 1, f"{patch_ref['path']}: patches {len(hits)} objects"
+            if patch.get("$patch") == "delete":
+                del docs[hits[0]]
+                continue
+            assert "$patch" not in patch, f"{patch_ref['path']}: only $patch: delete is implemented"
             docs[hits[0]] = merge(docs[hits[0]], patch, patch["kind"])
     if "namespace" in k:
         docs = [doc if doc["kind"] in _CLUSTER_SCOPED
@@ -437,6 +459,49 @@ def test_etcd_component_is_a_three_member_statefulset_only_in_its_overlay() -> N
     members = [m.split("=", 1)[0] for m in initial.split(",")]
     assert members == [f"etcd-{i}" for i in range(replicas)]
     assert all(f"etcd-{i}.{service['metadata']['name']}." in initial for i in range(replicas))
+
+
+def test_with_etcd_overlay_runs_two_global_stores_on_the_etcd_component(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    base, overlay = render(BASE), render(WITH_ETCD)
+    deployment = find(overlay, "Deployment", "tensorcast-gs")
+    assert deployment["spec"]["replicas"] == 2 and deployment["spec"]["strategy"] == {"type": "RollingUpdate"}
+    assert not [d for d in overlay if d["kind"] == "PersistentVolumeClaim"]  # no database volume...
+    ((_, pod, gs),) = [(n, p, c) for n, p, c in tensorcast_containers(overlay) if n == "tensorcast-gs"]
+    assert set(volume_at(pod, gs, flags(gs)["--data-dir"])) == {"name", "emptyDir"}  # ...an empty directory
+    # What the process reads: the ConfigMap's file, then its environment (the Secret's token aside).
+    config_path = tmp_path / "config.toml"
+    config_path.write_text(config_file(overlay, pod, gs))
+    monkeypatch.setenv("TENSORCAST_CONFIG", str(config_path))
+    for name, var in env_of(gs).items():
+        if "value" in var and name != "TENSORCAST_CONFIG":
+            monkeypatch.setenv(name, var["value"])
+    config = Config.load()
+    assert config.gs.etcd_prefix == "/tensorcast/"
+    # Its endpoints are the etcd component's client Service, on the port that Service serves clients on.
+    (endpoint,) = config.gs.etcd_endpoints.split(",")
+    m = re.fullmatch(r"http://([a-z0-9-]+):(\d+)", endpoint)
+    assert m, endpoint
+    service = find(overlay, "Service", m.group(1))
+    client_port = next(p for p in service["spec"]["ports"] if p["port"] == int(m.group(2)))
+    etcd = find(overlay, "StatefulSet", "etcd")
+    (etcd_container,) = etcd["spec"]["template"]["spec"]["containers"]
+    assert any(p["containerPort"] == int(m.group(2)) for p in etcd_container["ports"]), client_port
+    assert service["spec"]["selector"].items() <= etcd["spec"]["template"]["metadata"]["labels"].items()
+    # Nothing else of the global store changes: same image, flags, token, probes and mounts.
+    base_gs = next(c for n, _, c in tensorcast_containers(base) if n == "tensorcast-gs")
+    assert {k: v for k, v in gs.items() if k != "env"} == {k: v for k, v in base_gs.items() if k != "env"}
+    assert env_of(gs).items() >= env_of(base_gs).items()
+
+
+def test_the_test_loader_merges_lists_by_name_and_deletes_keys() -> None:
+    base = {"containers": [{"name": "a", "env": [{"name": "X", "value": "1"}], "image": "i"}]}
+    patch = {"containers": [{"name": "a", "env": [{"name": "Y", "value": "2"}], "image": None},
+                            {"name": "b"}]}
+    assert merge(base, patch, "spec") == {"containers": [
+        {"name": "a", "env": [{"name": "X", "value": "1"}, {"name": "Y", "value": "2"}]}, {"name": "b"}]}
+    with pytest.raises(AssertionError):
+        merge({"args": ["x"]}, {"args": ["y"]}, "spec")  # a list kustomize would replace: refused, not guessed
 
 
 # --- the image --------------------------------------------------------------------------------------------
