@@ -9,29 +9,32 @@
 # 1: also install torch, its CPU build (no CUDA libraries), for callers that hand torch tensors over.
 ARG WITH_TORCH=0
 ARG TORCH_VERSION=2.13.0
+# The project's optional extras to install: etcd for the global store on etcd (overlays/with-etcd); add
+# tracing for OpenTelemetry spans (--build-arg EXTRAS=etcd,tracing).
+ARG EXTRAS=etcd
 
 FROM python:3.11-slim-trixie AS builder
 
 ARG WITH_TORCH
 ARG TORCH_VERSION
+ARG EXTRAS
 
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY src ./src
 
-# The project's wheel and a wheel of every dependency (and torch's), so that the final stage installs from
-# /wheels alone.
-RUN pip wheel --no-cache-dir --disable-pip-version-check --wheel-dir /wheels . \
+# The project's wheel and a wheel of every dependency (its extras' and torch's too), so that the final stage
+# installs from /wheels alone; /wheels/requirements.txt names what it installs, resolved there in one pass.
+RUN pip wheel --no-cache-dir --disable-pip-version-check --wheel-dir /wheels ".[${EXTRAS}]" \
+ && echo "tensorcast[${EXTRAS}]" > /wheels/requirements.txt \
  && if [ "$WITH_TORCH" = "1" ]; then \
         pip wheel --no-cache-dir --disable-pip-version-check --wheel-dir /wheels \
-            --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"; \
+            --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}" \
+     && echo "torch==${TORCH_VERSION}" >> /wheels/requirements.txt; \
     fi
 
 
 FROM python:3.11-slim-trixie
-
-ARG WITH_TORCH
-ARG TORCH_VERSION
 
 LABEL org.opencontainers.image.title="tensorcast" \
       org.opencontainers.image.description="TensorCast tensor pool: global store and worker" \
@@ -45,10 +48,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 # The wheels are mounted, not copied, so that no layer keeps them; nothing is downloaded here. --find-links
 # lets pip pick one version of a dependency that both the project and torch need.
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
-    pip install --no-cache-dir --no-index --find-links=/wheels /wheels/tensorcast-*.whl \
- && if [ "$WITH_TORCH" = "1" ]; then \
-        pip install --no-cache-dir --no-index --find-links=/wheels "torch==${TORCH_VERSION}"; \
-    fi \
+    pip install --no-cache-dir --no-index --find-links=/wheels --requirement /wheels/requirements.txt \
  && groupadd --system --gid 10001 tensorcast \
  && useradd --system --uid 10001 --gid 10001 --home-dir /var/lib/tensorcast --no-create-home \
         --shell /usr/sbin/nologin tensorcast \

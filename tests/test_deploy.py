@@ -542,6 +542,10 @@ def test_dockerfile_builds_a_slim_non_root_image() -> None:
     exposed = {port for line in final if line.startswith("EXPOSE ") for port in line.split()[1:]}
     assert {"7070", "7071", str(METRICS_PORT)} <= exposed
     assert "ARG WITH_TORCH=0" in lines
+    # The global store on etcd (overlays/with-etcd) needs the etcd extra in the image by default.
+    (extras,) = [line.split("=", 1)[1] for line in lines if line.startswith("ARG EXTRAS=")]
+    assert "etcd" in extras.split(",")
+    assert 'echo "tensorcast[${EXTRAS}]" > /wheels/requirements.txt' in text
     assert "--index-url https://download.pytorch.org/whl/cpu" in text
     pip_runs = [line for line in lines if re.search(r"\bpip (install|wheel)\b", line)]
     assert pip_runs and all(line.count("--no-cache-dir") == len(re.findall(r"\bpip (?:install|wheel)\b", line))
