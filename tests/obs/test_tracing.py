@@ -1,5 +1,6 @@
-"""One plan is one trace: the caller's span, the gateway's plan and steps, and the calls they make to other
-workers and the global store, across processes, linked parent to child by the ids in the envelopes."""
+"""A put and a plan under one context are one trace: the caller's spans, the gateway's plan and steps, and
+the calls they make to other workers and the global store, across processes, linked parent to child by the
+ids in the envelopes."""
 
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ def test_one_plan_is_one_trace_across_processes(tmp_path: Path) -> None:
     try:
         config = {"tracing.exporter": "file", "tracing.file": str(spans_file)}
         with running_cluster(workers=2, config=config) as cluster, tc.connect(cluster.address) as client:
-            art = client.put({"w": np.arange(4096, dtype=np.float32)}, key="traced@v1")
-            ctx = tc.context(timeout=60)
+            ctx = tc.context(timeout=60)  # the put and the plan after it: one trace
+            art = client.put({"w": np.arange(4096, dtype=np.float32)}, key="traced@v1", ctx=ctx)
             plan = client.plan(ctx=ctx)
             pre = plan.prefetch(art, to="w1")
             plan.pin(art, on="w1", after=[pre])
@@ -51,32 +52,47 @@ def test_one_plan_is_one_trace_across_processes(tmp_path: Path) -> None:
         tracing.use_provider(None)
 
     local = [s for s in exporter.get_finished_spans() if f"{s.context.trace_id:032x}" == trace]
-    assert [s.name for s in local] == ["RunPlan"] and local[0].parent is None  # the caller's span is the root
-    root = f"{local[0].context.span_id:016x}"
-    assert want <= {str(s["name"]) for s in remote}
+    # The caller's two roots: the put (its calls under it) and the plan.
+    assert sorted(s.name for s in local if s.parent is None) == ["RunPlan", "put"]
+    (run_plan,) = [s for s in local if s.name == "RunPlan"]
+    (put,) = [s for s in local if s.name == "put"]
+    root = f"{run_plan.context.span_id:016x}"
+    under_put = {f"{s.context.span_id:016x}" for s in local if s.parent is not None and s.parent.span_id
+                 == put.context.span_id}
+    assert under_put and all(s.parent is None or s.parent.span_id in (put.context.span_id, run_plan.context.span_id)
+                             for s in local)
+    assert want | {"serve PutBegin", "serve CommitArtifact"} <= {str(s["name"]) for s in remote}
     services = {str(s["service"]) for s in remote}
     assert {"tensorcast-worker-w0", "tensorcast-worker-w1", "tensorcast-gs"} <= services
     assert len({s["pid"] for s in remote}) >= 3
 
     by_id = {str(s["span_id"]): s for s in remote}
     assert len(by_id) == len(remote)
-    # One tree: every span's parent is a span of this trace, and every chain ends at the caller's span.
-    for s in remote:
-        hops, node = 0, s
-        while node["parent_span_id"] != root:
-            node = by_id[str(node["parent_span_id"])]
-            hops += 1
-            assert hops < 20
+
+    def chain_end(span: dict[str, object]) -> tuple[str, list[str]]:
+        """The caller's span a remote span's chain of parents ends at, and the names along the way."""
+        names, node = [], span
+        while node["parent_span_id"] not in under_put | {root}:
+            node = by_id[str(node["parent_span_id"])]  # every parent is a span of this trace
+            names.append(str(node["name"]))
+            assert len(names) < 20
+        return str(node["parent_span_id"]), names
+
+    # One tree per root: the put's work (on the worker, then the global store) under the put's call, and
+    # everything else under the plan.
+    put_work = {"serve PutBegin", "CommitArtifact", "serve CommitArtifact"}
+    ends = [(str(s["name"]), chain_end(s)[0]) for s in remote]
+    assert put_work <= {name for name, _ in ends}
+    assert all((end in under_put) == (name in put_work) for name, end in ends), ends
+    assert all(end == root for name, end in ends if name not in put_work)
+
+    def ancestors(span: dict[str, object]) -> list[str]:
+        return chain_end(span)[1]
+
     (serve_plan,) = [s for s in remote if s["name"] == "serve RunPlan"]
     assert serve_plan["parent_span_id"] == root and serve_plan["service"] == "tensorcast-worker-w0"
     (step,) = [s for s in remote if s["name"] == "step prefetch"]
     assert step["attributes"] == {"step": "prefetch-1", "op": "prefetch"}
-    def ancestors(span: dict[str, object]) -> list[str]:
-        names, node = [], span
-        while node["parent_span_id"] != root:
-            node = by_id[str(node["parent_span_id"])]
-            names.append(str(node["name"]))
-        return names
 
     # The prefetch and the pin both reach w1 as Prefetch requests, each under its own step.
     served = [ancestors(s) for s in remote if s["name"] == "serve Prefetch" and s["service"] == "tensorcast-worker-w1"]

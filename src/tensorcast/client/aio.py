@@ -338,6 +338,13 @@ class AsyncClient:
         inputs = normalize_tensors(tensors) if copies is not None and copies < _INLINE_NORMALIZE_BYTES else \
             await asyncio.to_thread(normalize_tensors, tensors)
         ctx = self.caller.context(timeout, ctx)
+        # One span for the whole put: its calls (begin, bytes, commit, a fail-over's second try) are children.
+        attributes = {"tensors": len(inputs), **({"key": key} if key else {})} if tracing.active() else None
+        with tracing.span("put", ctx.trace_id, attributes=attributes):
+            return await self._put(inputs, key, ttl, policy, on, ctx)
+
+    async def _put(self, inputs: Any, key: str | None, ttl: float | None, policy: str | Placement | None,
+                   on: str | None, ctx: CallContext) -> AsyncArtifact:
         while True:
             address = self.caller.address if on is None else await self._worker_address(on)
             try:
