@@ -3,19 +3,24 @@ and streams, verified chunk checksums, corrupted chunks detected, typed errors."
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
+import xxhash
 
 from tensorcast.checksums import CHUNK_BYTES, ChunkCorrupted, chunk_checksums
 from tensorcast.config import WireConfig
-from tensorcast.errors import InvalidArgument, NotFound, Unauthenticated, Unavailable
+from tensorcast.errors import DeadlineExceeded, InvalidArgument, NotFound, Unauthenticated, Unavailable
 from tensorcast.records import SliceSpec
 from tensorcast.transport import DataServer, SourceLease, Transport, make_transport
 from tensorcast.transport.registry import TRANSPORTS
-from tensorcast.wire.messages import DataRequest
+from tensorcast.transport.tcp_frames import CHECKSUM, recv_frame, send_frame
+from tensorcast.wire.messages import DataReply, DataRequest
+from tensorcast.wire.protocol import RESPONSE
 
 DATA = np.random.default_rng(0).integers(0, 255, 3 * CHUNK_BYTES + 12345, dtype=np.uint8)
 MATRIX = np.arange(64 * 48, dtype=np.uint32).reshape(64, 48)
@@ -108,6 +113,43 @@ def test_tcp_refuses_a_wrong_token() -> None:
         bad.close()
         server.close()
         good.close()
+
+
+def test_tcp_fetch_ends_by_its_deadline_however_slowly_bytes_trickle() -> None:
+    """A sender that keeps the connection busy with a byte now and then (as a lossy link in TCP backoff does)
+    does not hold a fetch past its deadline: the deadline bounds the whole fetch, not each receive."""
+    payload = bytes(range(60))
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def trickle() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            recv_frame(conn, 1 << 16)  # DataHello
+            send_frame(conn, RESPONSE, DataReply(total=0, chunk_bytes=0))
+            recv_frame(conn, 1 << 16)  # DataRequest
+            send_frame(conn, RESPONSE, DataReply(total=len(payload), chunk_bytes=len(payload), tier="memory"))
+            conn.sendall(CHECKSUM.pack(xxhash.xxh3_64_intdigest(payload)))
+            for b in payload:  # 3 s in all, each byte well within the time left
+                if stop.wait(0.05):
+                    return
+                conn.sendall(bytes([b]))
+
+    sender = threading.Thread(target=trickle, daemon=True)
+    sender.start()
+    tr = make_transport("tcp", WireConfig(), token="tok", max_streams=1)
+    host, port = listener.getsockname()[:2]
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            tr.fetch(f"{host}:{port}", DataRequest(artifact_id="a", name="x"), memoryview(bytearray(len(payload))),
+                     deadline=time.time() + 0.6)
+        assert time.monotonic() - t0 < 1.5
+    finally:
+        stop.set()
+        tr.close()
+        sender.join(timeout=5)
+        listener.close()
 
 
 def test_unknown_transport_is_refused() -> None:

@@ -4,7 +4,8 @@
 Owns: ``TcpTransport`` — pooled, authenticated connections per data server (a pooled connection the
 server closed meanwhile is replaced once, transparently), the stream split, and checking each chunk
 against the xxh3-64 checksum sent before it: a mismatch discards the range and raises ``ChunkCorrupted``
-(the caller retries, here or from another replica), so corrupt bytes are never kept. Blocking
+(the caller retries, here or from another replica), so corrupt bytes are never kept. A fetch ends by its
+deadline (``DeadlineExceeded``), however slowly the bytes arrive. Blocking
 ``recv_into`` releases the GIL, which is what lets several streams move bytes at once. The server side is
 ``transport.tcp_server``. Does not own: which bytes a request names.
 """
@@ -78,9 +79,12 @@ class TcpTransport:
         except OSError as exc:
             raise Unavailable(f"cannot connect to data plane at {address}: {exc}") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        until = time.time() + self.config.connect_timeout  # the handshake: as long again, within the deadline
+        if deadline is not None:
+            until = min(until, deadline)
         try:
             send_frame(sock, REQUEST, DataHello(protocol_version=PROTOCOL_VERSION, token=self.token))
-            env, reply = recv_frame(sock, self.config.max_frame_bytes)
+            env, reply = recv_frame(sock, self.config.max_frame_bytes, until)
             if env.kind == ERROR:
                 raise error_from_code(reply.code, reply.message)
         except OSError as exc:
@@ -163,7 +167,7 @@ class TcpTransport:
                 raise DeadlineExceeded("data transfer: deadline passed")
             sock.settimeout(left)
             send_frame(sock, REQUEST, req, trace_id, deadline)
-            env, reply = recv_frame(sock, self.config.max_frame_bytes)
+            env, reply = recv_frame(sock, self.config.max_frame_bytes, deadline)
             started = True
             if env.kind == ERROR:
                 raise error_from_code(reply.code, reply.message, trace_id)
@@ -172,8 +176,8 @@ class TcpTransport:
             check = bytearray(8)
             for i, start in enumerate(range(0, reply.total, reply.chunk_bytes)):
                 piece = dest[start : start + reply.chunk_bytes]
-                recv_exact(sock, memoryview(check))
-                recv_exact(sock, piece)
+                recv_exact(sock, memoryview(check), deadline)
+                recv_exact(sock, piece, deadline)
                 got = xxhash.xxh3_64_intdigest(piece)
                 sums[first_chunk + i] = got
                 if got != CHECKSUM.unpack(check)[0]:

@@ -1,8 +1,8 @@
 """Blocking frame I/O on data-plane sockets, shared by the TCP data server and its client.
 
-Owns: reading exactly N bytes into a buffer, reading one control frame (``DataHello``, ``DataRequest``,
-``DataReply`` or an error; they carry no payload), writing one, and the 8-byte chunk checksum prefix.
-Malformed frames raise typed errors. Does not own: what the frames mean.
+Owns: reading exactly N bytes into a buffer (by an absolute deadline, if given), reading one control frame
+(``DataHello``, ``DataRequest``, ``DataReply`` or an error; they carry no payload), writing one, and the
+8-byte chunk checksum prefix. Malformed frames raise typed errors. Does not own: what the frames mean.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import struct
+import time
 from typing import Any
 
 import msgspec
@@ -26,9 +27,17 @@ _ENV = msgspec.msgpack.Decoder(Envelope)
 _MSG = msgspec.msgpack.Decoder(Message)
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
+def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill ``view`` from ``sock``. With ``deadline`` (``time.time()``), ``TimeoutError`` once it passes: each
+    receive waits only for the time left, since a socket timeout alone restarts with every receive and a peer
+    that trickles bytes (or a lossy link in TCP backoff) would hold the read past any deadline."""
     pos, n = 0, len(view)
     while pos < n:
+        if deadline is not None:
+            left = deadline - time.time()
+            if left <= 0:
+                raise TimeoutError("deadline passed while receiving")
+            sock.settimeout(left)
         got = sock.recv_into(view[pos:])
         if got == 0:
             raise Unavailable("data connection closed by peer mid-transfer")
@@ -43,14 +52,14 @@ def decode_frame(body: bytes | bytearray | memoryview) -> tuple[Envelope, Any]:
         raise InvalidArgument(f"malformed data-plane frame: {exc}") from None
 
 
-def recv_frame(sock: socket.socket, max_body: int) -> tuple[Envelope, Any]:
+def recv_frame(sock: socket.socket, max_body: int, deadline: float | None = None) -> tuple[Envelope, Any]:
     hdr = bytearray(HEADER.size)
-    recv_exact(sock, memoryview(hdr))
+    recv_exact(sock, memoryview(hdr), deadline)
     _flags, body_len, payload_len = parse_header(bytes(hdr), max_body)
     if payload_len:
         raise InvalidArgument("data-plane control frames carry no payload")
     body = bytearray(body_len)
-    recv_exact(sock, memoryview(body))
+    recv_exact(sock, memoryview(body), deadline)
     return decode_frame(body)
 
 
