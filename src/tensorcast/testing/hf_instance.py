@@ -6,15 +6,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import signal
-import threading
-from pathlib import Path
 
 from tensorcast.instance import serve
 from tensorcast.instance.hf import HFCausalLMAdaptor, tiny_llama
 from tensorcast.log import setup_logging
+from tensorcast.testing.instance_process import run_until_signalled
 
 
 def main() -> None:
@@ -34,15 +31,7 @@ def main() -> None:
     adaptor = HFCausalLMAdaptor(tiny_llama(args.seed, layers=args.layers),
                                 kv_store_in_background=args.kv_store_in_background)
     runtime = serve(adaptor, worker=args.worker, instance_id=args.id, token=os.environ.get("TENSORCAST_TOKEN"))
-    tmp = Path(args.ready_file).with_suffix(".tmp")
-    tmp.write_text(json.dumps({"instance_id": args.id, "address": runtime.address, "pid": os.getpid(),
-                               "home_worker": runtime.home_worker, "metrics_url": runtime.metrics_url}))
-    tmp.replace(args.ready_file)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    stop.wait()
-    runtime.stop()
+    run_until_signalled(runtime, args.id, args.ready_file)
 
 
 if __name__ == "__main__":

@@ -13,10 +13,7 @@ weight commands: ``test.digests`` (BLAKE3 of every bound tensor's bytes, and its
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import signal
-import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,6 +29,7 @@ from tensorcast.instance.adaptor import InstanceLoad
 from tensorcast.instance.binding import BindingAdaptor
 from tensorcast.instance.runtime import serve
 from tensorcast.log import setup_logging
+from tensorcast.testing.instance_process import run_until_signalled
 from tensorcast.weights.versions import VERSION_TENSOR
 
 __all__ = ["RankHooks", "main"]
@@ -126,15 +124,7 @@ def main() -> None:
     hooks = RankHooks(binding)
     runtime = serve(FaultyBindingAdaptor(binding, hooks), worker=args.worker, instance_id=args.id,
                     token=os.environ.get("TENSORCAST_TOKEN"), config=config)
-    tmp = Path(args.ready_file).with_suffix(".tmp")
-    tmp.write_text(json.dumps({"instance_id": args.id, "address": runtime.address, "pid": os.getpid(),
-                               "home_worker": runtime.home_worker}))
-    tmp.replace(args.ready_file)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    stop.wait()
-    runtime.stop()
+    run_until_signalled(runtime, args.id, args.ready_file)
     client.close()
 
 

@@ -8,16 +8,13 @@ is how ``LocalCluster.start_instance(..., module="idle_instance")`` runs it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import signal
-import threading
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from tensorcast.errors import InvalidArgument
 from tensorcast.instance import InstanceLoad, serve
+from tensorcast.testing.instance_process import run_until_signalled
 
 # What every heartbeat and scrape reports: distinct numbers, so a test can tell which is which.
 LOAD = InstanceLoad(running=1, waiting=2, kv_tokens_used=3, kv_tokens_capacity=64)
@@ -49,15 +46,7 @@ def main() -> None:
     ap.add_argument("--ready-file", required=True)
     args = ap.parse_args()
     runtime = serve(IdleEngine(), worker=args.worker, instance_id=args.id, token=os.environ.get("TENSORCAST_TOKEN"))
-    tmp = Path(args.ready_file).with_suffix(".tmp")
-    tmp.write_text(json.dumps({"instance_id": args.id, "address": runtime.address, "pid": os.getpid(),
-                               "home_worker": runtime.home_worker, "metrics_url": runtime.metrics_url}))
-    tmp.replace(args.ready_file)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    stop.wait()
-    runtime.stop()
+    run_until_signalled(runtime, args.id, args.ready_file)
 
 
 if __name__ == "__main__":
