@@ -39,11 +39,13 @@ from benchlib import best_of, fmt_size, write_json
 from tensorcast.netns import Hosts, netns_available
 
 MiB = 1 << 20
+# argv: size, streams[, bind address, port]; prints the port it listens on.
 _RAW_SENDER = r"""
 import socket, sys, threading, numpy as np
 size, streams = int(sys.argv[1]), int(sys.argv[2])
+bind = (sys.argv[3], int(sys.argv[4])) if len(sys.argv) > 4 else ("127.0.0.1", 0)
 buf = np.ones(size, np.uint8)
-srv = socket.create_server(("127.0.0.1", 0)); print(srv.getsockname()[1], flush=True)
+srv = socket.create_server(bind); print(srv.getsockname()[1], flush=True)
 def serve(c):
     lo, hi = (int(x) for x in c.recv(64).decode().split())
     c.sendall(memoryview(buf)[lo:hi]); c.close()
@@ -188,22 +190,15 @@ def bench_sustained(client: tc.Client, sizes: list[int], reps: int) -> list[dict
     return rows
 
 
-# The same raw stream as RawStream, with its receiver too in a namespace of its own. A fixed port is free:
-# each namespace has a network stack of its own.
-_RAW_NETNS = r"""
+# The receiver of the same raw stream as RawStream (whose sender runs in the source host's namespace), in a
+# namespace of its own. A fixed port is free: each namespace has a network stack of its own.
+_NETNS_PORT = 47000
+_RAW_NETNS_RECEIVER = r"""
 import socket, sys, threading, time, numpy as np
-role, addr, size, streams, reps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+addr, port, size, streams, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 buf = np.ones(size, np.uint8)
-if role == "send":
-    srv = socket.create_server((addr, 47000)); print("ready", flush=True)
-    def serve(c):
-        lo, hi = (int(x) for x in c.recv(64).decode().split())
-        c.sendall(memoryview(buf)[lo:hi]); c.close()
-    while True:
-        c, _ = srv.accept()
-        threading.Thread(target=serve, args=(c,), daemon=True).start()
 def one(lo, hi):
-    s = socket.create_connection((addr, 47000)); s.sendall(f"{lo} {hi}".encode().ljust(64))
+    s = socket.create_connection((addr, port)); s.sendall(f"{lo} {hi}".encode().ljust(64))
     view = memoryview(buf)[lo:hi]; got = 0
     while got < len(view):
         n = s.recv_into(view[got:])
@@ -224,13 +219,14 @@ print(sorted(times)[len(times) // 2])
 
 def raw_netns(net: Hosts, src: int, dst: int, size: int, streams: int, reps: int) -> float:
     """Median seconds to move ``size`` bytes from host ``src`` to host ``dst`` over ``streams`` raw sockets."""
-    args = [net.address(src), str(size), str(streams), str(reps)]
-    sender = subprocess.Popen([*net.exec_args(src), sys.executable, "-c", _RAW_NETNS, "send", *args],
-                              stdout=subprocess.PIPE, text=True)
+    addr, port = net.address(src), str(_NETNS_PORT)
+    sender = subprocess.Popen([*net.exec_args(src), sys.executable, "-c", _RAW_SENDER, str(size), str(streams),
+                               addr, port], stdout=subprocess.PIPE, text=True)
     try:
-        assert sender.stdout is not None and sender.stdout.readline().strip() == "ready"
-        recv = subprocess.run([*net.exec_args(dst), sys.executable, "-c", _RAW_NETNS, "recv", *args],
-                              capture_output=True, text=True, check=True, timeout=600)
+        assert sender.stdout is not None and sender.stdout.readline().strip() == port
+        recv = subprocess.run([*net.exec_args(dst), sys.executable, "-c", _RAW_NETNS_RECEIVER, addr, port,
+                               str(size), str(streams), str(reps)], capture_output=True, text=True, check=True,
+                              timeout=600)
         return float(recv.stdout.strip())
     finally:
         sender.kill()
