@@ -63,8 +63,9 @@ def kustomization(directory: Path) -> Doc:
 
 
 # Lists that a strategic-merge patch merges item by item, keyed by "name" (their patchMergeKey in the
-# Kubernetes API); any other list in a patch is refused.
+# Kubernetes API), and lists it replaces whole (no merge key); any other list in a patch is refused.
 _MERGED_BY_NAME = {"containers", "initContainers", "env", "volumes", "volumeMounts"}
+_REPLACED = {"args", "command"}
 
 
 def merge(base: Any, patch: Any, where: str) -> Any:
@@ -81,6 +82,8 @@ def merge(base: Any, patch: Any, where: str) -> Any:
         return out
     if isinstance(patch, list):
         key = where.rsplit(".", 1)[-1]
+        if key in _REPLACED:
+            return copy.deepcopy(patch)
         assert key in _MERGED_BY_NAME, f"{where}: this test's loader merges only the lists {_MERGED_BY_NAME}"
         out_list = list(base)
         for item in patch:
@@ -115,7 +118,10 @@ def render(directory: Path, accumulated: list[Doc] | None = None) -> list[Doc]:
         docs = render(directory / entry, docs)  # a component adds to, and patches, what it is given
     for patch_ref in k.get("patches", []):
         assert set(patch_ref) == {"path"}, f"{directory}: only target-less patch files are implemented"
-        for patch in load_yaml(directory / patch_ref["path"]):
+        patches = load_yaml(directory / patch_ref["path"])
+        # kustomize before 5.2 (kubectl before 1.31) takes one object per patch file.
+        assert len(patches) == 1, f"{patch_ref['path']}: {len(patches)} objects in one patch file"
+        for patch in patches:
             hits = [i for i, doc in enumerate(docs) if _same_object(doc, patch)]
             assert len(hits) == 1, f"{patch_ref['path']}: patches {len(hits)} objects"
             if patch.get("$patch") == "delete":
@@ -488,9 +494,14 @@ def test_with_etcd_overlay_runs_two_global_stores_on_the_etcd_component(tmp_path
     (etcd_container,) = etcd["spec"]["template"]["spec"]["containers"]
     assert any(p["containerPort"] == int(m.group(2)) for p in etcd_container["ports"]), client_port
     assert service["spec"]["selector"].items() <= etcd["spec"]["template"]["metadata"]["labels"].items()
-    # Nothing else of the global store changes: same image, flags, token, probes and mounts.
+    # It binds (and so announces) its pod's address, not 0.0.0.0: two replicas announce two addresses.
+    assert flags(gs)["--host"] == "$(POD_IP)"
+    assert env_of(gs)["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    # Nothing else of the global store changes: same image, other flags, token, probes and mounts.
     base_gs = next(c for n, _, c in tensorcast_containers(base) if n == "tensorcast-gs")
-    assert {k: v for k, v in gs.items() if k != "env"} == {k: v for k, v in base_gs.items() if k != "env"}
+    assert {**flags(gs), "--host": "0.0.0.0"} == flags(base_gs)
+    assert {k: v for k, v in gs.items() if k not in ("env", "args")} == \
+        {k: v for k, v in base_gs.items() if k not in ("env", "args")}
     assert env_of(gs).items() >= env_of(base_gs).items()
 
 
@@ -500,8 +511,9 @@ def test_the_test_loader_merges_lists_by_name_and_deletes_keys() -> None:
                             {"name": "b"}]}
     assert merge(base, patch, "spec") == {"containers": [
         {"name": "a", "env": [{"name": "X", "value": "1"}, {"name": "Y", "value": "2"}]}, {"name": "b"}]}
+    assert merge({"args": ["x", "y"]}, {"args": ["z"]}, "spec") == {"args": ["z"]}  # no merge key: replaced
     with pytest.raises(AssertionError):
-        merge({"args": ["x"]}, {"args": ["y"]}, "spec")  # a list kustomize would replace: refused, not guessed
+        merge({"ports": [{"containerPort": 1}]}, {"ports": []}, "spec")  # another merge key: refused, not guessed
 
 
 # --- the image --------------------------------------------------------------------------------------------

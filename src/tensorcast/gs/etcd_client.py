@@ -77,7 +77,15 @@ def prefix_end(prefix: bytes) -> bytes:
 
 
 def _target(endpoints: list[tuple[str, int]]) -> str:
-    """One gRPC target naming every member by address (host names are resolved now)."""
+    """One gRPC target naming every member. A single host name stays a name (``dns:``), which gRPC looks up
+    again whenever its connections fail: a Kubernetes Service whose pods come back on new addresses, for
+    one. A list of members is resolved now (a gRPC target names one host or a list of addresses)."""
+    if len(endpoints) == 1:
+        host, port = endpoints[0]
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            return f"dns:///{host}:{port}"
     addrs: list[str] = []
     for host, port in endpoints:
         try:
