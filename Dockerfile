@@ -10,7 +10,7 @@
 ARG WITH_TORCH=0
 ARG TORCH_VERSION=2.13.0
 # The project's optional extras to install: etcd for the global store on etcd (overlays/with-etcd); add
-# tracing for OpenTelemetry spans (--build-arg EXTRAS=etcd,tracing).
+# tracing for OpenTelemetry spans, or otlp to send them over OTLP (--build-arg EXTRAS=etcd,otlp).
 ARG EXTRAS=etcd
 
 FROM python:3.11-slim-trixie AS builder

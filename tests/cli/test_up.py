@@ -152,7 +152,7 @@ def test_up_runs_two_global_stores_on_etcd(tmp_path: Path, etcd_cluster: EtcdClu
         assert all(a in banner for a in stores) and etcd_cluster.endpoints in banner
         # Both stores are listed to a user: the one answering as "gs", the other as "gs@ADDRESS" (each says it
         # is alive in etcd a few times per liveness timeout, so the second may take a moment to appear).
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 3 * tc.Config().gs.worker_liveness_timeout  # it announces every third
         while True:
             status = cli_anywhere("status", "--json", "--address", manifest["address"])
             assert status.returncode == 0, status.stderr

@@ -363,28 +363,31 @@ class EtcdBackend(MetadataBackend):
         return await self.etcd.atomically(decide)
 
     async def delete_artifact(self, artifact_id: str, now: float, reason: str = "deleted") -> list[str]:
-        keys = await self.keys_of(artifact_id)
+        tomb = codec.Tomb(artifact_id, reason, now)
         # Keys beyond what fits in one transaction beside the record are unbound first, a batch per
-        # transaction: a delete cut short leaves the artifact with fewer keys, never a key to nothing.
-        while len(keys) > _KEY_BATCH:
-            batch, keys = keys[:_KEY_BATCH], keys[_KEY_BATCH:]
+        # transaction: a delete cut short leaves the artifact with fewer keys (deleting it again by id
+        # finishes the job), never a key to nothing.
+        while len(keys := await self.keys_of(artifact_id)) > _KEY_BATCH:
 
-            async def unbind(tx: Txn, batch: tuple[str, ...] = batch) -> None:
-                await self._unbind_keys(tx, artifact_id, batch, codec.Tomb(artifact_id, reason, now))
+            async def unbind(tx: Txn, batch: tuple[str, ...] = keys[:_KEY_BATCH]) -> None:
+                await self._unbind_keys(tx, artifact_id, batch, tomb)
 
             await self.etcd.atomically(unbind)
 
         async def decide(tx: Txn) -> list[str]:
             raw = await tx.get(self._k("a", artifact_id))  # a concurrent commit rewrites it: this one retries
             rec = codec.A.decode(raw) if raw else None
+            # Read after the record: a key a commit added since is in this list, or the record moved and
+            # this attempt fails its compare and runs again.
+            keys = await self.keys_of(artifact_id)
             holders = sorted({w for w, _ in await self._replicas(tx, artifact_id)})
             tx.delete(self._k("a", artifact_id))
             if rec is not None:
                 self._set_expiry(tx, artifact_id, rec.lease_expiry, None)
-            await self._unbind_keys(tx, artifact_id, keys, codec.Tomb(artifact_id, reason, now))
+            await self._unbind_keys(tx, artifact_id, keys, tomb)
             for w in holders:
                 tx.put(self._k("dw", w, artifact_id), b"")
-            tx.put(self._k("t", artifact_id), codec.ENC.encode(codec.Tomb(artifact_id, reason, now)))
+            tx.put(self._k("t", artifact_id), codec.ENC.encode(tomb))
             return holders
 
         return await self.etcd.atomically(decide)

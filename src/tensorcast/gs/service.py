@@ -302,10 +302,11 @@ class GlobalStore:
         leases, now = await self._leases(), time.time()
         self._feed.observe(leases, now)
         full, shards = self._feed.since(epoch, since)
+        revision = self._feed.revision  # before the next await: a change observed meanwhile is not skipped
         workers = await self._workers() if shards else {}
         return ShardTable(num_shards=self.config.gs.kv_num_shards, now=now,
                           leases=tuple(_lease_msg(leases[s], workers) for s in shards),
-                          revision=self._feed.revision, epoch=self._feed.epoch, full=full)
+                          revision=revision, epoch=self._feed.epoch, full=full)
 
     async def acquire_shards(self, msg: AcquireShards, req: Request) -> ShardGrants:
         self._check_shards(msg.shards)

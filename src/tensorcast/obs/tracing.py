@@ -113,7 +113,8 @@ def configure(config: TracingConfig, service: str, *, roots: bool = True) -> Non
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError:
-            raise InvalidArgument("tracing.exporter = otlp needs opentelemetry-exporter-otlp-proto-http") from None
+            raise InvalidArgument("tracing.exporter = otlp needs opentelemetry-exporter-otlp-proto-http: "
+                                  "pip install 'tensorcast[otlp]'") from None
         use_provider(provider(OTLPSpanExporter(), service, batch=True))
 
 

@@ -21,12 +21,12 @@ __all__ = ["run_until_signalled"]
 
 def run_until_signalled(runtime: InstanceRuntime, instance_id: str, ready_file: str) -> None:
     """Write ``ready_file`` for ``runtime``, serve until SIGTERM or SIGINT, then stop it."""
+    stop = threading.Event()  # handlers first: a stop that follows the ready file at once still stops cleanly
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
     tmp = Path(ready_file).with_suffix(".tmp")
     tmp.write_text(json.dumps({"instance_id": instance_id, "address": runtime.address, "pid": os.getpid(),
                                "home_worker": runtime.home_worker, "metrics_url": runtime.metrics_url}))
     tmp.replace(ready_file)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
     stop.wait()
     runtime.stop()

@@ -5,7 +5,8 @@ Owns: ``TcpTransport`` — pooled, authenticated connections per data server (a 
 server closed meanwhile is replaced once, transparently), the stream split, and checking each chunk
 against the xxh3-64 checksum sent before it: a mismatch discards the range and raises ``ChunkCorrupted``
 (the caller retries, here or from another replica), so corrupt bytes are never kept. A fetch ends by its
-deadline (``DeadlineExceeded``), however slowly the bytes arrive. Blocking
+deadline however slowly the bytes arrive (``DeadlineExceeded``; ``Unavailable`` when it passes while
+connecting). Blocking
 ``recv_into`` releases the GIL, which is what lets several streams move bytes at once. The server side is
 ``transport.tcp_server``. Does not own: which bytes a request names.
 """
