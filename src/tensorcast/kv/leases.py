@@ -9,6 +9,9 @@ Shard home (``HomeLeases``): a shard may be served only while ``now < local_expi
 at ``t``, so the local expiry ``t + ttl`` is never later than the store's) and only for requests carrying
 its current token. A home that was paused past its lease therefore refuses everything on waking, before
 it has even talked to the store. Fed events and a clock value, returning decisions; no I/O.
+
+Following the table (``LeaseFeed`` at the store, ``LeaseMirror`` at a reader): readers ask for what changed
+since their last read, and a renewal is not a change, so a settled cluster's reads carry nothing.
 """
 
 from __future__ import annotations
