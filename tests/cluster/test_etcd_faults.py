@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 
 import numpy as np
@@ -244,3 +246,33 @@ async def forget_replicas(endpoints: str, prefix: str, artifact_id: str,
         return await backend.replicas_of(artifact_id)
     finally:
         await backend.close()
+
+
+def health_of(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url + "/healthz", timeout=10) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_a_global_store_is_ready_only_while_etcd_has_a_quorum(etcd: EtcdCluster) -> None:
+    """Its /healthz (the readiness probe of docs/deployment-kubernetes.md) answers 503 while etcd cannot
+    serve, and ok again once it can: a load balancer then sends callers to a store that can answer."""
+    with running_cluster(workers=1, etcd=etcd.urls, config=CONFIG) as cluster:
+        url = cluster.metrics_urls["gs"]
+        assert health_of(url) == (200, b"ok\n")
+        etcd.kill(0)
+        etcd.kill(1)  # one member of three left: no quorum, no leader
+        # The probe's read waits at most the etcd client's call timeout (2 s) before it answers 503.
+        deadline = time.monotonic() + 30
+        while (got := health_of(url))[0] == 200:
+            assert time.monotonic() < deadline, "still ready without an etcd quorum"
+            time.sleep(0.2)
+        assert got[0] == 503 and got[1].startswith(b"unavailable: etcd"), got
+        etcd.restart(0)
+        etcd.restart(1)
+        deadline = time.monotonic() + 30
+        while health_of(url)[0] != 200:
+            assert time.monotonic() < deadline, "not ready again after etcd recovered"
+            time.sleep(0.2)

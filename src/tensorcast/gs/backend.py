@@ -48,6 +48,10 @@ class MetadataBackend(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None: ...
 
+    @abc.abstractmethod
+    async def check(self) -> None:
+        """``Unavailable`` when the metadata cannot be read and written right now (a readiness probe)."""
+
     # ----------------------------------------------------------------- workers
     @abc.abstractmethod
     async def register_worker(self, worker: WorkerInfo, now: float) -> tuple[int, list[str]]:

@@ -72,6 +72,9 @@ class EtcdBackend(MetadataBackend):
             await mirror.close()
         await self.etcd.close()
 
+    async def check(self) -> None:
+        await self.etcd.ping()
+
     def _noted(self, revision: int, writes: dict[tuple[str, str], bytes | None]) -> None:
         """This process's own writes to mirrored prefixes, seen at once."""
         for (name, key), value in writes.items():

@@ -182,6 +182,14 @@ class EtcdClient:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
 
+    async def ping(self) -> None:
+        """One linearizable read, not retried: ``Unavailable`` unless a member with a leader answers within
+        ``call_timeout`` (readiness: the cluster can serve reads and writes right now)."""
+        try:
+            await self._kv.Range(rpc.RangeRequest(key=b"\0", limit=1), timeout=self.call_timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise Unavailable(f"etcd: {exc.code().name}: {exc.details()}") from None
+
     # ----------------------------------------------------------------- key-value
     async def get_kv(self, key: bytes) -> Any:
         reply = await self._call("get", lambda: self._kv.Range(rpc.RangeRequest(key=key),

@@ -1,9 +1,9 @@
 """What the global store shows operators: the dashboard's routes and the metrics only it knows.
 
-Owns: ``/`` (the dashboard page) and ``/api/state`` (``obs.dashboard.cluster_view`` of the store's records)
-on the global store's HTTP endpoint, and the samples it reports at each scrape (workers alive, artifacts,
-shard leases held and vacant). Does not own: the records (``gs.service``), the page or the view
-(``obs.dashboard``), or serving HTTP (``obs.http``).
+Owns: ``/`` (the dashboard page), ``/api/state`` (``obs.dashboard.cluster_view`` of the store's records) and
+``/healthz`` (ready while its backend serves) on the global store's HTTP endpoint, and the samples it reports
+at each scrape (workers alive, artifacts, shard leases held and vacant). Does not own: the records
+(``gs.service``), the page or the view (``obs.dashboard``), or serving HTTP (``obs.http``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from tensorcast.config import Config
+from tensorcast.errors import TensorCastError
 from tensorcast.gs.backend import MetadataBackend
 from tensorcast.obs.dashboard import cluster_view, page
 from tensorcast.obs.http import Response, Route
@@ -59,7 +60,15 @@ def gs_routes(gs: GlobalStore) -> dict[str, Route]:
         view["refresh"] = refresh
         return Response(json.dumps(view).encode(), "application/json")
 
-    return {"/": index, "/api/state": state}
+    async def health(query: str) -> Response:
+        """Ready only while the metadata backend serves: on etcd, while a member with a leader answers."""
+        try:
+            await gs.backend.check()
+        except TensorCastError as exc:
+            return Response(f"unavailable: {exc.message}\n".encode(), status=503)
+        return Response(b"ok\n")
+
+    return {"/": index, "/api/state": state, "/healthz": health}
 
 
 class GSGauges:

@@ -139,6 +139,9 @@ class SqliteBackend(MetadataBackend):
             self._db.close()
             self._db = None
 
+    async def check(self) -> None:
+        self.db.execute("SELECT 1").fetchone()
+
     def _migrate(self) -> None:
         """Columns added since a database was created (all have defaults)."""
         have = {r[1] for r in self.db.execute("PRAGMA table_info(workers)")}

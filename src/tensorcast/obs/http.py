@@ -39,7 +39,7 @@ class Response:
 Route = Callable[[str], Awaitable[Response]]  # the query string -> the response
 
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
-            500: "Internal Server Error"}
+            500: "Internal Server Error", 503: "Service Unavailable"}
 
 
 class HttpServer:
