@@ -27,8 +27,11 @@ from tensorcast.wire.kv_messages import KVPut, KVPutReply, RenewShards, ShardGra
 
 LAYOUT = KVLayout("etcd-model", layers=1, kv_heads=2, head_dim=32, dtype="float16", page_size=16)
 TTL, RENEW, HEARTBEAT = 2.0, 0.5, 0.5
+# Liveness at its default (5 s), not shorter: heartbeats go through the global stores to etcd, and across a
+# leader election, a global store's death and a busy CI machine, a 3 s liveness once let a worker look dead
+# for a moment, and a get found no live replica. No worker is killed here for liveness to find.
 CONFIG = {"kv.lease_ttl": TTL, "kv.renew_interval": RENEW, "worker.heartbeat_interval": HEARTBEAT,
-          "gs.worker_liveness_timeout": 3.0}
+          "gs.worker_liveness_timeout": 5.0}
 DEADLINE = 30.0  # each caller operation's deadline
 
 
