@@ -107,8 +107,9 @@ async def _vias(gw: InstancePort, ranks: Sequence[str], model: str, ctx: CallCon
 async def run_group_swap(args: dict[str, Any], gw: InstancePort, ctx: CallContext) -> dict[str, Any]:
     """Run the protocol to its end; returns the per-rank report of a fully activated swap."""
     machine = _machine(args, ctx)
-    fetch = args.get("fetch") or fetch_mode(machine.ranks, await _vias(gw, machine.ranks, args["model"], ctx))
-    args = {**args, "fetch": fetch}
+    asked = args.get("fetch")  # the ranks' workers are asked only when the step leaves it to the decision
+    vias = {} if asked else await _vias(gw, machine.ranks, args["model"], ctx)
+    args = {**args, "fetch": fetch_mode(machine.ranks, vias, asked)}
     running: dict[asyncio.Task[dict[str, Any]], tuple[str, str]] = {}
     try:
         while not machine.finished:
