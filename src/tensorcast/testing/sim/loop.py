@@ -1,0 +1,85 @@
+"""An asyncio event loop on a virtual clock: timers fire in order, instantly in real time.
+
+Owns: ``VirtualClock`` (wall and monotonic seconds that only move when the loop has nothing ready to run) and
+``VirtualLoop``, whose selector, asked to wait, moves the clock to the next timer instead of sleeping. Work
+handed to threads (``run_in_executor``, ``asyncio.to_thread``) is waited for in real time with the clock
+standing still: it takes no virtual time. A loop with nothing ready, no timer and no thread busy can never
+continue, and says so (``SimulationStalled``) instead of hanging. Does not own: what runs on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import selectors
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+__all__ = ["SimulationStalled", "VirtualClock", "VirtualLoop"]
+
+T = TypeVar("T")
+
+
+class SimulationStalled(RuntimeError):
+    """Every task waits for something that cannot happen: nothing ready, no timer, no thread at work."""
+
+
+class VirtualClock:
+    """Seconds since the simulation began, as wall-clock time (``time()``) and CLOCK_MONOTONIC."""
+
+    def __init__(self, wall_start: float = 1.9e9, monotonic_start: float = 10_000.0) -> None:
+        self.elapsed = 0.0
+        self._wall = wall_start
+        self._mono = monotonic_start
+
+    def time(self) -> float:
+        return self._wall + self.elapsed
+
+    def monotonic(self) -> float:
+        return self._mono + self.elapsed
+
+    def advance(self, seconds: float) -> None:
+        if seconds > 0:
+            self.elapsed += seconds
+
+
+class _Selector(selectors.DefaultSelector):
+    """Polls real file descriptors without waiting (the loop's self-pipe, wake-ups from threads); a wait is
+    a jump of the virtual clock, or a real wait while threads work."""
+
+    def __init__(self, clock: VirtualClock, busy: Callable[[], int]) -> None:
+        super().__init__()
+        self.clock = clock
+        self._busy = busy
+
+    def select(self, timeout: float | None = None) -> list[Any]:
+        events = super().select(0)
+        if events or timeout == 0:
+            return list(events)
+        if self._busy():  # a thread's result comes in real time; the clock waits for it
+            return list(super().select(0.05 if timeout is None else min(timeout, 0.05)))
+        if timeout is None:
+            raise SimulationStalled("no task can run, no timer is set and no thread is at work")
+        self.clock.advance(timeout)
+        return []
+
+
+class VirtualLoop(asyncio.SelectorEventLoop):
+    def __init__(self, clock: VirtualClock) -> None:
+        self.clock = clock
+        self._threads = 0
+        super().__init__(_Selector(clock, lambda: self._threads))
+
+    def time(self) -> float:
+        return self.clock.monotonic()
+
+    def run_in_executor(self, executor: concurrent.futures.Executor | None, func: Callable[..., T],  # type: ignore[override]
+                        *args: Any) -> asyncio.Future[T]:
+        fut = super().run_in_executor(executor, func, *args)
+        self._threads += 1
+
+        def done(_: asyncio.Future[T]) -> None:
+            self._threads -= 1
+
+        fut.add_done_callback(done)
+        return fut
