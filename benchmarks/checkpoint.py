@@ -1,0 +1,148 @@
+"""Distributed Checkpoint into TensorCast against DCP's FileSystemWriter on local disk, in one run.
+
+W spawned ranks (gloo, CPU) hold a model + Adam-like state (three float32 tensors per parameter, DTensors
+sharded on dim 0) of ``--mib`` MiB in all. Each row is the slowest rank's time (all-reduced MAX):
+- memcpy: a clone of each rank's local bytes (the limit of any stall);
+- stall: the time ``dcp.save`` (sync) or ``dcp.async_save`` (until it returns) blocks training, with
+  ``TensorCastWriter`` (memory replicas first, disk copy in the background) and ``FileSystemWriter``;
+- durable: TensorCast's disk copies written (``wait_durable``), from the start of the sync save;
+- load / reshard-load: ``dcp.load`` into the same layout, and into dim-1 shards, from TensorCast and from the
+  files (warm page cache: dropping it needs root, so the disk figures here are a lower bound).
+Ratios: FileSystemWriter time / TensorCast time (above 1: TensorCast is faster), and stall / memcpy.
+
+Usage: python benchmarks/checkpoint.py [--quick] [--json PATH] [--mib N] [--ranks 2,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+import tensorcast as tc
+from benchlib import write_json
+from tensorcast.integrations.torch_dcp import TensorCastReader, TensorCastWriter
+
+
+def _state(mesh: Any, mib: int, dim: int, fill: bool) -> dict[str, Any]:
+    world, rank = mesh.size(), mesh.get_local_rank()
+    rows = max(world * 4, (mib << 20) // (4 * 1024 * 3 * 8))  # 8 parameters, 3 tensors each, 1024 columns
+    rows -= rows % world  # equal local shards (DTensor's uneven split is its own layout)
+    out: dict[str, Any] = {}
+    for i in range(8):
+        for part in ("param", "exp_avg", "exp_avg_sq"):
+            full_shape = (rows, 1024)
+            local_shape = list(full_shape)
+            local_shape[dim] //= world
+            local = torch.full(local_shape, float(i + rank) if fill else 0.0)
+            out[f"{part}.{i}"] = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=full_shape,
+                                                    stride=(1024, 1))
+    out["step"] = 1200
+    return out
+
+
+def _timed(fn: Any) -> float:
+    dist.barrier()
+    t = time.perf_counter()
+    fn()
+    dt = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    return float(dt.item())
+
+
+def _rank(rank: int, world: int, port: int, address: str, mib: int, root: str, out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    # async_save runs its collectives on a background thread: on the default group they would interleave
+    # with the timing barriers of the main thread (a hang), so the async saves get a group of their own.
+    async_group = dist.new_group(backend="gloo")
+    sd = _state(mesh, mib, 0, True)
+    r: dict[str, float] = {}
+    with tc.connect(address) as client:
+        r["memcpy"] = _timed(lambda: [v.to_local().clone() for v in sd.values() if isinstance(v, DTensor)])
+        r["fs_sync_stall"] = _timed(lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(f"{root}/fs1")))
+        r["fs_async_stall"] = _timed(lambda: setattr(_timed, "f", dcp.async_save(
+            sd, storage_writer=dcp.FileSystemWriter(f"{root}/fs2"), process_group=async_group)))
+        _timed.f.result()  # type: ignore[attr-defined]
+        writer = TensorCastWriter(client, f"bench/w{world}/step-1")
+        t0 = time.perf_counter()
+        r["tc_sync_stall"] = _timed(lambda: dcp.save(sd, storage_writer=writer))
+        writer.wait_durable()
+        r["tc_durable"] = _timed(lambda: None) + time.perf_counter() - t0
+        writer2 = TensorCastWriter(client, f"bench/w{world}/step-2")
+        r["tc_async_stall"] = _timed(lambda: setattr(_timed, "g", dcp.async_save(
+            sd, storage_writer=writer2, process_group=async_group)))
+        _timed.g.result()  # type: ignore[attr-defined]
+        writer2.wait_durable()
+        for dim, name in ((0, "load"), (1, "reshard_load")):
+            target = _state(mesh, mib, dim, False)
+            r[f"tc_{name}"] = _timed(lambda t=target: dcp.load(
+                t, storage_reader=TensorCastReader(client, f"bench/w{world}/step-1")))
+            target = _state(mesh, mib, dim, False)
+            r[f"fs_{name}"] = _timed(lambda t=target: dcp.load(t, storage_reader=dcp.FileSystemReader(f"{root}/fs1")))
+    if rank == 0:
+        out.put(r)
+    dist.destroy_process_group()
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run(world: int, mib: int, address: str) -> dict[str, float]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    root = tempfile.mkdtemp(prefix="dcp-bench-", dir=os.environ.get("BENCH_DISK_DIR", "."))
+    try:
+        procs = [ctx.Process(target=_rank, args=(r, world, port, address, mib, root, out))
+                 for port in [_port()] for r in range(world)]
+        for p in procs:
+            p.start()
+        result: dict[str, float] = out.get(timeout=600)
+        for p in procs:
+            p.join(60)
+        return result
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="64 MiB over 2 ranks (under a minute)")
+    ap.add_argument("--mib", type=int, default=1024)
+    ap.add_argument("--ranks", default="2,4")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    mib, ranks = (64, [2]) if args.quick else (args.mib, [int(x) for x in args.ranks.split(",")])
+    results: dict[str, dict[str, float]] = {}
+    with tc.LocalCluster(workers=2, memory_capacity=f"{max(1, 3 * mib // 1024 + 1)}GiB") as cluster:
+        for world in ranks:
+            results[str(world)] = run(world, mib, cluster.address)
+    print(f"{'ranks':>5} {'row':<14} {'TensorCast s':>12} {'FileSystem s':>12} {'FS/TC':>7} {'TC/memcpy':>9}")
+    for world, r in results.items():
+        for row, tc_key, fs_key in (("sync stall", "tc_sync_stall", "fs_sync_stall"),
+                                    ("async stall", "tc_async_stall", "fs_async_stall"),
+                                    ("load", "tc_load", "fs_load"),
+                                    ("reshard-load", "tc_reshard_load", "fs_reshard_load")):
+            print(f"{world:>5} {row:<14} {r[tc_key]:>12.4f} {r[fs_key]:>12.4f} {r[fs_key] / r[tc_key]:>7.2f} "
+                  f"{r[tc_key] / r['memcpy']:>9.2f}")
+        print(f"{world:>5} {'memcpy':<14} {r['memcpy']:>12.4f}   durable on disk: {r['tc_durable']:.4f} s")
+    write_json(args.json, "checkpoint", args.quick, mib=mib, results=results)
+
+
+if __name__ == "__main__":
+    main()
