@@ -83,8 +83,8 @@ def main() -> None:
         res["safetensors load_file + .to(cuda)"], out = timed(
             lambda: {k: v.to("cuda:0") for f in files for k, v in load_file(str(f)).items()})
         del out
-        with tc.LocalCluster(workers=1, memory_capacity=f"{2 * total + GiB}",
-                             config={"worker.prefault_bytes": total + GiB // 2}) as cluster, \
+        config = {"worker.prefault_bytes": total + GiB // 2, "weights.allowed_roots": tmp}
+        with tc.LocalCluster(workers=1, memory_capacity=f"{2 * total + GiB}", config=config) as cluster, \
                 tc.connect(cluster.address) as client:
             art = client.from_disk(path, key="gpu/model")
             for buffers in (1, 3):

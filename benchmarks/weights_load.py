@@ -226,8 +226,8 @@ def wait_prefaulted(client: tc.Client, want: int, timeout: float = 120.0) -> Non
 
 
 def clear_pool(client: tc.Client) -> None:
-    for a in client.ls():
-        client.delete(a.id)
+    for aid in dict.fromkeys(a.id for a in client.ls()):  # an artifact is listed once per key
+        client.delete(aid)
 
 
 def vllm_ready(path: Path, load_format: str, extra: dict[str, Any], tp: int = 1) -> dict[str, Any]:
@@ -409,7 +409,8 @@ def main() -> None:
             # The worker's default stock (512 MiB): a model-sized stock, pool, page cache and the engine's
             # own copies would not fit this host's memory together, and the engine does not need it.
             small = WorkerConfig().prefault_bytes
-            with tc.LocalCluster(workers=1, memory_capacity=f"{total + GiB}") as cluster, \
+            with tc.LocalCluster(workers=1, memory_capacity=f"{total + GiB}",
+                                 config={"weights.allowed_roots": tmp}) as cluster, \
                     tc.connect(cluster.address) as client:
                 for cache in ("warm",) if args.quick else ("warm", "cold"):
                     prep = warm_cache if cache == "warm" else drop_cache
@@ -417,7 +418,7 @@ def main() -> None:
                     for vtp in (1, 2) if cache == "warm" and not args.quick else (1,):
                         runs = bench_vllm(path, client, cluster.address, prep, small, vtp, args.quick)
                         rows += report_vllm(runs, cache, vtp)
-        config = {"worker.prefault_bytes": stock, "worker.prefault_chunk_bytes": chunk}
+        config = {"worker.prefault_bytes": stock, "worker.prefault_chunk_bytes": chunk, "weights.allowed_roots": tmp}
         with tc.LocalCluster(workers=1, memory_capacity=f"{total + GiB}", config=config) as cluster, \
                 tc.connect(cluster.address) as client:
             for cache in ("warm", "cold"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -84,3 +85,29 @@ def test_a_slice_of_a_truncated_file_names_the_file_and_tensor(tmp_path: Path) -
                    memoryview(dest).cast("B"), "layer.0.o_proj")
     with pytest.raises(InvalidArgument, match=r"short.*'layer.0.o_proj'.*truncated"):
         read_ranges([job])
+
+
+@pytest.mark.parametrize("max_gap", [0, 1 << 20])
+def test_row_runs_land_exactly_with_and_without_the_discard_buffer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     max_gap: int) -> None:
+    from tensorcast.weights import reader
+
+    monkeypatch.setattr(reader, "_MAX_GAP", max_gap)  # 0: every gap is skipped by a read per row
+    monkeypatch.setattr(reader, "_IOV_ROWS", 7)  # several preadv calls per block
+    tensor = np.random.default_rng(3).integers(0, 255, (3, 50, 40), dtype=np.uint8)
+    (tmp_path / "ckpt").write_bytes(b"h" * 17 + tensor.tobytes())
+    for lo, hi in ((0, 10), (10, 30), (30, 40), (5, 5)):
+        dest = np.zeros((3, 50, hi - lo), np.uint8)
+        job = SliceJob(str(tmp_path / "ckpt"), 17, "uint8", tensor.shape, (SliceSpec(dim=2, start=lo, stop=hi),),
+                       memoryview(dest.reshape(-1)), "w")
+        read_ranges([job], streams=2, chunk=64)
+        assert np.array_equal(dest, tensor[:, :, lo:hi]), (lo, hi)
+
+
+def test_only_regular_files_are_read(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "fifo")  # no writer: a blocking open would never return
+    (tmp_path / "link").symlink_to(tmp_path / "fifo")
+    dest = np.zeros(16, np.uint8)
+    for name in ("fifo", "link"):
+        with pytest.raises(InvalidArgument, match=r"not a regular file|cannot be opened"):
+            read_ranges([ReadJob(str(tmp_path / name), 0, memoryview(dest), "w")])

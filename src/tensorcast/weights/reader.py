@@ -4,15 +4,20 @@ Owns: running one batch of jobs with a few threads. A ``ReadJob`` is a byte rang
 slice of its destination (pre-faulted pool memory, so that the read does not also pay first-touch faults).
 A ``SliceJob`` is a slice that is not one byte range (a row-parallel weight: half of every row; fused qkv:
 a part of each of q, k, v). Slices on the first dimension only are a few contiguous runs, read like
-ranges. Others are copied out of a read-only mapping of the file: its pages are populated in one call per
-block of rows (a fault per 4 KiB page would cost more than the copy), then numpy copies through a plain
-integer dtype. Every job is cut into pieces of about ``chunk`` bytes of destination. All pieces share
-``streams`` threads, in file order, so that reads and copies overlap and no thread waits for another
-phase. Each file is opened (and, for copies, mapped) once per batch.
+ranges. The same columns of every row (a row-parallel weight) are read straight into place, a
+``preadv`` per block of rows alternating destination and a discard buffer for the gaps. Others are read
+a block of rows at a time into a per-thread scratch buffer and copied from there (numpy, through a plain
+integer dtype). Every job is cut into pieces of about ``chunk`` bytes of
+destination. All pieces share ``streams`` threads, in file order, so that reads and copies overlap and no
+thread waits for another phase. Each file is opened once per batch, as a regular file only
+(``weights.files.open_regular``).
+
+Nothing is read through a mapping: a file truncated under a mapping kills the process with SIGBUS, while a
+short ``pread`` is an error. A file whose size or mtime changed between the batch's open and its last read
+is refused (``InvalidArgument``): its bytes may mix two versions.
 
 Blocking; callers run it off the event loop. Does not own: which bytes to read, or where the destination
-memory comes from. A file truncated *while* it is being copied from raises SIGBUS, as with any mapping;
-sizes are checked before (the worker also checks size and mtime against the registration).
+memory comes from.
 """
 
 from __future__ import annotations
@@ -27,10 +32,10 @@ from typing import Any
 import numpy as np
 
 from tensorcast.errors import InvalidArgument, NotFound, clip
-from tensorcast.pool.segments import Segment
 from tensorcast.records import SliceSpec
 from tensorcast.tensors import raw_dtype
 from tensorcast.views import apply_slices, sliced_shape
+from tensorcast.weights.files import FileIdentity, check_unchanged, identity, open_regular
 
 __all__ = ["ReadJob", "SliceJob", "read_ranges"]
 
@@ -77,15 +82,16 @@ def read_ranges(jobs: Sequence[Job], *, streams: int = 4, chunk: int = _CHUNK) -
     """Run a batch of reads and slice copies with up to ``streams`` threads; returns the bytes written.
     The first error wins (the other pieces stop early); the destinations are then partly written."""
     fds: dict[str, int] = {}
-    maps: dict[str, Segment] = {}  # files copied from, mapped read-only
+    opened: dict[str, FileIdentity] = {}  # each file's size and mtime when the batch opened it
     try:
         pieces: list[_Piece] = []
         for job in jobs:
             if job.path not in fds:
                 try:
-                    fds[job.path] = os.open(job.path, os.O_RDONLY)
-                except FileNotFoundError:
+                    fds[job.path] = open_regular(job.path)
+                except NotFound:
                     raise NotFound(f"checkpoint file {job.path} is gone (tensor {clip(job.what)})") from None
+                opened[job.path] = identity(fds[job.path])
             fd = fds[job.path]
             if isinstance(job, ReadJob):
                 pieces += _read_pieces(fd, job.offset, job.dest, job, chunk)
@@ -97,20 +103,20 @@ def read_ranges(jobs: Sequence[Job], *, streams: int = 4, chunk: int = _CHUNK) -
                 for start, length in runs:
                     pieces += _read_pieces(fd, job.offset + start, job.dest[pos : pos + length], job, chunk)
                     pos += length
+            elif (gather := _row_runs(job)) is not None:
+                pieces += _gather_pieces(fd, job, *gather, chunk)
             else:
-                if job.path not in maps:
-                    maps[job.path] = Segment.open_existing(job.path)
-                pieces += _copy_pieces(maps[job.path], job, chunk)
+                pieces += _copy_pieces(fd, job, chunk)
         pieces.sort(key=lambda p: (p[0], p[1]))
         if len(pieces) <= 1 or streams <= 1:
             for _, _, run in pieces:
                 run()
         else:
             _run_parallel([run for _, _, run in pieces], streams)
+        for path, fd in fds.items():
+            check_unchanged(fd, path, opened[path])
         return sum(len(j.dest) for j in jobs)
     finally:
-        for seg in maps.values():
-            seg.try_close()  # a piece that failed may still hold a view: then GC unmaps it
         for fd in fds.values():
             os.close(fd)
 
@@ -164,39 +170,94 @@ def _contiguous_runs(job: SliceJob) -> list[tuple[int, int]] | None:
     return [(a * row, (b - a) * row) for a, b, _ in runs]
 
 
-def _copy_pieces(mapped: Segment, job: SliceJob, chunk: int) -> list[_Piece]:
-    """Blocks of whole output rows (first dimension), each copied on its own from the mapping."""
+def _row_runs(job: SliceJob) -> tuple[int, int, int, int] | None:
+    """(rows, bytes per row, offset and length of the run taken from each row) when the slice is one unit-step
+    range of one dimension past the first (a row-parallel weight: the same columns of every row), else None."""
+    if len(job.specs) != 1 or job.specs[0].dim == 0 or job.specs[0].ranges or job.specs[0].step != 1:
+        return None
+    spec = job.specs[0]
+    inner = int(np.prod(job.shape[spec.dim + 1 :], dtype=np.int64)) * job.itemsize
+    rows = int(np.prod(job.shape[: spec.dim], dtype=np.int64))
+    taken = sliced_shape(job.shape, job.specs)[spec.dim]
+    return rows, job.shape[spec.dim] * inner, min(spec.start, job.shape[spec.dim]) * inner, taken * inner
+
+
+_MAX_GAP = 256 * 1024  # bytes between two rows' runs read into a discard buffer rather than skipped by a call
+_discard = bytearray(_MAX_GAP)  # written by the kernel, never read: threads may share it
+_IOV_ROWS = 500  # rows per preadv: two buffers each, under IOV_MAX (1024)
+
+
+def _gather_pieces(fd: int, job: SliceJob, rows: int, row: int, at: int, run: int, chunk: int) -> list[_Piece]:
+    """Each row's run read straight into its place in ``dest``: one ``preadv`` per block of rows, whose
+    iovecs alternate the destination and a small discard buffer for the gap (no copy, no mapping)."""
+    if run == 0 or rows == 0:
+        return []
+    per_block = max(1, chunk // run)
+    gap = row - run
+
+    def block(first: int, n: int) -> Callable[[], None]:
+        def read() -> None:
+            if gap > _MAX_GAP:
+                for r in range(first, first + n):
+                    _read_chunk(fd, job.dest[r * run : (r + 1) * run], job.offset + r * row + at, job)
+                return
+            skip = memoryview(_discard)[:gap]
+            for lo in range(first, first + n, _IOV_ROWS):
+                hi = min(lo + _IOV_ROWS, first + n)
+                iov = [x for r in range(lo, hi) for x in (job.dest[r * run : (r + 1) * run], skip)][:-1]
+                want = (hi - lo) * row - gap
+                if os.preadv(fd, iov, job.offset + lo * row + at) < want:  # the file ended: say where
+                    for r in range(lo, hi):
+                        _read_chunk(fd, job.dest[r * run : (r + 1) * run], job.offset + r * row + at, job)
+
+        return read
+
+    return [(job.path, job.offset + i * row + at, block(i, min(per_block, rows - i)))
+            for i in range(0, rows, per_block)]
+
+
+def _copy_pieces(fd: int, job: SliceJob, chunk: int) -> list[_Piece]:
+    """Blocks of whole output rows (first dimension), each read on its own and copied from the scratch."""
     dtype = raw_dtype(job.dtype)  # bytes are bytes: numpy's memcpy paths, whatever the element type
     first = next((s for s in job.specs if s.dim == 0), None)
     inner = tuple(s for s in job.specs if s.dim != 0)
     out_shape = sliced_shape(job.shape, job.specs)
     out_row = int(np.prod(out_shape[1:], dtype=np.int64)) * job.itemsize
     src_row = int(np.prod(job.shape[1:], dtype=np.int64)) * job.itemsize
-    per_block = max(1, chunk // max(1, out_row))
     pieces: list[_Piece] = []
     out_at = 0
     for start, stop, step in _dim0_ranges(first, job.shape[0]):
         rows = len(range(start, stop, step))
+        per_block = max(1, min(chunk // max(1, out_row), chunk // max(1, step * src_row)))  # scratch <= chunk
         for i in range(0, rows, per_block):
             n = min(per_block, rows - i)
             lo = start + i * step
             src = (job.offset + lo * src_row, (n - 1) * step * src_row + src_row)  # bytes spanned in the file
             dst = (out_at + i * out_row, n * out_row)
-            rows_read = slice(lo, lo + (n - 1) * step + 1, step)
-            pieces.append((job.path, src[0], _copier(mapped, job, dtype, inner, rows_read, src, dst,
-                                                     (n, *out_shape[1:]))))
+            pieces.append((job.path, src[0], _copier(fd, job, dtype, inner, step, src, dst, (n, *out_shape[1:]))))
         out_at += rows * out_row
     return pieces
 
 
-def _copier(mapped: Segment, job: SliceJob, dtype: np.dtype[Any], inner: tuple[SliceSpec, ...], rows: slice,
+_scratch = threading.local()
+
+
+def _scratch_view(size: int) -> memoryview:
+    """This thread's scratch buffer, at least ``size`` bytes (kept for the batch: fresh pages cost a fault each)."""
+    buf: bytearray | None = getattr(_scratch, "buf", None)
+    if buf is None or len(buf) < size:
+        buf = _scratch.buf = bytearray(size)
+    return memoryview(buf)[:size]
+
+
+def _copier(fd: int, job: SliceJob, dtype: np.dtype[Any], inner: tuple[SliceSpec, ...], step: int,
             src: tuple[int, int], dst: tuple[int, int], out_shape: tuple[int, ...]) -> Callable[[], None]:
     def copy() -> None:
-        mapped.populate(*src)
-        arr = np.frombuffer(mapped.view(), np.uint8, count=job.nbytes, offset=job.offset).view(dtype).reshape(job.shape)
-        part = apply_slices(arr[rows], inner)
+        span = _scratch_view(src[1])
+        _read_chunk(fd, span, src[0], job)
+        rows = np.frombuffer(span, np.uint8).view(dtype).reshape(-1, *job.shape[1:])[::step]
         out = np.frombuffer(job.dest[dst[0] : dst[0] + dst[1]], np.uint8).view(dtype).reshape(out_shape)
-        np.copyto(out, part)
+        np.copyto(out, apply_slices(rows, inner))
 
     return copy
 

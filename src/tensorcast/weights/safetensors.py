@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tensorcast.errors import InvalidArgument, NotFound, clip
+from tensorcast.weights.files import CheckpointRoots, open_regular
 
 __all__ = ["Checkpoint", "CheckpointTensor", "open_checkpoint", "SAFETENSORS_DTYPES"]
 
@@ -59,26 +60,50 @@ class Checkpoint:
         return sum(t.nbytes for t in self.tensors.values())
 
 
-def _parse_file(path: Path) -> list[CheckpointTensor]:
+def _read_exact(fd: int, n: int, at: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        got = os.pread(fd, n - len(out), at + len(out))
+        if not got:
+            break
+        out += got
+    return bytes(out)
+
+
+def _read_json(path: Path, what: str, limit: int = _MAX_HEADER) -> Any:
+    """A small JSON file of the checkpoint (index, config), read from a regular file only."""
+    fd = open_regular(path)
     try:
-        st = path.stat()
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
-                raise InvalidArgument(f"{path}: truncated safetensors file (no header length)")
-            (hlen,) = struct.unpack("<Q", raw)
-            if hlen > _MAX_HEADER or 8 + hlen > st.st_size:
-                raise InvalidArgument(f"{path}: header length {hlen} does not fit the {st.st_size}-byte file "
-                                      "(truncated or not a safetensors file)")
-            header_bytes = f.read(hlen)
-    except FileNotFoundError:
-        raise NotFound(f"checkpoint file {path} does not exist") from None
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise InvalidArgument(f"{path}: {what} of {size} bytes is larger than {limit}")
+        return json.loads(_read_exact(fd, size, 0))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(f"{path}: unreadable {what} ({exc.__class__.__name__})") from None
+    finally:
+        os.close(fd)
+
+
+def _parse_file(path: Path) -> list[CheckpointTensor]:
+    fd = open_regular(path)
+    try:
+        st = os.fstat(fd)
+        raw = _read_exact(fd, 8, 0)
+        if len(raw) < 8:
+            raise InvalidArgument(f"{path}: truncated safetensors file (no header length)")
+        (hlen,) = struct.unpack("<Q", raw)
+        if hlen > _MAX_HEADER or 8 + hlen > st.st_size:
+            raise InvalidArgument(f"{path}: not a safetensors file (its header length does not fit the "
+                                  f"{st.st_size}-byte file, or it is truncated)")
+        header_bytes = _read_exact(fd, hlen, 8)
     except OSError as exc:
-        raise InvalidArgument(f"{path}: cannot read: {exc}") from None
+        raise InvalidArgument(f"{path}: cannot read: {os.strerror(exc.errno or 0)}") from None
+    finally:
+        os.close(fd)
     try:
         header = json.loads(header_bytes)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidArgument(f"{path}: corrupted safetensors header: {exc}") from None
+        raise InvalidArgument(f"{path}: corrupted safetensors header ({exc.__class__.__name__})") from None
     if not isinstance(header, dict):
         raise InvalidArgument(f"{path}: corrupted safetensors header (not an object)")
     data_start = 8 + hlen
@@ -90,17 +115,19 @@ def _parse_file(path: Path) -> list[CheckpointTensor]:
         try:
             st_dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
-            raise InvalidArgument(f"{path}: tensor {clip(name)}: malformed header entry {clip(entry)}") from None
+            raise InvalidArgument(f"{path}: tensor {clip(name)}: malformed header entry") from None
+        if not (isinstance(st_dtype, str) and isinstance(shape, list) and type(begin) is int and type(end) is int):
+            raise InvalidArgument(f"{path}: tensor {clip(name)}: malformed header entry")
         dtype = SAFETENSORS_DTYPES.get(st_dtype)
         if dtype is None:
-            raise InvalidArgument(f"{path}: tensor {clip(name)}: unsupported dtype {st_dtype}")
+            raise InvalidArgument(f"{path}: tensor {clip(name)}: unsupported dtype {clip(st_dtype, 16)}")
         if not all(isinstance(s, int) and s >= 0 for s in shape):
-            raise InvalidArgument(f"{path}: tensor {clip(name)}: bad shape {shape}")
+            raise InvalidArgument(f"{path}: tensor {clip(name)}: bad shape")
         numel = 1
         for s in shape:
             numel *= s
         if end - begin != numel * _ITEMSIZE[dtype] or begin < 0:
-            raise InvalidArgument(f"{path}: tensor {clip(name)}: {end - begin} bytes do not match shape {shape} of "
+            raise InvalidArgument(f"{path}: tensor {clip(name)}: {end - begin} bytes do not match its shape of "
                                   f"{st_dtype}")
         if data_start + end > st.st_size:
             raise InvalidArgument(f"{path}: tensor {clip(name)}: data ends at byte {data_start + end} but the file "
@@ -115,47 +142,50 @@ def _parse_file(path: Path) -> list[CheckpointTensor]:
     return out
 
 
-def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """A checkpoint directory (single ``*.safetensors`` or sharded with an index) or a single file."""
-    p = Path(path)
+def open_checkpoint(path: str | os.PathLike[str], roots: CheckpointRoots | None = None) -> Checkpoint:
+    """A checkpoint directory (single ``*.safetensors`` or sharded with an index) or a single file. With
+    ``roots`` (a worker's), the checkpoint and every file it names (an index entry, a symlink: resolved)
+    must lie under one of them (``PermissionDenied`` before a byte is read); files are read only if regular."""
+
+    def allowed(f: Path) -> Path:
+        return roots.check(f) if roots is not None else f
+
+    p = allowed(Path(path))
     if not p.exists():
         raise NotFound(f"checkpoint {p} does not exist")
-    files: list[Path]
+    files: list[tuple[str, Path]]  # (the name the index lists, the file)
     index_map: dict[str, str] | None = None
     if p.is_file():
-        files = [p]
+        files = [(p.name, p)]
         root = p.parent
     else:
         root = p
         index = p / "model.safetensors.index.json"
         if index.exists():
-            try:
-                index_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise InvalidArgument(f"{index}: unreadable index: {exc}") from None
-            assert index_map is not None
-            files = [p / f for f in sorted(set(index_map.values()))]
+            doc = _read_json(allowed(index), "index")
+            index_map = doc.get("weight_map") if isinstance(doc, dict) else None
+            if not isinstance(index_map, dict) or not all(isinstance(v, str) for v in index_map.values()):
+                raise InvalidArgument(f"{index}: unreadable index (no weight_map of file names)")
+            files = [(f, allowed(p / f)) for f in sorted(set(index_map.values()))]
         else:
-            files = sorted(p.glob("*.safetensors"))
+            files = [(f.name, allowed(f)) for f in sorted(p.glob("*.safetensors"))]
         if not files:
             raise NotFound(f"no safetensors files in {p}")
     tensors: dict[str, CheckpointTensor] = {}
-    for f in files:
+    for listed, f in files:
         for t in _parse_file(f):
             if t.name in tensors:
                 raise InvalidArgument(f"tensor {clip(t.name)} appears in both {tensors[t.name].file} and {f}")
-            if index_map is not None and index_map.get(t.name) != f.name:
+            if index_map is not None and index_map.get(t.name) != listed:
                 raise InvalidArgument(f"{f}: tensor {clip(t.name)} is not listed for this file in the index")
             tensors[t.name] = t
     if index_map is not None:
         missing = sorted(set(index_map) - set(tensors))
         if missing:
-            raise InvalidArgument(f"index lists tensors missing from the files: {missing[:5]}")
+            raise InvalidArgument(f"index lists tensors missing from the files: {[clip(m) for m in missing[:5]]}")
     config: dict[str, Any] = {}
     cfg = root / "config.json"
     if cfg.exists():
-        try:
-            config = json.loads(cfg.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise InvalidArgument(f"{cfg}: unreadable config: {exc}") from None
+        doc = _read_json(allowed(cfg), "config", limit=16 * 1024**2)
+        config = doc if isinstance(doc, dict) else {}
     return Checkpoint(str(p.absolute()), tensors, config)

@@ -7,8 +7,10 @@ versions, plus every version some binding uses, are kept), and the bounded backo
 version. Does not own: storing, listing or deleting anything (``client.publisher``, ``client.binding``).
 
 Why a tag tensor: artifacts are content-addressed, so two versions with equal tensors (or two models with
-the same state dict) would be one artifact with several keys, and deleting one version would delete the
-other. The tag (``{model}@v{N}`` as bytes, a few dozen bytes) makes each version's artifact id its own.
+the same state dict) would be one artifact with several keys. Deleting one key would still keep the other
+(keys are independent references), but whatever names a version by id (use records, views, a delete by id)
+would name both. The tag (``{model}@v{N}`` as bytes, a few dozen bytes) makes each version's artifact id its
+own.
 """
 
 from __future__ import annotations
