@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import shutil
 import socket
 import tempfile
@@ -112,7 +113,17 @@ def run(world: int, mib: int, address: str) -> dict[str, float]:
                  for port in [_port()] for r in range(world)]
         for p in procs:
             p.start()
-        result: dict[str, float] = out.get(timeout=600)
+        deadline = time.monotonic() + 600
+        while True:  # a rank that failed ends the run at once, not after the deadline
+            try:
+                result: dict[str, float] = out.get(timeout=1)
+                break
+            except queue.Empty:
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    for p in procs:
+                        p.kill()
+                    raise RuntimeError(f"a rank failed (exit codes {failed}) or the run passed 600 s") from None
         for p in procs:
             p.join(60)
         return result
