@@ -14,6 +14,8 @@ Configurations:
   regions;
 - an index-only round trip to a shard home vs the page round trip, to weigh "bytes on the shard home"
   against "bytes on the writer's worker, index on the shard home" (which adds that round trip to a get);
+- the same with ``kv.replicas=2`` (every page also copied to a backup home before a put is acknowledged),
+  to price that safety against one copy;
 - Mooncake Store (``mooncake-transfer-engine-non-cuda``, ``mooncake_master`` on loopback, TCP protocol;
   batch_put_from / batch_get_into on registered buffers), if installed: ``pip install .[bench]`` and
   Debian ``libibverbs1``. Its HTTP metadata server binds all interfaces: run this only on a host with no
@@ -93,12 +95,13 @@ def cache_regions(n: int, page: int, regions: int) -> tuple[BlockRegions, list[n
 
 
 def bench_tensorcast(workers: int, page: int, n: int, reps: int, locations: str,
-                     metrics_on: bool = True, regions: int = 0) -> dict[str, float]:
+                     metrics_on: bool = True, regions: int = 0, replicas: int = 1) -> dict[str, float]:
     keys, pages = make_pages(n, page, seed=page + workers)
     # Steady state of a page cache, like Mooncake's pre-mounted segment: the store is already full, so new
     # pages reuse evicted slots of existing (pre-faulted) arenas instead of faulting in fresh memory.
     capacity = 3 * n * page
-    config = {"kv.memory_capacity": capacity, **metrics_switch(metrics_on)}
+    config = {"kv.memory_capacity": capacity * replicas, "kv.replicas": replicas, **metrics_switch(metrics_on),
+              "gs.page_index": locations == "global-store"}  # the store serves its page index only when asked
     with tc.LocalCluster(workers=workers, config=config) as cluster, \
             tc.connect(cluster.address) as client:
         deadline = time.time() + 20
@@ -268,6 +271,8 @@ def main() -> None:
             r = bench_tensorcast(w, page, n, reps, "shard-homes", on, regions=regions if w == 1 else 0)
             show(f"tensorcast shard homes, {w}w", page, n, {**r, "regions": regions} if w == 1 else r)
         show("tensorcast GS page index, 2w", page, n, bench_tensorcast(2, page, n, reps, "global-store", on))
+        show("tensorcast kv.replicas=2, 2w", page, n, bench_tensorcast(2, page, n, reps, "shard-homes", on,
+                                                                      replicas=2))
         mc = bench_mooncake(page, n, reps, regions)
         if mc is not None:
             show("mooncake store (tcp)", page, n, {**mc, "regions": regions})
@@ -282,6 +287,11 @@ def summary(rows: list[dict[str, Any]], cases: list[tuple[int, int, int]]) -> No
     """Ratios to Mooncake measured in this run, and the round trips."""
     for page, _, _ in cases:
         ours = [r for r in rows if r["page_bytes"] == page and r["system"].startswith("tensorcast shard homes")]
+        two = [r for r in rows if r["page_bytes"] == page and r["system"] == "tensorcast shard homes, 2w"]
+        backed = [r for r in rows if r["page_bytes"] == page and r["system"].startswith("tensorcast kv.replicas=2")]
+        if two and backed:
+            put, get = (backed[0][f] / two[0][f] for f in ("put_GBps", "get_GBps"))
+            print(f"{page // KiB} KiB pages: kv.replicas=2 vs 1 (2 workers): put {put:.2f}x, get {get:.2f}x")
         mc_rows = [r for r in rows if r["page_bytes"] == page and r["system"].startswith("mooncake")]
         best = max(ours, key=lambda r: r["get_GBps"])
         size = f"{page // KiB} KiB pages"

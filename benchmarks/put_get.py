@@ -24,7 +24,13 @@ same-host put, the time the global store took to record it (a SQLite commit ever
 without an fsync for an artifact held only in memory). ``--metrics off`` runs the cluster and this process with
 metrics recording off (``benchmarks/metrics_cost.py`` compares the two in one run).
 
-Usage: python benchmarks/put_get.py [--quick] [--json PATH] [--metrics on|off] [--set KEY=VALUE ...]
+With ``--tls``, instead: what TLS costs a caller, against the plain-text path in the same run. Two one-worker
+clusters alike but for TLS (both with a token), their calls interleaved: put and tensor() on the same host
+(the bytes go through shared memory; TLS carries the control messages) and from another host (the bytes cross
+TLS); ratio = median plain / median TLS (1: free); then the price of opening a connection
+(``tlslib.handshakes``): without a token, with the challenge-response, with TLS too.
+
+Usage: python benchmarks/put_get.py [--quick] [--tls] [--json PATH] [--metrics on|off] [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from typing import Any
 import numpy as np
 
 import tensorcast as tc
+import tlslib
 from benchlib import fmt_size, metrics_switch, shm_pages, write_json
 
 SMALL, SMALL_COUNT = 4 << 10, 2000
@@ -233,15 +240,70 @@ def show(rows: list[dict[str, float]], ray: dict[str, Any] | None, small: dict[s
         print("ray: not installed, no Ray columns (pip install .[bench])")
 
 
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def measure_tls(sizes: list[int], reps: int) -> list[dict[str, float]]:
+    """Put and get over TLS against plain text, per size and path, the two clusters' calls interleaved."""
+    rows = []
+    paths = ("put_local", "get_local", "put_remote", "get_remote")
+    with tlslib.pair(workers=1, memory_capacity="4GiB", config={"worker.prefault_bytes": "256MiB"}) as clusters:
+        clients = {name: {"local": tlslib.connect(c), "remote": tlslib.connect(c, **{"client.host_id": "far"})}
+                   for name, c in clusters.items()}
+        try:
+            for size in sizes:
+                data = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
+                kept = {name: c["local"].put(data) for name, c in clients.items()}
+                got: dict[tuple[str, str], list[float]] = {(n, p): [] for n in clients for p in paths}
+                counter = iter(range(1, 1 << 30))
+                for i in range(count(size, reps) + 1):
+                    for name, c in clients.items():
+                        for where, client in c.items():
+                            new = fresh(data, next(counter))  # new content: nothing deduplicated
+                            t_put, art = _timed(lambda client=client: client.put(new))  # noqa: B023
+                            client.delete(art.id)
+                            t_get, _ = _timed(lambda client=client, name=name: client.artifact(
+                                kept[name].id).tensor(like="numpy"))  # noqa: B023
+                            if i:  # the first: connections opened, mappings made
+                                got[(name, f"put_{where}")].append(t_put)
+                                got[(name, f"get_{where}")].append(t_get)
+                for name, c in clients.items():
+                    c["local"].delete(kept[name].id)
+                row: dict[str, float] = {"size": size}
+                for p in paths:
+                    plain, tls = (statistics.median(got[(n, p)]) for n in ("plain", "tls"))
+                    row[f"{p}_plain_s"], row[f"{p}_tls_s"], row[f"{p}_ratio"] = plain, tls, plain / tls
+                rows.append(row)
+        finally:
+            for pair in clients.values():
+                for client in pair.values():
+                    client.close()
+    print(f"{'size':>8} " + " ".join(f"{p + ' plain/TLS':>20}" for p in paths))
+    for r in rows:
+        print(f"{fmt_size(int(r['size'])):>8} " + " ".join(f"{r[p + '_ratio']:>20.2f}" for p in paths))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (about a minute)")
+    ap.add_argument("--tls", action="store_true", help="TLS against plain text, and what opening a connection "
+                    "costs, instead of the default comparison")
     ap.add_argument("--json", default=None, help="write results to this JSON file")
     ap.add_argument("--metrics", choices=["on", "off"], default="on", help="metrics recording (default on)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="cluster configuration, e.g. gs.sqlite_synchronous=NORMAL (repeatable)")
     args = ap.parse_args()
     overrides = dict(kv.split("=", 1) for kv in args.set)
+    if args.tls:
+        tls_rows = measure_tls([4 << 10, 1 << 20, 16 << 20] + ([] if args.quick else [64 << 20, 256 << 20]),
+                               5 if args.quick else 9)
+        write_json(args.json, "put_get-tls", args.quick, rows=tls_rows,
+                   handshakes=tlslib.handshakes(20 if args.quick else 100))
+        return
 
     sizes = [4 << 10, 1 << 20, 16 << 20, 64 << 20] + ([] if args.quick else [256 << 20])
     reps = 5 if args.quick else 9

@@ -13,12 +13,17 @@ Measured in one run:
    and slicing it locally.
 4. same-host ``tensor()`` of 64 MiB..(4 GiB): must stay flat (mapped, not copied).
 
+With ``--tls``, instead: what TLS costs on the data plane, against the plain-text path in the same run. Two
+clusters alike but for TLS (both with a token): prefetch w0 -> w1 of 1 MiB..1 GiB, 1 and 4 streams, the two
+clusters' transfers interleaved; ratio = median plain / median TLS (1: free); then the price of opening a
+connection (``tlslib.handshakes``): without a token, with the challenge-response, with TLS too.
+
 With ``--netns`` (needs root and iproute2), instead: between real hosts, each in its own network namespace
 (no shared memory, a veth pair and a bridge between them), prefetch w0 -> w1 of 16 MiB..1 GiB, 1 and 4
 streams, against a raw Python socket stream (``sendall`` from a touched buffer, ``recv_into`` a touched
 buffer, same stream counts) between the same two namespaces. Ratio = median ours / median raw, in GB/s.
 
-Usage: python benchmarks/transfer.py [--quick] [--netns] [--json PATH]
+Usage: python benchmarks/transfer.py [--quick] [--tls] [--netns] [--json PATH]
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import time
 import numpy as np
 
 import tensorcast as tc
+import tlslib
 from benchlib import best_of, fmt_size, write_json
 from tensorcast.netns import Hosts, netns_available
 
@@ -277,13 +283,62 @@ def main_netns(quick: bool, json_path: str | None) -> None:
     write_json(json_path, "transfer-netns", quick, netns_transfer=rows)
 
 
+def _prefetch_seconds(client: tc.Client, art: tc.Artifact, streams: int) -> float:
+    art.evict(on="w1")
+    t0 = time.perf_counter()
+    client.artifact(art.id).prefetch(to="w1", streams=streams).result(timeout=600)
+    return time.perf_counter() - t0
+
+
+def main_tls(quick: bool, json_path: str | None) -> None:
+    """Worker-to-worker prefetch over TLS against plain text, the two clusters' runs interleaved."""
+    sizes = [MiB, 16 * MiB, 64 * MiB] if quick else [MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1 << 30]
+    reps = 5 if quick else 9
+    rows = []
+    print(f"{'size':>8} {'streams':>7} {'plain GB/s':>11} {'TLS GB/s':>9} {'plain/TLS time':>15}")
+    with tlslib.pair(workers=2, hosts=2, memory_capacity=f"{2 * max(sizes) + (1 << 30)}",
+                     config={"worker.prefault_bytes": "256MiB"}) as clusters:
+        clients = {name: tlslib.connect(c) for name, c in clusters.items()}
+        try:
+            for size in sizes:
+                data = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
+                arts = {name: c.put({"t": data}, on="w0") for name, c in clients.items()}
+                for streams in (1, 4):
+                    got: dict[str, list[float]] = {name: [] for name in clients}
+                    for i in range(reps + 1):
+                        for name, c in clients.items():
+                            t = _prefetch_seconds(c, arts[name], streams)
+                            if i:  # the first: connections opened, chunk checksums computed and cached
+                                got[name].append(t)
+                    plain, tls = (float(np.median(got[k])) for k in ("plain", "tls"))
+                    row = {"size": size, "streams": streams, "plain_GBps": size / plain / 1e9,
+                           "tls_GBps": size / tls / 1e9, "ratio": plain / tls}
+                    rows.append(row)
+                    print(f"{fmt_size(size):>8} {streams:>7} {row['plain_GBps']:>11.2f} {row['tls_GBps']:>9.2f} "
+                          f"{row['ratio']:>15.2f}")
+                for name, c in clients.items():
+                    c.delete(arts[name].id)
+        finally:
+            for c in clients.values():
+                c.close()
+    shakes = tlslib.handshakes(20 if quick else 100)
+    big = [r["ratio"] for r in rows if r["size"] >= 16 * MiB]
+    print(f"\nTLS on the data plane, >= 16 MiB: plain/TLS time min {min(big):.2f}, median {float(np.median(big)):.2f}")
+    write_json(json_path, "transfer-tls", quick, tls_transfer=rows, handshakes=shakes)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tls", action="store_true", help="TLS against plain text on the data plane, and what "
+                    "opening a connection costs, instead of the default sections")
     ap.add_argument("--netns", action="store_true", help="between hosts in network namespaces (root): "
                     "prefetch vs a raw socket between the same namespaces, instead of the default sections")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.tls:
+        main_tls(args.quick, args.json)
+        return
     if args.netns:
         main_netns(args.quick, args.json)
         return

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -9,6 +11,10 @@ from tensorcast.cluster import LocalCluster
 from tensorcast.testing import running_cluster
 from tensorcast.testing.etcd import EtcdCluster
 from tensorcast.testing.tools import require_tool
+
+# Tests write their checkpoints under the temporary directory: the workers they start may register them from
+# there (weights.allowed_roots; tests of the roots themselves configure their own).
+os.environ.setdefault("TENSORCAST_WEIGHTS_ALLOWED_ROOTS", tempfile.gettempdir())
 
 
 @pytest.fixture(scope="session")

@@ -5,8 +5,9 @@ Dockerfile must lint clean (hadolint); both checks are shown to fail on a broken
 is rendered by a small loader that implements only what the layout uses (resources, components, namespace,
 target-less strategic-merge patches of maps) and refuses anything else, and the rendered pods are checked
 for what docs/deployment-kubernetes.md promises: non-root and locked down, the token from a Secret, the
-configuration from the ConfigMap (and valid for ``Config``), /dev/shm sized for the configured tiers,
-/metrics on port 9400, the flags of the real CLI, the host-network overlay and the etcd component.
+configuration from the ConfigMap (and valid for ``Config``), TLS on with the certificates of a Secret, /dev/shm
+sized for the configured tiers, /metrics on port 9400, the flags of the real CLI, the host-network overlay and
+the etcd component.
 """
 
 from __future__ import annotations
@@ -570,3 +571,32 @@ def test_dockerignore_keeps_the_build_inputs_only() -> None:
     assert patterns[0] == "*"  # everything out (.git, .venv, tests, data, tokens) ...
     readme = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["readme"]
     assert {"!pyproject.toml", f"!{readme}", "!src/"} <= set(patterns)  # ... but what the wheel is built from
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_tls_is_on_by_default_with_the_certificates_of_a_secret(layout: str) -> None:
+    docs = render(LAYOUTS[layout])
+    for name, pod, container in tensorcast_containers(docs):
+        tls = configured(docs, pod, container).tls
+        assert tls.enabled and tls.server_name, name
+        for path, key in ((tls.cert_file, "tls.crt"), (tls.key_file, "tls.key"), (tls.ca_file, "ca.crt")):
+            assert Path(path).name == key, (name, path)
+            volume = volume_at(pod, container, path)["secret"]
+            secret = find(docs, "Secret", volume["secretName"])
+            assert key in {**secret.get("data", {}), **secret.get("stringData", {})}, (name, key)
+            assert volume["defaultMode"] & 0o007 == 0, (name, "the key must not be readable by others")
+        assert container["readinessProbe"]["httpGet"]["scheme"] == "HTTPS", name
+        assert pod["metadata"]["annotations"]["prometheus.io/scheme"] == "https", name
+
+
+def test_the_shipped_tls_placeholder_is_refused(tmp_path: Path) -> None:
+    """The base's TLS Secret is empty: no process accepts it, so nothing runs until it is replaced."""
+    from tensorcast.tls import server_context
+
+    secret = find(render(BASE), "Secret", "tensorcast-tls")
+    for key, value in secret["stringData"].items():
+        (tmp_path / key).write_text(value)
+    config = Config.from_flat({"tls.enabled": True, "tls.cert_file": str(tmp_path / "tls.crt"),
+                               "tls.key_file": str(tmp_path / "tls.key"), "tls.ca_file": str(tmp_path / "ca.crt")})
+    with pytest.raises(InvalidArgument, match="cannot load the certificate"):
+        server_context(config.tls)

@@ -38,14 +38,15 @@ def test_engine_facing_exports() -> None:
 
 
 def test_error_tree_and_codes() -> None:
-    leaves = [errors.NotFound, errors.InvalidArgument, errors.DeadlineExceeded, errors.Unauthenticated,
-              errors.ResourceExhausted, errors.Unavailable, errors.ChunkCorrupted, errors.StaleFencingToken,
-              errors.VersionConflict, errors.SwapAborted, errors.InternalError]
+    leaves = [errors.NotFound, errors.AlreadyExists, errors.InvalidArgument, errors.DeadlineExceeded,
+              errors.Unauthenticated, errors.PermissionDenied, errors.ResourceExhausted, errors.Unavailable,
+              errors.ChunkCorrupted, errors.StaleFencingToken, errors.VersionConflict, errors.SwapAborted,
+              errors.InternalError]
     assert len({c.code for c in leaves}) == len(leaves)
     for cls in leaves:
         assert issubclass(cls, errors.TensorCastError)
         rebuilt = errors.error_from_code(cls.code, "m", "t")
         assert type(rebuilt) is cls and rebuilt.trace_id == "t" and rebuilt.message == "m"
-    assert errors.Unavailable.retryable and not errors.NotFound.retryable
+    assert errors.Unavailable.retryable and not errors.NotFound.retryable and not errors.AlreadyExists.retryable
     assert issubclass(errors.ChunkCorrupted, errors.Unavailable) and errors.ChunkCorrupted.retryable
     assert isinstance(errors.error_from_code("WHAT", "x"), errors.InternalError)

@@ -51,8 +51,8 @@ COMMAND_LINE = [s for s in _snippets() if s.lang == "bash" and s.section == "Com
 
 def _env() -> dict[str, str]:
     """This interpreter's environment and its ``tensorcast`` script first on PATH, with no cluster address
-    from outside: the snippets find their own."""
-    env = {k: v for k, v in os.environ.items() if k != "TENSORCAST_ADDRESS"}
+    from outside: the snippets find their own (and read checkpoints where a newcomer's cluster would)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TENSORCAST_ADDRESS", "TENSORCAST_WEIGHTS_ALLOWED_ROOTS")}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     return env
 

@@ -7,10 +7,10 @@
         w2 = client.artifact("demo/model@v1").tensor("w")
 """
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 from tensorcast import errors
+from tensorcast.client.artifact import Deletion, PrefetchOptions
 from tensorcast.client.operation import Operation
 from tensorcast.client.reads import Diagnostics
 from tensorcast.client.sync import Artifact, Client, View, connect, get_client, init
@@ -66,31 +66,30 @@ __all__ = [
 ]
 
 
+# Each function below is its ``Client`` method on the process-default client (see ``init``), with the same
+# parameters (tests/client/test_sync_twins.py checks it).
+
+
 def put(tensors: Any, key: str | None = None, *, ttl: float | None = None, policy: str | Placement | None = None,
-        on: str | None = None, timeout: float | None = None) -> Artifact:
+        on: str | None = None, timeout: float | None = None, ctx: CallContext | None = None) -> Artifact:
     """``put`` on the process-default client (see ``init``)."""
-    return get_client().put(tensors, key, ttl=ttl, policy=policy, on=on, timeout=timeout)
+    return get_client().put(tensors, key, ttl=ttl, policy=policy, on=on, timeout=timeout, ctx=ctx)
 
 
-def prefetch(key_or_id: str, to: str, *, pin: bool = False, pin_ttl: float | None = None,
-             timeout: float | None = None, streams: int = 0, tp: TP | None = None,
-             rules: TPRules | Mapping[str, Any] | None = None,
-             slices: Mapping[str, Sequence[tuple[int, slice]]] | None = None,
-             device: str = "") -> Operation[Prefetched]:
-    """``prefetch`` on the process-default client (see ``Client.prefetch``)."""
-    return get_client().prefetch(key_or_id, to, pin=pin, pin_ttl=pin_ttl, timeout=timeout, streams=streams, tp=tp,
-                                 rules=rules, slices=slices, device=device)
+def prefetch(key_or_id: str, to: str, **options: Unpack[PrefetchOptions]) -> Operation[Prefetched]:
+    """``prefetch`` on the process-default client (see ``Client.prefetch``; every option: ``PrefetchOptions``)."""
+    return get_client().prefetch(key_or_id, to, **options)
 
 
-def artifact(key_or_id: str) -> Artifact:
-    return get_client().artifact(key_or_id)
+def artifact(key_or_id: str, *, timeout: float | None = None) -> Artifact:
+    return get_client().artifact(key_or_id, timeout=timeout)
 
 
 def ls(prefix: str = "", *, limit: int | None = None) -> list[Artifact]:
     return get_client().ls(prefix, limit=limit)
 
 
-def delete(key_or_id: str) -> str:
+def delete(key_or_id: str) -> Deletion:
     return get_client().delete(key_or_id)
 
 

@@ -1,16 +1,15 @@
-"""The ``tensorcast`` command line: run processes (``up``, ``gs``, ``worker``) and use a cluster
-(``status``, ``put``, ``get``, ``load``, ``ls``, ``rm``).
+"""The ``tensorcast`` command line: the command group, and the commands that use a cluster (``status``,
+``put``, ``get``, ``load``, ``ls``, ``rm``); those that run processes (``up``, ``gs``, ``worker``, ``add-worker``,
+``stop-worker``) are ``cli_procs``', ``credential`` is ``cli_credentials``'.
 
-Owns: flags, their mapping onto configuration keys, process entry points (signal handling, logging), watching
-the processes of ``up``, and human-readable output. Client commands find the cluster from ``--address``,
-``TENSORCAST_ADDRESS`` or ``DATA_DIR/cluster.json``, and authenticate with ``--token``/``TENSORCAST_TOKEN``.
-Errors print one line and exit non-zero; no tracebacks for user mistakes. Reading and writing files is
-``cli_files``'s job.
+Owns: client flags, how a client command finds the cluster (``--address``, ``TENSORCAST_ADDRESS`` or
+``DATA_DIR/cluster.json``; an address that does not answer is reported with where it came from), ``--token`` /
+``TENSORCAST_TOKEN``, and human-readable output. Errors print one line and exit 2; no tracebacks for user
+mistakes. Reading and writing files is ``cli_files``'s job, the status tables ``cli_status``'.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import datetime
 import json
@@ -25,18 +24,20 @@ from typing import TYPE_CHECKING, Any
 
 import click
 import numpy as np
-from rich.console import Console
 from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 from rich.text import Text
 
+from tensorcast.cli_common import console, err_console, say
+from tensorcast.cli_credentials import credential
 from tensorcast.cli_files import (
     METADATA_SUFFIX,
     PROGRESS_BYTES,
     byte_progress,
     check_suffix,
     checkpoint_files,
+    deleted_line,
     download,
     get_metadata,
     output_file,
@@ -46,49 +47,13 @@ from tensorcast.cli_files import (
     upload,
     write_tensors,
 )
-from tensorcast.config import Config
-from tensorcast.errors import InvalidArgument, NotFound, TensorCastError
+from tensorcast.cli_procs import add_worker, gs, stop_worker, up, worker
+from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, Unavailable
 from tensorcast.pool.placement import PRESETS
 from tensorcast.views import TP
 
 if TYPE_CHECKING:
-    import subprocess
-
     from tensorcast.client.sync import Artifact, Client
-    from tensorcast.cluster import LocalCluster
-
-# Piped into a file or another program, a table keeps whole cells (rich would cut them to 80 columns).
-_piped = not sys.stdout.isatty() and "COLUMNS" not in os.environ
-console = Console(width=1000 if _piped else None)
-err_console = Console(stderr=True)
-
-
-def _overrides(sets: tuple[str, ...], extra: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in sets:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise InvalidArgument(f"--set expects KEY=VALUE, got {item!r}")
-        out[key.strip()] = value
-    out.update({k: v for k, v in extra.items() if v is not None})
-    return out
-
-
-def _serve(name: str, coro_factory: Any) -> None:
-    """Run a server coroutine until SIGTERM/SIGINT, then let it clean up."""
-    from tensorcast.client.loop import new_event_loop
-    from tensorcast.log import setup_logging
-
-    setup_logging(name)
-    loop = new_event_loop()
-    asyncio.set_event_loop(loop)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        loop.run_until_complete(coro_factory(stop))
-    finally:
-        loop.close()
 
 
 class _Group(click.Group):
@@ -101,188 +66,32 @@ class _Group(click.Group):
             sys.exit(2)
 
 
-def _say(line: str) -> None:
-    """One plain line on stdout: never wrapped (logs and scripts read it whole), no markup in names."""
-    console.print(line, soft_wrap=True, markup=False, highlight=False)
-
-
 @click.group(cls=_Group)
 @click.version_option(package_name="tensorcast")
 def main() -> None:
     """TensorCast: a shared, programmable tensor pool for LLM infrastructure."""
 
 
-_set_option = click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
-                           help="Override a configuration key, e.g. worker.memory_capacity=2GiB.")
-_config_option = click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-                              help="TOML configuration file.")
+main.add_command(gs)
+main.add_command(worker)
+main.add_command(up)
+main.add_command(add_worker)
+main.add_command(stop_worker)
+main.add_command(credential)
 
 
-@main.command()
-@click.option("--data-dir", type=click.Path(file_okay=False), required=True)
-@click.option("--host", default=None, help="Bind address (loopback unless a token is configured).")
-@click.option("--port", type=int, default=None)
-@click.option("--ready-file", type=click.Path(dir_okay=False), default=None)
-@click.option("--etcd", default=None, metavar="URL[,URL...]",
-              help="Keep the metadata on this etcd cluster (then several global stores may serve it).")
-@_config_option
-@_set_option
-def gs(data_dir: str, host: str | None, port: int | None, ready_file: str | None, etcd: str | None,
-       config_path: str | None, sets: tuple[str, ...]) -> None:
-    """Run the global store (SQLite in DATA_DIR, or on etcd with --etcd)."""
-    from tensorcast.gs.service import run_global_store
-
-    config = Config.load(config_path, _overrides(sets, {"gs.host": host, "gs.port": port,
-                                                         "gs.etcd_endpoints": etcd}))
-    _check_bind(config.gs.host, config.token)
-    Path(data_dir).mkdir(parents=True, exist_ok=True)
-    _serve("gs", lambda stop: run_global_store(config, Path(data_dir), Path(ready_file) if ready_file else None,
-                                               stop))
-
-
-@main.command()
-@click.option("--gs", "gs_address", required=True,
-              help="Global store address HOST:PORT, or several (HOST:PORT,HOST:PORT) serving one etcd.")
-@click.option("--id", "worker_id", required=True, help="Stable worker id (kept across restarts).")
-@click.option("--host", default=None)
-@click.option("--port", type=int, default=None)
-@click.option("--roles", default=None, help="Comma-separated roles (default basic,gateway,shard-home).")
-@click.option("--memory", default=None, help="Memory tier capacity, e.g. 8GiB.")
-@click.option("--host-id", default=None, help="Host identity for same-host decisions.")
-@click.option("--ready-file", type=click.Path(dir_okay=False), default=None)
-@_config_option
-@_set_option
-def worker(gs_address: str, worker_id: str, host: str | None, port: int | None, roles: str | None,
-           memory: str | None, host_id: str | None, ready_file: str | None, config_path: str | None,
-           sets: tuple[str, ...]) -> None:
-    """Run a worker."""
-    from tensorcast.worker.server import run_worker
-
-    config = Config.load(config_path, _overrides(sets, {
-        "worker.host": host, "worker.port": port, "worker.roles": roles, "worker.memory_capacity": memory,
-        "worker.host_id": host_id}))
-    _check_bind(config.worker.host, config.token)
-    _serve(f"worker-{worker_id}", lambda stop: run_worker(config, worker_id, gs_address,
-                                                          Path(ready_file) if ready_file else None, stop))
-
-
-def _check_bind(host: str, token: str | None) -> None:
-    if token is None and host not in ("127.0.0.1", "localhost", "::1"):
-        raise InvalidArgument(f"refusing to bind {host} without a cluster token: set TENSORCAST_TOKEN or "
-                              "bind loopback")
-
-
-@main.command()
-@click.option("--workers", type=int, default=2, show_default=True)
-@click.option("--hosts", type=int, default=1, show_default=True, help="Simulated hosts (network path).")
-@click.option("--data-dir", type=click.Path(file_okay=False), default="./tc-data", show_default=True)
-@click.option("--memory", default=None, help="Memory tier per worker, e.g. 4GiB.")
-@click.option("--restart-dead", is_flag=True, help="Restart a worker (or the global store) that died.")
-@click.option("--etcd", default=None, metavar="URL[,URL...]", help="Keep the metadata on this etcd cluster.")
-@click.option("--global-stores", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Global-store processes serving it at once (more than one needs --etcd).")
-@_config_option
-@_set_option
-def up(workers: int, hosts: int, data_dir: str, memory: str | None, restart_dead: bool, etcd: str | None,
-       global_stores: int, config_path: str | None, sets: tuple[str, ...]) -> None:
-    """Start a local cluster (global store + workers) until Ctrl-C; say when one of its processes dies."""
-    from tensorcast.cluster import LocalCluster
-    from tensorcast.obs.tracing import check_exporter
-
-    if global_stores > 1 and not etcd:
-        raise InvalidArgument("--global-stores above 1 needs --etcd (SQLite has one writer)")
-    # Configuration mistakes are refused here, in one line, before any process starts.
-    config = Config.load(config_path, {**_overrides(sets, {}), "gs.etcd_endpoints": etcd})
-    check_exporter(config.tracing)
-    if config_path:  # every process of the cluster reads the same file (they inherit the environment)
-        os.environ["TENSORCAST_CONFIG"] = os.path.abspath(config_path)
-    if etcd:
-        from tensorcast.gs.etcd_client import check_reachable
-
-        check_reachable(etcd)
-    cluster = LocalCluster(workers=workers, hosts=hosts, data_dir=data_dir, memory_capacity=memory,
-                           config=_overrides(sets, {}), token=os.environ.get("TENSORCAST_TOKEN"), etcd=etcd,
-                           global_stores=global_stores)
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: Any) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    with cluster:
-        _say(f"TensorCast cluster up: gateway {cluster.address}, global store{'s' if global_stores > 1 else ''} "
-             f"{', '.join(cluster.gs_addresses)}" + (f" on etcd {etcd}" if etcd else ""))
-        _say("processes: " + ", ".join(f"{name} pid {pid}" for name, pid in cluster.pids().items())
-             + f"; logs in {cluster.data_dir / 'logs'}")
-        _say(f"wrote {Path(data_dir) / 'cluster.json'}; export TENSORCAST_ADDRESS={cluster.address}")
-        if cluster.dashboard_url:
-            _say(f"dashboard {cluster.dashboard_url} (the same in a terminal: tensorcast status --watch); "
-                 f"metrics: tensorcast status --json")
-        _say("Ctrl-C to stop.")
-        watchdog = _Watchdog(cluster, restart=restart_dead)
-        # The handler sets the event, which ends the wait at once; otherwise look at the processes each second.
-        while not stop.wait(1.0):
-            watchdog.check()
-        _say("stopping...")
-
-
-class _Watchdog:
-    """Says once, in one line, when a process of ``up``'s cluster died (its exit code or signal and its log),
-    and with ``restart`` starts it again on the same port (once per death; not again if that start fails)."""
-
-    def __init__(self, cluster: LocalCluster, restart: bool) -> None:
-        self.cluster = cluster
-        self.restart = restart
-        self._reported: set[subprocess.Popen[bytes]] = set()  # already said; a restart makes a new Popen
-        self._given_up: set[str] = set()
-
-    def check(self) -> None:
-        stores = [(h.name, h) for h in self.cluster.global_stores]
-        for name, handle in [*stores, *self.cluster.workers.items()]:
-            if handle is None or handle.popen is None or handle.alive() or handle.popen in self._reported:
-                continue
-            popen = handle.popen
-            self._reported.add(popen)
-            _say(f"{_label(name)} (pid {popen.pid}) died: {_exit_reason(popen.returncode)}; log: {handle.log_path}")
-            if self.restart and name not in self._given_up:
-                self._restart(name)
-
-    def _restart(self, name: str) -> None:
-        stores = [h.name for h in self.cluster.global_stores]
-        try:
-            if name in stores:
-                self.cluster.restart_global_store(stores.index(name))
-            else:
-                self.cluster.restart_worker(name)
-        except TensorCastError as exc:
-            self._given_up.add(name)
-            _say(f"could not restart {_label(name)}: {exc}; not trying again")
-            return
-        handle = self.cluster.global_stores[stores.index(name)] if name in stores else self.cluster.workers[name]
-        _say(f"restarted {_label(name)}: pid {handle.pid}, address {handle.address}")
-
-
-def _label(name: str) -> str:
-    return f"global store{'' if name == 'gs' else ' ' + name[2:]}" if name.startswith("gs") else f"worker {name}"
-
-
-def _exit_reason(returncode: int) -> str:
-    if returncode < 0:
-        with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(-returncode).name}"
-        return f"killed by signal {-returncode}"
-    return f"exited with code {returncode}"
-
-
-def _address(address: str | None, data_dir: str) -> str:
+def _address(address: str | None, data_dir: str) -> tuple[str, str]:
+    """The cluster's address and where it came from (said when it does not answer)."""
     if address:
-        return address
+        return address, "--address"
     if os.environ.get("TENSORCAST_ADDRESS"):
-        return os.environ["TENSORCAST_ADDRESS"]
+        return os.environ["TENSORCAST_ADDRESS"], "TENSORCAST_ADDRESS"
     path = Path(data_dir) / "cluster.json"
     if path.exists():
-        return str(json.loads(path.read_text())["address"])
+        try:
+            return str(json.loads(path.read_text())["address"]), str(path)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise InvalidArgument(f"{path}: not a cluster manifest ({exc!r}); pass --address") from None
     raise InvalidArgument(f"no cluster address: pass --address, set TENSORCAST_ADDRESS, or run `tensorcast up` "
                           f"with --data-dir {data_dir}")
 
@@ -299,7 +108,12 @@ def _client_options(f: Callable[..., Any]) -> Callable[..., Any]:
 def _client(address: str | None, data_dir: str, token: str | None) -> Client:
     from tensorcast.client.sync import connect
 
-    return connect(_address(address, data_dir), token)
+    where, source = _address(address, data_dir)
+    try:
+        return connect(where, token)
+    except Unavailable as exc:
+        hint = " (is the cluster that wrote it still running?)" if source.endswith("cluster.json") else ""
+        raise Unavailable(f"cannot reach the cluster at {where}, from {source}{hint}: {exc.message}") from None
 
 
 @main.command()
@@ -383,7 +197,7 @@ def put(file: Path, key: str, ttl: float | None, policy: str | None, address: st
         data = read_tensors(file, progress)
         art = upload(client, data.tensors, key, ttl, policy, progress)
         put_metadata(client, key, data.metadata, ttl, policy)
-    _say(f"{art.id} {key} ({len(art.tensor_names)} tensors, {size(art.nbytes)}"
+    say(f"{art.id} {key} ({len(art.tensor_names)} tensors, {size(art.nbytes)}"
          + (", with safetensors metadata)" if data.metadata else ")"))
 
 
@@ -407,7 +221,7 @@ def get(key: str, out: Path, address: str | None, data_dir: str, token: str | No
         if out.suffix == ".safetensors":
             metadata = get_metadata(client, key)
         write_tensors(out, part, tensors, metadata)
-    _say(f"wrote {out} ({size(art.nbytes)}" + (", with safetensors metadata)" if metadata else ")"))
+    say(f"wrote {out} ({size(art.nbytes)}" + (", with safetensors metadata)" if metadata else ")"))
 
 
 def _parse_tp(tp: str | None) -> TP | None:
@@ -437,10 +251,14 @@ def load(path: Path, key: str, warm_on: str | None, tp: str | None, no_verify: b
     tp_spec = _parse_tp(tp)
     files = checkpoint_files(path)
     with _client(address, data_dir, token) as client:
+        if warm_on is not None:  # checked first: a typo must not leave a half-done job behind
+            known = [w.worker_id for w in client.list_workers()]
+            if warm_on not in known:
+                raise InvalidArgument(f"--warm {warm_on}: no such worker; workers: {', '.join(known) or 'none'}")
         with err_console.status(escape(f"registering {path}: reading the headers of {len(files)} file(s), "
                                        f"{size(sum(f.stat().st_size for f in files))}")):
             art = client.from_disk(path, key, verify_checksums=not no_verify)
-        _say(f"{art.id} {key}: {len(art.tensor_names)} tensors, {size(art.nbytes)}, model_type "
+        say(f"{art.id} {key}: {len(art.tensor_names)} tensors, {size(art.nbytes)}, model_type "
              f"{art.info.meta.get('model_type') or '-'} (registered, not read)")
         if warm_on is not None:
             _warm(client, art, warm_on, tp_spec)
@@ -452,18 +270,21 @@ def _warm(client: Client, art: Artifact, warm_on: str, tp_spec: TP | None) -> No
         view = art.view(tp=tp_spec)
         total = sum(int(np.prod(view.shape(n), dtype=np.int64)) * art.meta(n).nbytes
                     // max(int(np.prod(art.meta(n).shape, dtype=np.int64)), 1) for n in view.tensor_names)
-    before = next(w.memory_used for w in client.list_workers() if w.worker_id == warm_on)
+    def used() -> int:  # 0 for a worker that has left meanwhile: the prefetch then says why it failed
+        return next((w.memory_used for w in client.list_workers() if w.worker_id == warm_on), 0)
+
+    before = used()
     op = art.prefetch(to=warm_on, tp=tp_spec)
     with byte_progress(err_console) as progress:
         task = progress.add_task(f"reading into {warm_on}", total=total)
         while not op.done():
             # Worker memory use arrives with heartbeats: coarse but real progress.
-            used = next(w.memory_used for w in client.list_workers() if w.worker_id == warm_on)
-            progress.update(task, completed=min(max(used - before, 0), total))
+            now = used()
+            progress.update(task, completed=min(max(now - before, 0), total))
             time.sleep(0.2)
         result = op.result()
         progress.update(task, completed=total)
-    _say(f"warm on {warm_on}: {size(result.bytes_moved)} in {result.seconds:.2f}s"
+    say(f"warm on {warm_on}: {size(result.bytes_moved)} in {result.seconds:.2f}s"
          + (" (already there)" if result.already_present else ""))
 
 
@@ -471,14 +292,15 @@ def _warm(client: Client, art: Artifact, warm_on: str, tp_spec: TP | None) -> No
 @click.argument("prefix", default="")
 @_client_options
 def ls_cmd(prefix: str, address: str | None, data_dir: str, token: str | None) -> None:
-    """List artifacts whose key starts with PREFIX (KEY.__metadata__ rows: safetensors metadata of KEY)."""
+    """List the keys starting with PREFIX, one row each (equal content under two keys: two rows with one id);
+    with no PREFIX, also the artifacts no key names ("-"). KEY.__metadata__ rows: safetensors metadata of KEY."""
     with _client(address, data_dir, token) as client:
         table = Table()
         for col in ("key", "id", "tensors", "size", "owner", "replicas", "created"):
             table.add_column(col)
         for a in client.ls(prefix):
             created = datetime.datetime.fromtimestamp(a.info.created_at).strftime("%Y-%m-%d %H:%M:%S")
-            table.add_row(escape(", ".join(a.keys)) or "-", a.id, str(len(a.tensor_names)), size(a.nbytes),
+            table.add_row(escape(a.key or "-"), a.id, str(len(a.tensor_names)), size(a.nbytes),
                           a.owner, ",".join(r.worker_id for r in a.replicas), created)
         console.print(table)
 
@@ -487,8 +309,9 @@ def ls_cmd(prefix: str, address: str | None, data_dir: str, token: str | None) -
 @click.argument("key_or_id")
 @_client_options
 def rm(key_or_id: str, address: str | None, data_dir: str, token: str | None) -> None:
-    """Delete an artifact (by key or id), and the safetensors metadata `put` kept for that key."""
+    """Delete a key (its bytes go when no other key or lease names them) and the safetensors metadata `put`
+    kept for that key; or, given an artifact id, the content with every key naming it."""
     with _client(address, data_dir, token) as client:
-        _say(f"deleted {client.delete(key_or_id)}")
+        say(deleted_line(key_or_id, client.delete(key_or_id)))
         with contextlib.suppress(NotFound):
-            _say(f"deleted {client.delete(key_or_id + METADATA_SUFFIX)} ({key_or_id}{METADATA_SUFFIX})")
+            say(deleted_line(key_or_id + METADATA_SUFFIX, client.delete(key_or_id + METADATA_SUFFIX)))

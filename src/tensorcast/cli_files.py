@@ -3,8 +3,8 @@
 Owns: turning a user's file into tensors (plus a safetensors file's ``__metadata__``) and tensors back into
 a file, with every file problem raised as ``InvalidArgument`` naming the file; uploading and downloading
 them with a client it is given, including the companion artifact that carries safetensors metadata; sizes
-in binary units and the byte progress bars that show them. Does not own: flags, connections, or which
-console output goes to (``cli``).
+in binary units and the byte progress bars that show them; what ``rm`` says it did. Does not own: flags,
+connections, or which console output goes to (``cli``).
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ from rich.progress import BarColumn, Progress, ProgressColumn, Task, TimeElapsed
 from rich.text import Text
 
 from tensorcast.errors import InvalidArgument, NotFound
-from tensorcast.tensors import dtype_name
+from tensorcast.tensors import dtype_name, numpy_dtype
+from tensorcast.weights.safetensors import SAFETENSORS_DTYPES
 
 if TYPE_CHECKING:
+    from tensorcast.client.artifact import Deletion
     from tensorcast.client.sync import Artifact, Client
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "byte_progress",
     "check_suffix",
     "checkpoint_files",
+    "deleted_line",
     "download",
     "get_metadata",
     "output_file",
@@ -125,7 +128,7 @@ def _read_npy(path: Path, progress: Progress | None) -> np.ndarray[Any, Any]:
                 raise InvalidArgument(f"{path}: truncated: the header promises {expected} bytes of data, the "
                                       f"file holds {available}")
             flat = np.empty(math.prod(shape), dtype)
-            _read_into(f, flat.view(np.uint8), path, progress)
+            _read_into(f, flat.view(np.uint8), path, _tracker(progress, f"reading {path.name}", flat.nbytes))
     except ValueError as exc:  # numpy's error for a bad magic string or header
         raise InvalidArgument(f"{path}: not a readable .npy file ({exc})") from None
     except OSError as exc:
@@ -141,8 +144,7 @@ def _tracker(progress: Progress | None, description: str, total: int) -> Callabl
     return lambda n: progress.advance(task, n)
 
 
-def _read_into(f: Any, buf: np.ndarray[Any, Any], path: Path, progress: Progress | None) -> None:
-    advance = _tracker(progress, f"reading {path.name}", buf.nbytes)
+def _read_into(f: Any, buf: np.ndarray[Any, Any], path: Path, advance: Callable[[int], None]) -> None:
     done = 0
     while done < buf.nbytes:
         n = f.readinto(buf[done:done + _CHUNK])
@@ -153,6 +155,9 @@ def _read_into(f: Any, buf: np.ndarray[Any, Any], path: Path, progress: Progress
 
 
 def _read_safetensors(path: Path, progress: Progress | None) -> FileTensors:
+    """``safe_open`` checks the file (header, offsets) and gives its metadata; the bytes are read here, into
+    arrays of TensorCast's dtypes, so that dtypes numpy lacks (FP8: ``ml_dtypes``) load as ``load`` and ``get``
+    handle them."""
     try:
         from safetensors import SafetensorError, safe_open
     except ImportError:
@@ -161,13 +166,22 @@ def _read_safetensors(path: Path, progress: Progress | None) -> FileTensors:
     try:
         with safe_open(str(path), "np") as f:
             metadata = f.metadata()
-            with open(path, "rb") as raw:  # valid (safe_open checked it): 8-byte header length, header, data
-                data_bytes = path.stat().st_size - 8 - int.from_bytes(raw.read(8), "little")
-            advance = _tracker(progress, f"reading {path.name}", data_bytes)
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                tensors[name] = f.get_tensor(name)
-                advance(tensors[name].nbytes)
-    except (SafetensorError, ValueError, TypeError) as exc:  # bad header, truncated data, unknown dtype
+        with open(path, "rb") as raw:  # valid (safe_open checked it): 8-byte header length, header, data
+            hlen = int.from_bytes(raw.read(8), "little")
+            header = json.loads(raw.read(hlen))
+            entries = sorted(((name, e) for name, e in header.items() if name != "__metadata__"),
+                             key=lambda item: int(item[1]["data_offsets"][0]))
+            advance = _tracker(progress, f"reading {path.name}",
+                               sum(int(e["data_offsets"][1]) - int(e["data_offsets"][0]) for _, e in entries))
+            for name, entry in entries:
+                dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+                if dtype is None:
+                    raise InvalidArgument(f"{path}: tensor {name}: dtype {entry['dtype']} is not supported")
+                array = np.empty(tuple(entry["shape"]), numpy_dtype(dtype))
+                raw.seek(8 + hlen + int(entry["data_offsets"][0]))
+                _read_into(raw, array.reshape(-1).view(np.uint8), path, advance)
+                tensors[name] = array
+    except (SafetensorError, ValueError, TypeError, KeyError) as exc:  # bad header, truncated data
         raise InvalidArgument(f"{path}: not a readable safetensors file ({exc})") from None
     except OSError as exc:
         raise InvalidArgument(f"{path}: cannot read ({exc.strerror or exc})") from None
@@ -267,3 +281,14 @@ def get_metadata(client: Client, key: str) -> dict[str, str] | None:
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise InvalidArgument(f"{key}{METADATA_SUFFIX}: not safetensors metadata (not a JSON object of strings)")
     return metadata
+
+
+def deleted_line(key_or_id: str, done: Deletion) -> str:
+    """What ``rm`` says it did: the content gone (a key's last reference, or an id), or a key unbound while
+    other references keep the content."""
+    if key_or_id == done:
+        return f"deleted {done}"
+    if done.removed:
+        return f"deleted {key_or_id} ({done})"
+    kept = f"still named by {', '.join(done.keys)}" if done.keys else "still held by a put without a key"
+    return f"deleted {key_or_id}; its content ({done}) stays: {kept}"

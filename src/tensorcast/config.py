@@ -19,10 +19,12 @@ from typing import Any
 
 import msgspec
 
+from tensorcast.credentials import Keyring
 from tensorcast.errors import InvalidArgument
 
-__all__ = ["ClientConfig", "Config", "GSConfig", "KVConfig", "MetricsConfig", "TracingConfig", "TransportConfig",
-           "WireConfig", "WorkerConfig", "check_token", "default_host_id", "parse_size"]
+__all__ = ["ClientConfig", "Config", "GSConfig", "KVConfig", "MetricsConfig", "TLSConfig", "TracingConfig",
+           "TransportConfig", "WeightsConfig", "WireConfig", "WorkerConfig", "check_token", "default_host_id",
+           "parse_size"]
 
 _UNITS = {
     "": 1,
@@ -73,6 +75,9 @@ class WireConfig(msgspec.Struct, frozen=True, kw_only=True):
     receive_budget_bytes: int = 1024**3
     # Connections a server accepts at once; more are closed at accept.
     max_connections: int = 4096
+    # Of those, connections that have not completed their handshake; at the cap the oldest is closed for a
+    # new one, so sockets left silent (or re-opened as they are closed) cannot lock other peers out.
+    max_unauthenticated: int = 256
     # Largest payload a peer may push without a receiver-chosen destination buffer.
     max_unsolicited_payload_bytes: int = 64 * 1024**2
     # Payloads are written in chunks of this size so flow control can pause the sender.
@@ -113,11 +118,26 @@ class GSConfig(msgspec.Struct, frozen=True, kw_only=True):
     etcd_endpoints: str = ""
     # Where this cluster's keys live in etcd (clusters sharing one etcd use different prefixes).
     etcd_prefix: str = "/tensorcast/"
+    # The SQLite database's largest size (0: what the disk allows). Full (or the disk full), writes fail with
+    # ResourceExhausted (retryable: nothing of them is kept) while reads are still served.
+    sqlite_max_bytes: int = 0
+    # Per-page locations kept in the global store (PageIndexPut/Get): a benchmark switch only
+    # (benchmarks/kv_pages.py measures what shard homes avoid); off, both are refused with InvalidArgument.
+    page_index: bool = False
+    # Its bounds: keys and bytes of keys per request (InvalidArgument beyond), entries and bytes in all, as
+    # written since the store started (ResourceExhausted beyond).
+    page_index_max_keys: int = 4096
+    page_index_max_request_bytes: int = 1024**2
+    page_index_max_entries: int = 100_000
+    page_index_max_bytes: int = 16 * 1024**2
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 0
+    # The data plane's port (worker-to-worker pulls, remote reads), on ``host``; 0 = a free port, reported in
+    # list_workers()' data_address. Fix it when a firewall sits between hosts (docs/deployment.md).
+    data_port: int = 0
     roles: tuple[str, ...] = ("basic", "gateway", "shard-home")
     # Bytes of tensor data the memory tier may hold; puts beyond it fail with ResourceExhausted.
     memory_capacity: int = 4 * 1024**3
@@ -125,12 +145,20 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # A put that was begun but neither committed nor aborted is reclaimed after this long.
     put_timeout: float = 600.0
     # Re-hash bytes that a same-host caller wrote into shared memory before accepting them.
-    # Bytes that crossed a network are always verified.
+    # Bytes that crossed a network are always verified. Off: such bytes are stored unchecked and checked
+    # against their digest once, before anything deduplicates onto them or reads them (docs/architecture.md, Put).
     verify_local_puts: bool = False
+    # While idle, check up to this many bytes of unchecked blobs per housekeeping pass (0.5 s), one core at low
+    # priority, so that a later dedup or first read rarely waits for the check; 0 turns it off.
+    verify_idle_bytes: int = 256 * 1024**2
     # Identity of the host for same-host (shared memory) decisions; tests fake several hosts with it.
     host_id: str = ""
     # Prefix of this worker's shared-memory segment names (under /dev/shm).
     shm_prefix: str = "tensorcast"
+    # A directory this worker owns while it runs (a lock naming it, so a second worker on it is refused), where
+    # it records its segments' prefix so that the next worker on it frees what a killed one left behind in
+    # /dev/shm. "" = none. LocalCluster and `tensorcast up` give worker ID DATA_DIR/workers/ID.
+    data_dir: str = ""
     # Directory of the disk tier ("" = no disk tier: durable/ha/cold puts are refused).
     disk_dir: str = ""
     disk_capacity: int = 64 * 1024**3
@@ -156,10 +184,25 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     memory_low_watermark: float = 0.85
     # How long the "cold" placement keeps its memory copy after the put (the disk copy stays).
     cold_memory_ttl: float = 60.0
+    # How often a worker asks the global store which artifacts it holds have fewer copies on live workers than
+    # their placement wants (a worker's loss, a restart that lost its memory, an evicted copy), and has other
+    # workers pull copies of those it is the lowest-id live holder of; at most repair_parallel artifacts at once,
+    # each copy given up after repair_timeout (or once its target stops heartbeating) and tried elsewhere.
+    repair_interval: float = 2.0
+    repair_parallel: int = 4
+    repair_timeout: float = 600.0
     # Attempts per plan step (the first try included) for retryable failures, within the deadline.
     plan_max_attempts: int = 5
     # Fault injection for tests: corrupt the next N data-plane chunks this worker sends.
     fault_corrupt_chunks: int = 0
+
+
+class WeightsConfig(msgspec.Struct, frozen=True, kw_only=True):
+    # Directories a worker's from_disk may register checkpoints from, besides its data dir (a path resolved
+    # through its symlinks must lie under one; others are refused with PermissionDenied, before a byte is read).
+    # Relative ones are the worker's working directory's. LocalCluster and `tensorcast up` add the directory
+    # they were started from when this is left empty.
+    allowed_roots: tuple[str, ...] = ()
 
 
 class TransportConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -179,6 +222,12 @@ class TransportConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_connections: int = 512
     max_connections_per_peer: int = 256
     idle_timeout: float = 600.0
+    # Connections that have not completed their handshake, at most; at the cap the oldest is closed for a new
+    # one (silent sockets cannot lock authenticated peers out).
+    max_unauthenticated: int = 64
+    # A range being sent must move each chunk (4 MiB) within this long, or the connection is closed: a peer
+    # that stops reading does not hold a sender thread.
+    send_progress_timeout: float = 30.0
 
 
 class KVConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -199,6 +248,8 @@ class KVConfig(msgspec.Struct, frozen=True, kw_only=True):
     candidates: int = 3
     # A client splits a batch so that one request carries at most this many page bytes.
     max_batch_bytes: int = 32 * 1024**2
+    # A shard home refuses a request declaring more page bytes than this (before reserving anything).
+    max_request_bytes: int = 64 * 1024**2
     # How long a KV call waits for its shards to settle on live homes (at start-up, after a home died)
     # before writes raise Unavailable (reads return misses); and how long one request to a home may take.
     handover_timeout: float = 10.0
@@ -206,6 +257,12 @@ class KVConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Answer exists/present for pages of a same-host shard home from its shared-memory presence table, without
     # a round trip (docs/kv-pages.md); off: every lookup asks the home.
     same_host_exists: bool = True
+    # Copies of every page: the shard's holder and its next replicas - 1 best-ranked shard homes, each put
+    # acknowledged once all have it (2: a worker's kill -9 loses no acknowledged page; costs a copy per put).
+    replicas: int = 1
+    # A home that stops serving a shard keeps its pages this long for the next holder to pull (a hand-over)
+    # before it drops them; one of the shard's best-ranked homes (kv.replicas of them) keeps them.
+    handover_keep_seconds: float = 30.0
 
 
 class ClientConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -226,12 +283,17 @@ class ClientConfig(msgspec.Struct, frozen=True, kw_only=True):
     # every ``read_report_seconds``, for its least-recently-used order and metrics (client.read_maps).
     read_map_entries: int = 4096
     read_report_seconds: float = 0.25
+    # A Distributed Checkpoint being loaded (integrations.torch_dcp) is marked with a key leased for this many
+    # seconds, so that a writer's keep_last does not collect it meanwhile; a reader that dies leaves a mark that
+    # lapses after this long.
+    checkpoint_read_lease: float = 600.0
 
 
 class MetricsConfig(msgspec.Struct, frozen=True, kw_only=True):
-    # Every process (global store, workers, instances) serves Prometheus metrics at http://HOST:PORT/metrics;
-    # the global store also serves the dashboard there (``/``). With a cluster token, every HTTP request must
-    # carry it (``Authorization: Bearer TOKEN``, or basic auth with the token as password).
+    # Every process (global store, workers, instances) serves Prometheus metrics at http://HOST:PORT/metrics
+    # (https with tls.enabled); the global store also serves the dashboard there (``/``). With a cluster token,
+    # every HTTP request but /healthz must carry a credential of any role, or the secret
+    # (``Authorization: Bearer CREDENTIAL``, or basic auth with it as the password).
     enabled: bool = True
     # "" = the process's own bind address (loopback unless configured otherwise).
     host: str = ""
@@ -239,6 +301,10 @@ class MetricsConfig(msgspec.Struct, frozen=True, kw_only=True):
     port: int = 0
     # How often the dashboard page refreshes, in seconds.
     dashboard_refresh: float = 1.0
+    # Without a cluster token, HTTP requests must name the server in their Host header: a loopback name, the
+    # bound address, or one of these (a name that points here, e.g. "tc.internal"); others get 421, so a web
+    # page re-pointed at 127.0.0.1 (DNS rebinding) cannot read the cluster. With a token, credentials decide.
+    allowed_hosts: tuple[str, ...] = ()
 
 
 class TracingConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -249,16 +315,39 @@ class TracingConfig(msgspec.Struct, frozen=True, kw_only=True):
     file: str = ""
 
 
+class TLSConfig(msgspec.Struct, frozen=True, kw_only=True):
+    # TLS (the standard library's ssl, TLS 1.2 or later) on every port a process serves (control RPC, data plane,
+    # HTTP) and on every connection it opens. Every process of a cluster and its callers must agree: a plain-text
+    # peer of a TLS port is refused, and so is the reverse (docs/security.md).
+    enabled: bool = False
+    # This process's certificate chain and private key (PEM files). Servers need them; a caller presents them
+    # when the servers require client certificates.
+    cert_file: str = ""
+    key_file: str = ""
+    # The CA certificates (PEM) that peers' certificates must chain to; "" = the system's CAs.
+    ca_file: str = ""
+    # Mutual TLS: a control or data-plane connection whose peer presents no certificate signed by ca_file is
+    # refused. The HTTP endpoint asks for none (probes and scrapers authenticate with a credential).
+    require_client_cert: bool = False
+    # The name every server's certificate is checked against (one name for the whole cluster, when servers are
+    # dialled by IP address); "" = the host of the address dialled.
+    server_name: str = ""
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True):
+    # The cluster secret, or a credential derived from it ("ROLE:HEX"; docs/security.md). None: no
+    # authentication, and every process refuses to listen beyond loopback.
     token: str | None = None
     wire: WireConfig = WireConfig()
     gs: GSConfig = GSConfig()
     worker: WorkerConfig = WorkerConfig()
+    weights: WeightsConfig = WeightsConfig()
     transport: TransportConfig = TransportConfig()
     kv: KVConfig = KVConfig()
     client: ClientConfig = ClientConfig()
     metrics: MetricsConfig = MetricsConfig()
     tracing: TracingConfig = TracingConfig()
+    tls: TLSConfig = TLSConfig()
 
     @classmethod
     def load(
@@ -308,22 +397,25 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def check_token(token: str | None) -> None:
-    """A cluster token is either absent (no authentication: processes bind loopback only) or a non-blank
-    secret. An empty one would silently turn authentication off, so it is refused."""
+    """A cluster token is either absent (no authentication: processes bind loopback only), a non-blank secret
+    or a well-formed credential. An empty one would silently turn authentication off, so it is refused."""
     if token is not None and not token.strip():
         raise InvalidArgument("the cluster token is empty or blank: set a secret in TENSORCAST_TOKEN (or --token), "
                               "or unset it to run without authentication (loopback only)")
+    Keyring.from_token(token)
 
 
 _SECTIONS: dict[str, type[msgspec.Struct]] = {
     "wire": WireConfig,
     "gs": GSConfig,
     "worker": WorkerConfig,
+    "weights": WeightsConfig,
     "transport": TransportConfig,
     "kv": KVConfig,
     "client": ClientConfig,
     "metrics": MetricsConfig,
     "tracing": TracingConfig,
+    "tls": TLSConfig,
 }
 _SIZE_KEYS = {
     "max_frame_bytes",
@@ -338,9 +430,14 @@ _SIZE_KEYS = {
     "device_capacity",
     "small_object_bytes",
     "arena_bytes",
+    "verify_idle_bytes",
     "auto_streams_min_bytes",
     "max_page_bytes",
     "max_batch_bytes",
+    "max_request_bytes",
+    "sqlite_max_bytes",
+    "page_index_max_request_bytes",
+    "page_index_max_bytes",
 }
 
 
@@ -377,10 +474,10 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def _coerce(struct: type[msgspec.Struct], key: str, value: Any, dotted: str) -> Any:
     if key in _SIZE_KEYS:
         return parse_size(value, dotted)
-    if key == "roles" and isinstance(value, str):
-        return tuple(r.strip() for r in value.split(",") if r.strip())
     if isinstance(value, str):
         default = getattr(struct(), key)
+        if isinstance(default, tuple):  # roles, allowed hosts, allowed roots: comma-separated in flags and env
+            return tuple(r.strip() for r in value.split(",") if r.strip())
         try:
             if isinstance(default, bool):
                 if value.lower() not in {"1", "0", "true", "false", "yes", "no"}:

@@ -1,17 +1,17 @@
 """CallContext: the trace id, absolute deadline and idempotency key that travel with an operation.
 
 Owns: creating contexts (``tensorcast.context(...)``), the task-local "current" context used for logging,
-and deadline arithmetic. The deadline is absolute wall-clock time (``time.time()``), computed once from the
+and deadline arithmetic. The deadline is absolute wall-clock time (``clock.time()``), computed once from the
 timeout, so every process an operation touches sees the same instant. Does not own: retries or plans.
 """
 
 from __future__ import annotations
 
 import contextvars
-import time
 import uuid
 from dataclasses import dataclass, field, replace
 
+from tensorcast import clock
 from tensorcast.errors import DeadlineExceeded
 from tensorcast.limits import check_deadline, check_timeout
 
@@ -44,7 +44,7 @@ class CallContext:
 
     def remaining(self) -> float | None:
         """Seconds left before the deadline (may be negative), or None without a deadline."""
-        return None if self.deadline is None else self.deadline - time.time()
+        return None if self.deadline is None else self.deadline - clock.time()
 
     def check(self, what: str = "call") -> None:
         """Raise ``DeadlineExceeded`` if the deadline has passed: never start work that cannot finish."""
@@ -59,7 +59,7 @@ class CallContext:
         seconds = check_timeout(timeout)
         if seconds is None:
             return self
-        deadline = time.time() + seconds
+        deadline = clock.time() + seconds
         if self.deadline is not None:
             deadline = min(deadline, self.deadline)
         return replace(self, deadline=deadline)
@@ -75,7 +75,7 @@ def context(
     check_timeout(timeout)
     return CallContext(
         trace_id=trace_id or new_trace_id(),
-        deadline=None if timeout is None else time.time() + timeout,
+        deadline=None if timeout is None else clock.time() + timeout,
         idempotency_key=idempotency_key,
         tags=tuple(sorted((tags or {}).items())),
     )

@@ -4,10 +4,13 @@ The tree::
 
     TensorCastError                 code            retryable
     ├── NotFound                    NOT_FOUND        no   unknown artifact, key, worker, tensor name
+    ├── AlreadyExists               ALREADY_EXISTS   no   a KV page key already names other bytes
     ├── InvalidArgument             INVALID_ARGUMENT no   bad dtype/shape/key/config, malformed or unknown message
     ├── DeadlineExceeded            DEADLINE_EXCEEDED yes the call's deadline passed (before or during the work)
-    ├── Unauthenticated             UNAUTHENTICATED  no   missing or wrong cluster token, no handshake
-    ├── ResourceExhausted           RESOURCE_EXHAUSTED yes pool capacity, oversized frame
+    ├── Unauthenticated             UNAUTHENTICATED  no   missing or wrong credential, no handshake, TLS refused
+    ├── PermissionDenied            PERMISSION_DENIED no  the credential's role may not send this request
+    ├── ResourceExhausted           RESOURCE_EXHAUSTED yes pool capacity, oversized frame, the global store's
+    │                                                     database or disk full, a bounded index full
     ├── Unavailable                 UNAVAILABLE      yes  peer down, connection lost, no live replica
     │   └── ChunkCorrupted          CHUNK_CORRUPTED  yes  received bytes failed their checksum (none kept)
     ├── StaleFencingToken           STALE_FENCING_TOKEN yes a shard lease changed hands; refresh and retry
@@ -25,11 +28,13 @@ from __future__ import annotations
 from typing import ClassVar
 
 __all__ = [
+    "AlreadyExists",
     "ChunkCorrupted",
     "DeadlineExceeded",
     "InternalError",
     "InvalidArgument",
     "NotFound",
+    "PermissionDenied",
     "ResourceExhausted",
     "StaleFencingToken",
     "SwapAborted",
@@ -65,6 +70,13 @@ class NotFound(TensorCastError):
     code = "NOT_FOUND"
 
 
+class AlreadyExists(TensorCastError):
+    """A write under a name that already names something else: a KV put of different bytes (or size) under
+    a key already stored. A key names one page; the same bytes again are accepted (idempotent)."""
+
+    code = "ALREADY_EXISTS"
+
+
 class InvalidArgument(TensorCastError):
     code = "INVALID_ARGUMENT"
 
@@ -76,6 +88,13 @@ class DeadlineExceeded(TensorCastError):
 
 class Unauthenticated(TensorCastError):
     code = "UNAUTHENTICATED"
+
+
+class PermissionDenied(TensorCastError):
+    """The connection's credential is valid, but its role may not send this request (``wire.protocol``'s
+    ``REQUIRED_ROLE``): a read-only credential deleting, a client registering a worker."""
+
+    code = "PERMISSION_DENIED"
 
 
 class ResourceExhausted(TensorCastError):
@@ -122,9 +141,11 @@ _BY_CODE: dict[str, type[TensorCastError]] = {
     cls.code: cls
     for cls in (
         NotFound,
+        AlreadyExists,
         InvalidArgument,
         DeadlineExceeded,
         Unauthenticated,
+        PermissionDenied,
         ResourceExhausted,
         Unavailable,
         ChunkCorrupted,

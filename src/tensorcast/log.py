@@ -63,6 +63,15 @@ class RateLimitedLog:
         self._dropped = 0
 
     def warning(self, msg: str, *args: object) -> None:
+        if self._allowed():
+            self.logger.warning(msg, *args)
+
+    def exception(self, msg: str, *args: object) -> None:
+        """An error with its traceback (a bug a peer's input reached), at the same bounded rate."""
+        if self._allowed():
+            self.logger.error(msg, *args, exc_info=True)
+
+    def _allowed(self) -> bool:
         now = time.monotonic()
         if now - self._window >= self.period:
             if self._dropped:
@@ -71,6 +80,6 @@ class RateLimitedLog:
             self._window, self._count, self._dropped = now, 0, 0
         if self._count < self.burst:
             self._count += 1
-            self.logger.warning(msg, *args)
-        else:
-            self._dropped += 1
+            return True
+        self._dropped += 1
+        return False

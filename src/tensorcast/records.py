@@ -1,10 +1,11 @@
 """The records every layer shares: what a tensor, an artifact, a replica, a worker, a slice or a placement is.
 
 Owns: plain, frozen msgspec Structs with no behaviour beyond checking their own invariants
-(``Placement.validate``). They sit on the ground floor: storage (``pool``), identity (``tensors``,
-``views``), weights, the pure KV rules and the protocol (``wire.messages`` builds its messages from
-them) all import this module, and it imports nothing of TensorCast but ``errors``. Does not own: any
-message, frame or connection (``wire``), or what is done with a record.
+(``Placement.validate``) and counts derived from their own fields (``ArtifactInfo.copies``). They sit on the
+ground floor: storage (``pool``), identity (``tensors``, ``views``), weights, the pure KV rules and the
+protocol (``wire.messages`` builds its messages from them) all import this module, and it imports nothing of
+TensorCast but ``errors``. Does not own: any message, frame or connection (``wire``), or what is done with a
+record.
 """
 
 from __future__ import annotations
@@ -57,6 +58,14 @@ class ArtifactInfo(_Rec):
     # Descriptive metadata: for checkpoints registered with from_disk, "source", "format", "model_type",
     # "config" (config.json as JSON); for materialized views, "view_of" and "view".
     meta: dict[str, str] = {}
+    # Copies its placement wants on distinct live workers (Placement.replicas; the strongest of the puts).
+    replicas_wanted: int = 1
+
+    @property
+    def copies(self) -> int:
+        """Distinct live workers holding a replica (any tier), as of this record: compare with
+        ``replicas_wanted``."""
+        return len({r.worker_id for r in self.replicas if r.alive})
 
 
 class WorkerInfo(_Rec):

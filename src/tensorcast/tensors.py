@@ -13,6 +13,7 @@ what lets the pool store identical tensors once.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -22,7 +23,7 @@ import ml_dtypes
 import msgspec
 import numpy as np
 
-from tensorcast.errors import InvalidArgument, clip
+from tensorcast.errors import InvalidArgument, ResourceExhausted, clip
 from tensorcast.records import TensorMeta
 
 __all__ = [
@@ -147,7 +148,32 @@ class TensorInput:
         return TensorMeta(name=self.name, dtype=self.dtype, shape=self.shape, nbytes=self.nbytes, digest=digest)
 
 
-def _torch_to_numpy(t: Any) -> np.ndarray[Any, Any]:
+def _host_memory() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 1 << 62
+
+
+def _check_copy(name: str, nbytes: int, strides: tuple[int, ...]) -> None:
+    """A view that must be copied to be stored (not contiguous) may claim far more bytes than back it: a
+    stride-0 array of one byte can claim 4 TiB. Refuse what could never fit this host's memory, instead of an
+    untyped ``MemoryError`` (or an overflow) from deep inside numpy or torch."""
+    if nbytes > _host_memory():
+        raise InvalidArgument(f"tensor {clip(name)}: a non-contiguous view (strides {strides}) claiming {nbytes} "
+                              "bytes, more than this host's memory; store the tensor it views instead")
+
+
+def _contiguous(name: str, arr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    if not arr.flags.c_contiguous:
+        _check_copy(name, int(arr.size) * arr.dtype.itemsize, tuple(arr.strides))
+    try:
+        return np.ascontiguousarray(arr)
+    except MemoryError:
+        raise ResourceExhausted(f"tensor {clip(name)}: no memory to copy its {arr.nbytes} bytes contiguous") from None
+
+
+def _torch_to_numpy(t: Any, label: str = "tensor") -> np.ndarray[Any, Any]:
     import torch
 
     if t.device.type != "cpu":
@@ -163,7 +189,12 @@ def _torch_to_numpy(t: Any) -> np.ndarray[Any, Any]:
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
-    flat = t.contiguous().reshape(-1)
+    if not t.is_contiguous():  # numel * element_size in Python ints: torch's own product overflows int64
+        _check_copy(label, int(t.numel()) * int(t.element_size()), tuple(t.stride()))
+    try:
+        flat = t.contiguous().reshape(-1)
+    except (MemoryError, RuntimeError) as exc:  # torch reports allocation failures as RuntimeError
+        raise ResourceExhausted(f"tensor {clip(label)}: could not copy it contiguous: {clip(str(exc))}") from None
     if flat.numel() == 0:
         return np.empty(tuple(t.shape), dtype=np_dtype)
     raw: np.ndarray[Any, Any] = flat.view(torch.uint8).numpy()
@@ -176,10 +207,11 @@ def _is_torch(obj: Any) -> bool:
 
 def _as_numpy(name: str, value: Any) -> np.ndarray[Any, Any]:
     if _is_torch(value):
-        return _torch_to_numpy(value)
+        return _torch_to_numpy(value, name)
     if isinstance(value, np.ndarray | np.generic):
         arr = np.asarray(value)
         if arr.dtype.byteorder == ">":
+            _check_copy(name, int(arr.size) * arr.dtype.itemsize, tuple(arr.strides))
             arr = arr.astype(arr.dtype.newbyteorder("="))
         return arr
     raise InvalidArgument(
@@ -199,11 +231,15 @@ def normalize_tensors(tensors: Any) -> list[TensorInput]:
     for name, value in items:
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"tensor names must be non-empty strings, got {clip(name)}")
+        try:
+            name.encode()
+        except UnicodeEncodeError:
+            raise InvalidArgument(f"tensor name {clip(name)}: not valid UTF-8 (a lone surrogate)") from None
         arr = _as_numpy(name, value)
         dtype_name = _NAME_BY_NUMPY.get(arr.dtype)
         if dtype_name is None:
             raise InvalidArgument(f"tensor {clip(name)}: unsupported dtype {arr.dtype}")
-        raw = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+        raw = _contiguous(name, arr).reshape(-1).view(np.uint8)
         out.append(TensorInput(name, dtype_name, tuple(int(s) for s in arr.shape), raw))
     out.sort(key=lambda t: t.name)
     return out

@@ -26,8 +26,8 @@ import numpy as np
 from tensorcast.errors import InvalidArgument
 from tensorcast.records import SliceSpec
 
-__all__ = ["TP", "Fused", "RuleSpec", "TPRules", "apply_slices", "byte_range", "chunk_range", "normalize_slices",
-           "sliced_shape", "view_artifact_id"]
+__all__ = ["TP", "Fused", "RuleSpec", "TPRules", "apply_slices", "byte_range", "check_slices", "chunk_range",
+           "normalize_slices", "sliced_shape", "view_artifact_id"]
 
 _ENCODER = msgspec.msgpack.Encoder()
 SliceFn = Callable[[str, tuple[int, ...], "TP"], Sequence[tuple[int, slice]]]
@@ -68,14 +68,34 @@ def normalize_slices(shape: tuple[int, ...], slices: Sequence[tuple[int, slice]]
             raise InvalidArgument(f"dimension {dim} sliced twice")
         if not isinstance(sl, slice):
             raise InvalidArgument(f"expected a slice for dimension {dim}, got {sl!r}")
-        start, stop, step = sl.indices(shape[dim])
-        if step < 1:
-            raise InvalidArgument("only positive slice steps are supported")
+        if sl.step is not None and (not isinstance(sl.step, int) or sl.step < 1):
+            raise InvalidArgument(f"slice step {sl.step!r}: only positive slice steps are supported")
+        try:
+            start, stop, step = sl.indices(shape[dim])
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"slice {sl!r} of dimension {dim}: {exc}") from None
         out[dim] = SliceSpec(dim=dim, start=start, stop=max(start, stop), step=step)
     return tuple(out[d] for d in sorted(out))
 
 
+def check_slices(shape: tuple[int, ...], specs: Sequence[SliceSpec]) -> None:
+    """``InvalidArgument`` unless every spec names a dimension of ``shape`` once, with a positive step and
+    bounds inside it (specs that arrive from a peer are checked before anything is cut)."""
+    seen: set[int] = set()
+    for s in specs:
+        if not 0 <= s.dim < len(shape) or s.dim in seen:
+            raise InvalidArgument(f"slice of dimension {s.dim}: out of range for shape {shape}, or sliced twice")
+        seen.add(s.dim)
+        n = shape[s.dim]
+        if s.step < 1 or not 0 <= s.start <= s.stop <= n:
+            raise InvalidArgument(f"slice {s.start}:{s.stop}:{s.step} of dimension {s.dim} (size {n}): steps "
+                                  "must be positive, bounds within the dimension")
+        if any(not 0 <= a < b <= n for a, b in s.ranges):
+            raise InvalidArgument(f"ranges {list(s.ranges)[:4]} of dimension {s.dim} (size {n}) out of bounds")
+
+
 def sliced_shape(shape: tuple[int, ...], specs: Sequence[SliceSpec]) -> tuple[int, ...]:
+    check_slices(shape, specs)
     dims = list(shape)
     for s in specs:
         dims[s.dim] = sum(b - a for a, b in s.ranges) if s.ranges else len(range(s.start, s.stop, s.step))
@@ -99,6 +119,7 @@ def byte_range(shape: tuple[int, ...], itemsize: int, specs: Sequence[SliceSpec]
 
 
 def apply_slices(arr: np.ndarray[Any, Any], specs: Sequence[SliceSpec]) -> np.ndarray[Any, Any]:
+    check_slices(arr.shape, specs)
     index: list[slice] = [slice(None)] * arr.ndim
     multi: list[SliceSpec] = []
     for s in specs:

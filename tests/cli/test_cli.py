@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from safetensors.numpy import load_file, save_file
 
 import tensorcast as tc
 from tensorcast.cli_files import size
+from tensorcast.cli_status import memory_cell
 from tensorcast.cluster import LocalCluster
 from tensorcast.testing import running_cluster
 
@@ -48,6 +50,33 @@ def test_put_get_ls_status_rm(cli: Any, tmp_path: Path) -> None:
         assert cli("rm", key).returncode == 0
     cli.assert_one_line_error(cli("get", "cli/a", str(tmp_path / "x.npy")), "NOT_FOUND")
     assert not (tmp_path / "x.npy").exists() and not list(tmp_path.glob(".*.part"))
+
+
+def test_ls_shows_every_key_and_rm_of_one_keeps_the_other(cli: Any, tmp_path: Path) -> None:
+    """Equal bytes under two keys: one row per key (one id), and removing one key keeps the bytes under
+    the other."""
+    arr = np.arange(6, dtype=np.int32)
+    np.save(tmp_path / "x.npy", arr)
+    for key in ("cli/same-a", "cli/same-b"):
+        assert cli("put", str(tmp_path / "x.npy"), key).returncode == 0
+
+    def rows() -> dict[str, str]:
+        ls = cli("ls", "cli/same-")
+        assert ls.returncode == 0, ls.stderr
+        found = [(re.findall(r"cli/same-[ab]", line), re.findall(r"tc-[0-9a-f]{32}", line))
+                 for line in ls.stdout.splitlines()]
+        return {keys[0]: ids[0] for keys, ids in found if keys and ids and len(keys) == 1}
+
+    both = rows()
+    assert set(both) == {"cli/same-a", "cli/same-b"} and len(set(both.values())) == 1
+    r = cli("rm", "cli/same-a")
+    assert r.returncode == 0 and "stays" in r.stdout and "still named by cli/same-b" in r.stdout, r.stdout
+    assert rows() == {"cli/same-b": both["cli/same-b"]}
+    assert cli("get", "cli/same-b", str(tmp_path / "out.npy")).returncode == 0
+    assert np.array_equal(np.load(tmp_path / "out.npy"), arr)
+    r = cli("rm", "cli/same-b")
+    assert r.returncode == 0 and f"deleted cli/same-b ({both['cli/same-b']})" in r.stdout, r.stdout
+    assert rows() == {}
 
 
 def test_an_error_message_is_printed_as_text_not_markup(cli: Any, tmp_path: Path) -> None:
@@ -200,3 +229,71 @@ def test_piped_tables_keep_whole_cells(cli: Any, client: tc.Client) -> None:
     key = "cli/" + "a-long-key-name-" * 8  # wider than the 80 columns rich assumes without a terminal
     client.put(np.arange(3), key=key)
     assert key in cli("ls", "cli/", env={"COLUMNS": None}).stdout
+
+
+def test_load_warm_on_an_unknown_worker_is_a_one_line_error_before_registering(cli: Any, client: tc.Client,
+                                                                                tmp_path: Path) -> None:
+    save_file({"w": np.ones(4, np.float32)}, str(tmp_path / "c.safetensors"))
+    r = cli("load", str(tmp_path / "c.safetensors"), "cli/warm-typo", "--warm", "w9")
+    cli.assert_one_line_error(r, "INVALID_ARGUMENT", "--warm w9", "no such worker", "w0, w1")
+    assert client.ls("cli/warm-typo") == []  # nothing registered
+
+
+def _fp8_safetensors(path: Path, values: np.ndarray) -> None:
+    """A safetensors file of one F8_E4M3 tensor, written by hand (numpy has no float8 dtype)."""
+    header = json.dumps({"w": {"dtype": "F8_E4M3", "shape": list(values.shape),
+                               "data_offsets": [0, values.nbytes]}, "__metadata__": {"q": "fp8"}}).encode()
+    path.write_bytes(len(header).to_bytes(8, "little") + header + values.tobytes())
+
+
+def test_put_and_get_of_an_fp8_safetensors_file(cli: Any, client: tc.Client, tmp_path: Path) -> None:
+    import ml_dtypes
+
+    values = np.linspace(-4, 4, 48, dtype=np.float32).astype(ml_dtypes.float8_e4m3fn).reshape(6, 8)
+    _fp8_safetensors(tmp_path / "fp8.safetensors", values)
+    r = cli("put", str(tmp_path / "fp8.safetensors"), "cli/fp8")
+    assert r.returncode == 0 and "(1 tensors, 48 B, with safetensors metadata)" in r.stdout, r.stderr
+    art = client.artifact("cli/fp8")
+    assert art.meta("w").dtype == "float8_e4m3fn" and art.meta("w").shape == (6, 8)
+    assert art.tensor("w", like="numpy").tobytes() == values.tobytes()
+    assert cli("get", "cli/fp8", str(tmp_path / "out.safetensors")).returncode == 0
+    assert (tmp_path / "out.safetensors").read_bytes()[-48:] == values.tobytes()
+    with safe_open(str(tmp_path / "out.safetensors"), "np") as f:
+        assert f.metadata() == {"q": "fp8"}
+
+
+def test_an_address_that_does_not_answer_says_where_it_came_from(cli_anywhere: Any, tmp_path: Path) -> None:
+    from tensorcast.testing.tools import unused_port
+
+    dead = f"127.0.0.1:{unused_port()}"
+    r = cli_anywhere("ls", env={"TENSORCAST_ADDRESS": dead})
+    cli_anywhere.assert_one_line_error(r, "UNAVAILABLE", dead, "from TENSORCAST_ADDRESS")
+    (tmp_path / "cluster.json").write_text(json.dumps({"address": dead}))
+    r = cli_anywhere("status", "--data-dir", str(tmp_path), env={"TENSORCAST_ADDRESS": None})
+    cli_anywhere.assert_one_line_error(r, "UNAVAILABLE", dead, f"from {tmp_path / 'cluster.json'}", "still running")
+    r = cli_anywhere("ls", "--address", dead)
+    cli_anywhere.assert_one_line_error(r, "UNAVAILABLE", dead, "from --address")
+
+
+def test_status_shows_the_pre_faulted_memory_a_worker_holds(cli: Any, shared_cluster: LocalCluster) -> None:
+    """512 MiB pre-faulted per worker by default: `0 B / 1.0 GiB` hid it."""
+    deadline = time.monotonic() + 30  # the stock is built once the worker has been idle a while
+    while not re.search(r"\bw\d\b.* used \(\d+\.\d MiB pre-faulted\) / 1\.0 GiB", (out := cli("status").stdout)):
+        assert time.monotonic() < deadline, out
+        time.sleep(0.5)
+    assert memory_cell(0, 512 << 20, 4 << 30) == "0 B used (512.0 MiB pre-faulted) / 4.0 GiB"
+    assert memory_cell(3 << 20, 0, 4 << 30) == "3.0 MiB used / 4.0 GiB"
+
+
+def test_the_data_plane_port_is_configurable(tmp_path: Path) -> None:
+    from tensorcast.testing.tools import unused_ports
+
+    base = unused_ports(2)
+    with running_cluster(workers=2, config={"worker.data_port": base, "worker.prefault_bytes": 0}) as cluster, \
+            tc.connect(cluster.address) as client:
+        ports = {w.worker_id: int(w.data_address.rsplit(":", 1)[1]) for w in client.list_workers()}
+        assert ports == {"w0": base, "w1": base + 1}  # LocalCluster: each worker the next port
+        x = np.arange(1 << 16, dtype=np.float32)
+        art = client.put({"x": x}, key="cli/dataport", on="w0")
+        art.prefetch(to="w1").result(timeout=60)  # a worker-to-worker pull over that port
+        assert "w1" in {r.worker_id for r in client.artifact("cli/dataport").replicas}

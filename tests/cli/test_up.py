@@ -36,10 +36,10 @@ def _alive(pid: int) -> bool:
 class Up:
     """A ``tensorcast up`` process whose output lines are read on a thread, so that waits are bounded."""
 
-    def __init__(self, data_dir: Path, *flags: str) -> None:
+    def __init__(self, data_dir: Path, *flags: str, env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "tensorcast", "up", "--workers", "2", "--data-dir",
                                       str(data_dir), *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=dict(os.environ, COLUMNS="250"))
+                                     text=True, env=dict(os.environ, COLUMNS="250", **(env or {})))
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -77,9 +77,9 @@ class Up:
 
 
 @contextlib.contextmanager
-def running_up(tmp_path: Path, *flags: str) -> Iterator[tuple[Up, dict[str, int]]]:
+def running_up(tmp_path: Path, *flags: str, env: dict[str, str] | None = None) -> Iterator[tuple[Up, dict[str, int]]]:
     """``up`` started and ready; on exit stopped with SIGINT, and every process it ran must be gone."""
-    up = Up(tmp_path / "tc-data", *flags)
+    up = Up(tmp_path / "tc-data", *flags, env=env)
     pids: dict[str, int] = {}
     try:
         pids.update(up.pids())
@@ -173,3 +173,156 @@ def test_up_runs_two_global_stores_on_etcd(tmp_path: Path, etcd_cluster: EtcdClu
                 reply = client._run(client.aio.caller.call(GetArtifact(key_or_id="up/etcd"), ArtifactReply,
                                                            address=address))
                 assert reply.artifact.id == art.id, address
+
+
+def _shm_files(up_pid: int) -> list[str]:
+    """The /dev/shm files of the cluster an ``up`` (pid ``up_pid``) runs: LocalCluster names them tc<pid>x..."""
+    return [name for name in os.listdir("/dev/shm") if name.startswith(f"tc{up_pid}x")]
+
+
+def test_sighup_stops_up_cleanly_like_ctrl_c(tmp_path: Path) -> None:
+    """Closing the terminal sends SIGHUP: up once died of it, leaving its processes and /dev/shm behind."""
+    up = Up(tmp_path / "tc-data")
+    pids = up.pids()
+    try:
+        up.expect(r"^Ctrl-C to stop", timeout=10)
+        address = json.loads((tmp_path / "tc-data" / "cluster.json").read_text())["address"]
+        with tc.connect(address) as client:  # something in shared memory
+            client.put({"x": np.ones(1 << 20, np.float32)}, key="up/hup")
+        assert _shm_files(up.proc.pid)
+        up.proc.send_signal(signal.SIGHUP)
+        assert up.proc.wait(timeout=30) == 0
+        assert "stopping..." in up.all_output()
+        deadline = time.monotonic() + 10
+        while [p for p in pids.values() if _alive(p)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in pids.values() if _alive(p)]
+        assert not _shm_files(up.proc.pid)
+    finally:
+        for pid in [up.proc.pid, *pids.values()]:
+            with contextlib.suppress(ProcessLookupError):
+                if _alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def test_a_second_up_on_the_same_data_dir_is_refused_and_the_first_keeps_everything(tmp_path: Path,
+                                                                                    cli_anywhere: Any) -> None:
+    with running_up(tmp_path) as (up, pids):
+        manifest = (tmp_path / "tc-data" / "cluster.json").read_text()
+        address = json.loads(manifest)["address"]
+        x = np.arange(1 << 16, dtype=np.float32)
+        with tc.connect(address) as client:
+            client.put({"x": x}, key="up/first")  # in memory only: a second up's workers once wiped it
+        r = cli_anywhere("up", "--workers", "2", "--data-dir", str(tmp_path / "tc-data"), timeout=60)
+        cli_anywhere.assert_one_line_error(r, "in use", f"pid {up.proc.pid}", "tensorcast up", address)
+        assert (tmp_path / "tc-data" / "cluster.json").read_text() == manifest
+        assert all(_alive(p) for p in pids.values())
+        with tc.connect(address) as client:
+            assert np.array_equal(client.artifact("up/first").tensor("x", like="numpy"), x)
+            assert {w.worker_id: w.pid for w in client.list_workers() if w.alive} == \
+                {w: pids[w] for w in ("w0", "w1")}
+
+
+def test_add_worker_and_stop_worker_on_a_running_up(tmp_path: Path, cli_anywhere: Any) -> None:
+    data_dir = str(tmp_path / "tc-data")
+    cli_anywhere.assert_one_line_error(cli_anywhere("add-worker", "--data-dir", data_dir), "no `tensorcast up`")
+    with running_up(tmp_path) as (up, pids):
+        r = cli_anywhere("add-worker", "--data-dir", data_dir, timeout=120)
+        assert r.returncode == 0, r.stderr
+        m = re.fullmatch(r"added worker w2: pid (\d+), address (\S+)", r.stdout.strip())
+        assert m, r.stdout
+        pids["w2"] = int(m[1])
+        up.expect(rf"^added worker w2: pid {m[1]}, address {re.escape(m[2])}$", timeout=10)
+        manifest = json.loads((tmp_path / "tc-data" / "cluster.json").read_text())
+        assert manifest["workers"]["w2"] == {"address": m[2], "pid": int(m[1])}
+        assert (tmp_path / "tc-data" / "workers" / "w2" / "owner.lock").exists()  # its own data directory
+        with tc.connect(m[2]) as client:
+            assert {w.worker_id for w in client.list_workers() if w.alive} == {"w0", "w1", "w2"}
+            client.put({"x": np.arange(10)}, key="up/via-w2", on="w2")
+            assert np.array_equal(client.artifact("up/via-w2").tensor("x", like="numpy"), np.arange(10))
+        taken = cli_anywhere("add-worker", "--id", "w0", "--data-dir", data_dir, timeout=60)
+        cli_anywhere.assert_one_line_error(taken, "w0", "taken")
+        r = cli_anywhere("stop-worker", "w2", "--data-dir", data_dir, timeout=120)
+        assert r.returncode == 0 and r.stdout.strip() == "stopped worker w2 (exit code 0)", r.stdout + r.stderr
+        assert not _alive(pids["w2"])
+        assert "w2" not in json.loads((tmp_path / "tc-data" / "cluster.json").read_text())["workers"]
+        time.sleep(1.5)  # at least one more look at the processes: a stopped worker is not a death
+    assert not [line for line in up.all_output() if "died" in line]
+
+
+def test_up_banner_states_the_pre_faulted_memory(tmp_path: Path) -> None:
+    with running_up(tmp_path, "--memory", "1GiB") as (up, _pids):
+        line = next(line for line in up.seen if line.startswith("each worker:"))
+        assert "1.0 GiB memory tier" in line and "512.0 MiB of shared memory pre-faulted once idle" in line, line
+
+
+def test_up_gives_each_process_its_own_metrics_port_from_a_fixed_base(tmp_path: Path) -> None:
+    from tensorcast.testing.tools import unused_ports
+
+    base = unused_ports(3)
+    with running_up(tmp_path, "--set", f"metrics.port={base}") as (_up, _pids):
+        urls = json.loads((tmp_path / "tc-data" / "cluster.json").read_text())["metrics_urls"]
+        assert {name: int(url.rsplit(":", 1)[1]) for name, url in urls.items()} == \
+            {"gs": base, "w0": base + 1, "w1": base + 2}
+
+
+def test_up_with_a_port_in_use_or_an_unwritable_data_dir_is_a_one_line_error(tmp_path: Path,
+                                                                               cli_anywhere: Any) -> None:
+    import socket
+
+    from tensorcast.testing.tools import unused_port
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", unused_port()))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        r = cli_anywhere("up", "--data-dir", str(tmp_path / "d"), "--set", f"metrics.port={port}", timeout=120)
+        cli_anywhere.assert_one_line_error(r, "gs", "cannot listen", "in use", str(port))
+        r = cli_anywhere("gs", "--data-dir", str(tmp_path / "g"), "--port", str(port), timeout=60)
+        cli_anywhere.assert_one_line_error(r, "cannot listen", "in use", str(port))
+    assert not (tmp_path / "d" / "gs.ready").exists()
+    # root ignores permission bits, and sysfs refuses new files even to root.
+    unwritable = Path("/sys/tc-data") if os.geteuid() == 0 else tmp_path / "read-only" / "tc-data"
+    if os.geteuid() != 0:
+        unwritable.parent.mkdir()
+        unwritable.parent.chmod(0o555)
+    for command in ("up", "gs"):
+        r = cli_anywhere(command, "--data-dir", str(unwritable), timeout=60)
+        cli_anywhere.assert_one_line_error(r, "INVALID_ARGUMENT", str(unwritable), "cannot")
+
+
+def test_up_frees_the_shared_memory_of_a_worker_killed_for_good(tmp_path: Path) -> None:
+    with running_up(tmp_path) as (up, pids):
+        address = json.loads((tmp_path / "tc-data" / "cluster.json").read_text())["address"]
+        with tc.connect(address) as client:
+            client.put({"x": np.ones(1 << 20, np.float32)}, key="up/on-w1", on="w1")
+        mine = [name for name in _shm_files(up.proc.pid) if "-w1-" in name]
+        assert mine
+        os.kill(pids["w1"], signal.SIGKILL)  # it cannot unlink its segments itself
+        up.expect(r"^worker w1 \(pid \d+\) died: killed by SIGKILL", timeout=5)
+        up.expect(r"^freed \d+ shared-memory segments of worker w1$", timeout=5)
+        assert not [name for name in _shm_files(up.proc.pid) if "-w1-" in name]
+
+
+def test_a_tokenless_up_says_it_is_open_to_every_local_user(tmp_path: Path) -> None:
+    with running_up(tmp_path) as (up, _pids):
+        assert any("open to every local user" in line for line in up.seen), up.seen
+
+
+def test_up_with_a_secret_and_tls_prints_a_client_credential(tmp_path: Path, cli_anywhere: Any) -> None:
+    secret = "up-secret"
+    with running_up(tmp_path, "--tls", env={"TENSORCAST_TOKEN": secret}) as (up, _pids):
+        credential = next(m[1] for line in up.seen if (m := re.search(r"export TENSORCAST_TOKEN=(client:\w+)", line)))
+        tls = next(m for line in up.seen if (m := re.search(r"TENSORCAST_TLS_ENABLED=true TENSORCAST_TLS_CA_FILE=(\S+)",
+                                                           line)))
+        assert not any(secret in line for line in up.seen)  # the secret itself is never printed
+        env = {"TENSORCAST_TOKEN": credential, "TENSORCAST_TLS_ENABLED": "true", "TENSORCAST_TLS_CA_FILE": tls[1]}
+        listing = cli_anywhere("ls", "--data-dir", str(tmp_path / "tc-data"), env=env)
+        assert listing.returncode == 0, listing.stderr
+        read_only = cli_anywhere("credential", "--role", "read-only", env={"TENSORCAST_TOKEN": secret}).stdout.strip()
+        assert read_only.startswith("read-only:")
+        status = cli_anywhere("status", "--data-dir", str(tmp_path / "tc-data"),
+                              env={**env, "TENSORCAST_TOKEN": read_only})
+        assert status.returncode == 0 and "w0" in status.stdout, status.stderr
+        plain = cli_anywhere("ls", "--data-dir", str(tmp_path / "tc-data"), env={"TENSORCAST_TOKEN": credential})
+        assert plain.returncode == 2 and "TLS" in plain.stderr, plain.stderr

@@ -23,6 +23,7 @@ from tensorcast.testing import running_cluster
 from tensorcast.wire.messages import PutBegin
 from tensorcast.worker.puts import PutManager
 from tensorcast.worker.store import LocalStore
+from tensorcast.worker.trust import BlobTrust
 
 MiB = 1 << 20
 
@@ -36,7 +37,7 @@ def puts() -> Iterator[PutManager]:
     cfg = Config.from_flat({"worker.memory_capacity": 64 * MiB, "worker.prefault_bytes": 0,
                             "worker.shm_prefix": f"tc-test-{uuid.uuid4().hex[:8]}"})
     store = LocalStore(cfg.worker, "w", _gone)
-    yield PutManager(cfg.worker, store)
+    yield PutManager(cfg.worker, store, BlobTrust(store))
     store.close()
 
 

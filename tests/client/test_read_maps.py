@@ -19,7 +19,7 @@ from tensorcast.client.read_maps import ReadMaps
 from tensorcast.errors import InvalidArgument, NotFound
 from tensorcast.records import SegmentRef
 from tensorcast.testing import running_cluster
-from tensorcast.wire.messages import MapTensors, ReportReads
+from tensorcast.wire.messages import GetArtifact, MapTensors, ReportReads
 
 REPORT_S = 0.2
 CHUNK = 4 << 20  # the worker's pack chunks: a larger tensor gets a segment of its own
@@ -107,6 +107,23 @@ def test_a_second_read_asks_no_one_and_each_result_stays_private(reader: tc.Clie
     first[0, :8] = 255  # copy-on-write: a result's writes stay in that result
     assert np.array_equal(again[0], data) and np.array_equal(art.tensor("w", like="numpy"), data)
     assert art.last_diagnostics is not None and art.last_diagnostics.transport == "shared-memory"
+
+
+def test_a_sync_view_read_again_asks_no_one(reader: tc.Client) -> None:
+    """A view read a second time maps the places kept for its parent on the caller's thread: no lookup of a
+    materialized view, no mapping request, the same bytes, whether through the same view or a new one."""
+    data = np.random.default_rng(2).integers(0, 255, (256, 1024), dtype=np.uint8)
+    art = reader.put({"w": data, "b": data[0].copy()})
+    view = art.view({"w": [(0, slice(0, 128))], "b": [(0, slice(8, 16))]})
+    calls = CountCalls(reader, MapTensors, GetArtifact)
+    first = view.tensor_dict(like="numpy")
+    assert calls.seen == 2  # the lookup of a materialized view (none), then the parent's places
+    again = [view.tensor_dict(like="numpy"), art.view({"w": [(0, slice(0, 128))], "b": [(0, slice(8, 16))]})
+             .tensor_dict(like="numpy"), {"w": view.tensor("w", like="numpy"), "b": view.tensor("b", like="numpy")}]
+    assert calls.seen == 2
+    for got in [first, *again]:
+        assert np.array_equal(got["w"], data[:128]) and np.array_equal(got["b"], data[0, 8:16])
+    assert view.last_diagnostics is not None and view.last_diagnostics.transport == "shared-memory"
 
 
 def test_async_reads_use_kept_places_too(cluster: tc.LocalCluster) -> None:

@@ -89,21 +89,26 @@ def test_shard_home_cut_from_global_store_steps_down_first(cluster: LocalCluster
         with pytest.raises(StaleFencingToken):
             c._run(c.aio.caller.call(KVPut(keys=(keys[0],), sizes=(page.nbytes,), tokens=tokens), KVPutReply,
                                      address=home, payload=memoryview(page)))
-        # Its shards move to w0 once they expire at the store; new pages go there.
+        # Its shards move to w0 once they expire at the store, and so do their pages: w1, cut off from the store
+        # but not from w0, hands them over (it stopped serving them; it still keeps them).
         deadline = time.monotonic() + TTL + 10
         while any(lease.holder != "w0" for lease in c.list_shards().leases if lease.shard in tokens):
             assert time.monotonic() < deadline
             time.sleep(0.2)
-        assert c.kv.put(keys, [page_for(k, 1) for k in keys]) == 12
         got = c.kv.get(keys)
-        assert all(g is not None and np.array_equal(g, page_for(k, 1)) for k, g in zip(keys, got, strict=True))
+        assert all(g is not None and np.array_equal(g, page_for(k)) for k, g in zip(keys, got, strict=True))
+        assert c.kv.put(keys, [page_for(k) for k in keys]) == 0  # there already
+        more = [k for k in page_keys(list(range(400 * LAYOUT.page_size, 800 * LAYOUT.page_size)), LAYOUT)
+                if shard_of(k, table.num_shards) in tokens][:6]
+        assert c.kv.put(more, [page_for(k) for k in more]) == 6  # new pages go to w0
 
         cluster.net.heal()  # type: ignore[union-attr]
         wait_shards_settled(c, {"w0", "w1"})  # w1 competes again and gets its shards back, with new tokens
         after = {lease.shard: lease.token for lease in c.list_shards().leases if lease.shard in tokens}
         assert all(after[s] > tokens[s] for s in tokens)
-        for k, g in zip(keys, c.kv.get(keys), strict=True):  # a miss (moved homes) or the new bytes, never old
-            assert g is None or np.array_equal(g, page_for(k, 1))
+        # w1 took w0's newer tenure (its own kept pages are older): every page, the new ones too.
+        for k, g in zip(keys + more, c.kv.get(keys + more), strict=True):
+            assert g is not None and np.array_equal(g, page_for(k))
 
 
 def test_client_cut_from_its_gateway_fails_over(cluster: LocalCluster) -> None:

@@ -8,10 +8,12 @@ from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
-from tensorcast.gs.backend import MetadataBackend
+from tensorcast.gs.backend import MetadataBackend, Unbound
 from tensorcast.gs.etcd import EtcdBackend
+from tensorcast.gs.refs import References
 from tensorcast.gs.sqlite import SqliteBackend
 from tensorcast.kv.leases import LeaseRecord
 from tensorcast.records import ArtifactInfo, InstanceInfo, TensorMeta, WorkerInfo
@@ -58,7 +60,11 @@ def artifact(aid: str, nbytes: int = 8) -> ArtifactInfo:
     return ArtifactInfo(id=aid, tensors=(t,), nbytes=nbytes, policy="durable", meta={"k": "v"})
 
 
-A, B = "tc-" + "a" * 32, "tc-" + "b" * 32
+def wanting(aid: str, copies: int) -> ArtifactInfo:
+    return msgspec.structs.replace(artifact(aid), replicas_wanted=copies)
+
+
+A, B, C = "tc-" + "a" * 32, "tc-" + "b" * 32, "tc-" + "d" * 32
 
 
 def test_workers_register_with_increasing_incarnations(make: Callable[[], MetadataBackend]) -> None:
@@ -85,13 +91,14 @@ def test_commit_records_artifact_key_and_replicas_atomically(make: Callable[[], 
     b = make()
     run(b.commit_artifact(artifact(A), "w0", "m@v1", None, 10.0, ("memory", "disk")))
     row = run(b.get_artifact(A))
-    assert row is not None and row.lease_expiry is None and row.info.meta == {"k": "v"}
+    assert row is not None and row.refs == References((("m@v1", None),)) and row.info.meta == {"k": "v"}
     assert row.info.tensors == artifact(A).tensors and row.info.policy == "durable"
-    assert run(b.resolve_key("m@v1")) == A and run(b.keys_of(A)) == ("m@v1",)
+    assert run(b.resolve_key("m@v1")) == (A, None)
     assert sorted(run(b.replicas_of(A))) == [("w0", "disk"), ("w0", "memory")]
-    # Putting another artifact under the key moves it.
+    # Putting another artifact under the key moves it; the first keeps what the key held (reachable by id).
     run(b.commit_artifact(artifact(B), "w1", "m@v1", None, 11.0))
-    assert run(b.resolve_key("m@v1")) == B and run(b.keys_of(A)) == ()
+    assert run(b.resolve_key("m@v1")) == (B, None)
+    assert run(b.get_artifact(A)).refs == References(anonymous=True, anon_expiry=None)
     assert run(b.resolve_key("missing")) is None and run(b.get_artifact("tc-" + "c" * 32)) is None
 
 
@@ -99,39 +106,99 @@ def test_leases_merge_system_ownership_wins(make: Callable[[], MetadataBackend])
     b = make()
     run(b.commit_artifact(artifact(A), "w0", None, 100.0, 1.0))
     run(b.commit_artifact(artifact(A), "w0", None, 50.0, 2.0))  # two leases: the later expiry stays
-    assert run(b.get_artifact(A)).lease_expiry == 100.0
+    assert run(b.get_artifact(A)).refs == References(anonymous=True, anon_expiry=100.0)
     run(b.commit_artifact(artifact(A), "w0", None, None, 3.0))  # a system-owned put upgrades it
-    assert run(b.get_artifact(A)).lease_expiry is None
+    assert run(b.get_artifact(A)).refs == References(anonymous=True, anon_expiry=None)
     run(b.commit_artifact(artifact(A), "w0", None, 500.0, 4.0))  # and a lease never downgrades it
-    assert run(b.get_artifact(A)).lease_expiry is None
-    assert run(b.set_lease(A, 7.0)) and run(b.expired_artifacts(8.0)) == [A] and run(b.expired_artifacts(6.0)) == []
-    assert not run(b.set_lease("tc-" + "c" * 32, 1.0))
+    assert run(b.get_artifact(A)).refs == References(anonymous=True, anon_expiry=None)
+    assert not run(b.set_lease(A, None, 7.0))  # a system hold has no lease
+    # The same rule per key binding, independently of the anonymous reference and of other keys.
+    run(b.commit_artifact(artifact(A), "w0", "k", 100.0, 5.0))
+    run(b.commit_artifact(artifact(A), "w0", "k", 50.0, 5.0))
+    run(b.commit_artifact(artifact(A), "w0", "p", None, 5.0))
+    run(b.commit_artifact(artifact(A), "w0", "p", 60.0, 5.0))
+    assert run(b.get_artifact(A)).refs.bindings == (("k", 100.0), ("p", None))
+    assert run(b.set_lease(A, "k", 7.0)) and not run(b.set_lease(A, "p", 7.0)) and not run(b.set_lease(A, "q", 7.0))
+    assert run(b.resolve_key("k")) == (A, 7.0)
+    assert run(b.expired_references(8.0)) == [(A, "k")] and run(b.expired_references(6.0)) == []
+    assert not run(b.set_lease("tc-" + "c" * 32, None, 1.0))
 
 
-def _all_pages(b: MetadataBackend, prefix: str, limit: int) -> tuple[list[str], int]:
+def test_keys_are_independent_references(make: Callable[[], MetadataBackend]) -> None:
+    """Equal content under two keys: unbinding one key leaves the other and the content; the last goes with
+    the content, whose holders then owe drops."""
+    b = make()
+    run(b.register_worker(worker("w0"), 1.0))
+    run(b.commit_artifact(artifact(A), "w0", "a", None, 1.0))
+    run(b.commit_artifact(artifact(A), "w0", "b", 50.0, 2.0))
+    assert run(b.unbind(A, "a", 3.0, "deleted")) == Unbound(False, keys=("b",))
+    assert run(b.resolve_key("a")) is None and run(b.tombstone("a")) == (A, "deleted")
+    assert run(b.resolve_key("b")) == (A, 50.0) and run(b.tombstone(A)) is None
+    assert run(b.replicas_of(A)) == [("w0", "memory")]
+    assert run(b.unbind(A, "a", 3.0, "deleted")) is None  # not bound any more
+    assert run(b.unbind(A, "b", 4.0, "released")) == Unbound(True, ("w0",))
+    assert run(b.get_artifact(A)) is None and run(b.tombstone(A)) == (A, "released")
+    assert run(b.tombstone("b")) == (A, "released")
+    # Bound again: the key's tombstone goes.
+    run(b.commit_artifact(artifact(A), "w0", "a", None, 5.0))
+    assert run(b.tombstone("a")) is None and run(b.tombstone(A)) is None
+
+
+def test_expired_references_are_unbound_the_rest_keeps_the_content(make: Callable[[], MetadataBackend]) -> None:
+    b = make()
+    run(b.commit_artifact(artifact(A), "w0", "leased", 5.0, 1.0))
+    run(b.commit_artifact(artifact(A), "w0", "kept", None, 1.0))
+    run(b.commit_artifact(artifact(B), "w0", None, 5.0, 1.0))
+    run(b.commit_artifact(artifact(B), "w0", "bk", None, 1.0))
+    assert sorted(run(b.expired_references(6.0)), key=str) == sorted([(A, "leased"), (B, None)], key=str)
+    assert run(b.unbind(A, "leased", 6.0, "its lease expired", expired_only=True)) == Unbound(False, keys=("kept",))
+    assert run(b.unbind(B, None, 6.0, "its lease expired", expired_only=True)) == Unbound(False, keys=("bk",))
+    assert run(b.tombstone("leased")) == (A, "its lease expired") and run(b.expired_references(6.0)) == []
+    # The reaper never removes a live reference (one renewed after it was listed).
+    assert run(b.unbind(A, "kept", 6.0, "its lease expired", expired_only=True)) == Unbound(False, keys=("kept",))
+    assert run(b.resolve_key("kept")) == (A, None)
+    assert run(b.get_artifact(B)).refs == References((("bk", None),))
+    # An anonymous lease alone: when it ends, the artifact goes.
+    run(b.commit_artifact(artifact(C), "w0", None, 5.0, 1.0))
+    assert run(b.unbind(C, None, 6.0, "its lease expired", expired_only=True)) == Unbound(True, ("w0",))
+    assert run(b.tombstone(C)) == (C, "its lease expired")
+
+
+def _all_pages(b: MetadataBackend, prefix: str, limit: int, now: float = 0.0) -> tuple[list[tuple[str | None, str]],
+                                                                                        int]:
     out, after, pages = [], "", 0
     while True:
-        ids, after = run(b.list_artifacts(prefix, limit, after))
-        out += ids
+        entries, after = run(b.list_artifacts(prefix, limit, after, now))
+        assert len(entries) <= limit
+        out += entries
         pages += 1
         if not after:
             return out, pages
 
 
-def test_listing_by_key_prefix_pages_through_everything(make: Callable[[], MetadataBackend]) -> None:
+def test_listing_is_one_entry_per_key_then_artifacts_without_one(make: Callable[[], MetadataBackend]) -> None:
     b = make()
     ids = [f"tc-{i:032x}" for i in range(5)]
     for i, aid in enumerate(ids):
         run(b.commit_artifact(artifact(aid), "w0", f"p/{i}" if i < 4 else "q/0", None, float(i)))
     run(b.commit_artifact(artifact(ids[0]), "w0", "p/0-alias", None, 9.0))  # two keys under the prefix
-    assert sorted(run(b.list_artifacts("p/", 100))[0]) == sorted(ids[:4])
-    page, cursor = run(b.list_artifacts("p/", 2))
-    assert page == [ids[0]] and cursor  # its two keys fill the page: listed once
-    got, pages = _all_pages(b, "p/", 2)
-    assert sorted(set(got)) == sorted(ids[:4]) and pages == 3
-    assert sorted(run(b.list_artifacts("", 100))[0]) == sorted(ids)
-    assert sorted(_all_pages(b, "", 2)[0]) == sorted(ids)
-    assert run(b.list_artifacts("zzz", 100)) == ([], "")
+    run(b.commit_artifact(artifact(ids[1]), "w0", "p/1-leased", 5.0, 9.0))  # listed until its lease ends
+    keyless = ["tc-" + "e" * 32, "tc-" + "f" * 32]
+    for aid in keyless:
+        run(b.commit_artifact(artifact(aid), "w0", None, None, 9.0))
+    by_key = [("p/0", ids[0]), ("p/0-alias", ids[0]), ("p/1", ids[1]), ("p/1-leased", ids[1]), ("p/2", ids[2]),
+              ("p/3", ids[3])]
+    assert run(b.list_artifacts("p/", 100, "", 1.0)) == (by_key, "")
+    assert run(b.list_artifacts("p/", 100, "", 6.0))[0] == [e for e in by_key if e[0] != "p/1-leased"]
+    page, cursor = run(b.list_artifacts("p/", 2, "", 1.0))
+    assert page == by_key[:2] and cursor
+    got, pages = _all_pages(b, "p/", 2, 1.0)
+    assert got == by_key and pages == 4  # three full pages, then an empty last one
+    everything = [*by_key, ("q/0", ids[4]), *((None, aid) for aid in keyless)]
+    assert run(b.list_artifacts("", 100, "", 1.0))[0] == everything
+    for limit in (1, 2, 3, 7):
+        assert _all_pages(b, "", limit, 1.0)[0] == everything
+    assert run(b.list_artifacts("zzz", 100, "", 1.0)) == ([], "")
 
 
 def test_many_artifacts_under_one_prefix_are_all_listed(make: Callable[[], MetadataBackend]) -> None:
@@ -140,7 +207,7 @@ def test_many_artifacts_under_one_prefix_are_all_listed(make: Callable[[], Metad
     for i in range(n):
         run(b.commit_artifact(artifact(f"tc-{i:032x}"), "w0", f"big/{i:05d}", None, 1.0))
     got, pages = _all_pages(b, "big/", 1000)
-    assert len(got) == len(set(got)) == n and pages == 3
+    assert len(got) == len({k for k, _ in got}) == n and pages == 3
 
 
 def test_delete_turns_replicas_into_drops_until_acknowledged(make: Callable[[], MetadataBackend]) -> None:
@@ -196,6 +263,36 @@ def test_a_copy_deleted_while_its_holder_was_away_is_not_restored(make: Callable
     assert run(b.prune_tombstones(100.0)) == 0
 
 
+def test_replica_goals_are_recorded_raised_and_listed(make: Callable[[], MetadataBackend]) -> None:
+    b = make()
+    c = "tc-" + "c" * 32
+    run(b.commit_artifact(wanting(A, 2), "w0", "ka", None, 1.0))
+    run(b.commit_artifact(artifact(B), "w0", None, None, 1.0))  # one copy wanted: not a goal
+    run(b.commit_artifact(wanting(c, 2), "w1", None, None, 1.0))
+    assert run(b.get_artifact(A)).info.replicas_wanted == 2 and run(b.get_artifact(B)).info.replicas_wanted == 1
+    run(b.add_replica(A, "w1", ("memory",)))
+    assert run(b.replica_goals("", "", 10)) == ([(A, 2, [("w0", "memory"), ("w1", "memory")]),
+                                                 (c, 2, [("w1", "memory")])], "")
+    assert run(b.replica_goals("w0", "", 10)) == ([(A, 2, [("w0", "memory"), ("w1", "memory")])], "")
+    assert run(b.replica_goals("w9", "", 10)) == ([], "")
+    page, cursor = run(b.replica_goals("", "", 1))
+    assert [r[0] for r in page] == [A] and cursor
+    assert [r[0] for r in run(b.replica_goals("", cursor, 1))[0]] == [c]
+    # A put asking for fewer copies leaves the goal; one asking for more raises it.
+    run(b.commit_artifact(artifact(A), "w2", None, None, 2.0))
+    assert run(b.get_artifact(A)).info.replicas_wanted == 2
+    run(b.commit_artifact(wanting(A, 3), "w0", None, None, 2.0))
+    assert run(b.get_artifact(A)).info.replicas_wanted == 3
+    # Deleted: no longer listed; the id put again afresh wants what that put asks for.
+    run(b.delete_artifact(A, 3.0))
+    assert [r[0] for r in run(b.replica_goals("", "", 10))[0]] == [c]
+    run(b.commit_artifact(artifact(A), "w0", None, None, 4.0))
+    assert run(b.get_artifact(A)).info.replicas_wanted == 1
+    assert [r[0] for r in run(b.replica_goals("", "", 10))[0]] == [c]
+    b2 = make()  # another store (or a restart) sees the goals
+    assert run(b2.get_artifact(c)).info.replicas_wanted == 2
+
+
 def test_instances(make: Callable[[], MetadataBackend]) -> None:
     b = make()
     info = InstanceInfo(instance_id="i0", address="127.0.0.1:9", home_worker="w0", engine="e")
@@ -230,20 +327,30 @@ def test_big_updates_are_not_limited_by_one_transaction(make: Callable[[], Metad
     keys = [f"alias/{i:03d}" for i in range(80)]
     for i, key in enumerate(keys):  # the same content put under 80 keys: one artifact
         run(b.commit_artifact(artifact(A), "w0", key, None, 1.0 + i))
-    assert sorted(run(b.keys_of(A))) == keys
+    assert [k for k, _ in run(b.get_artifact(A)).refs.bindings] == keys
+    assert run(b.unbind(A, keys[0], 100.0, "deleted")) == Unbound(False, keys=tuple(keys[1:]))  # one of them
     run(b.delete_artifact(A, 100.0))
-    assert run(b.get_artifact(A)) is None and run(b.keys_of(A)) == ()
+    assert run(b.get_artifact(A)) is None
     assert all(run(b.resolve_key(k)) is None and run(b.tombstone(k)) == (A, "deleted") for k in keys)
+    # 80 leases that ended and one permanent key: unbinding that key leaves nothing live, so all of it goes.
+    for i, key in enumerate(keys):
+        run(b.commit_artifact(artifact(B), "w0", key, 50.0, 1.0 + i))
+    run(b.commit_artifact(artifact(B), "w0", "alias/keep", None, 2.0))
+    assert run(b.unbind(B, "alias/keep", 60.0, "deleted")) == Unbound(True, ("w0",))
+    assert run(b.get_artifact(B)) is None and run(b.expired_references(100.0)) == []
+    assert all(run(b.resolve_key(k)) is None for k in [*keys, "alias/keep"])
 
 
 def test_everything_acknowledged_survives_a_reopen(make: Callable[[], MetadataBackend]) -> None:
     b = make()
     inc, _ = run(b.register_worker(worker("w0"), 1.0))
     run(b.commit_artifact(artifact(A), "w0", "k", 99.0, 2.0, ("disk",)))
+    run(b.commit_artifact(artifact(A), "w0", None, 98.0, 2.0, ("disk",)))
     run(b.update_leases([0], lambda s, cur: LeaseRecord(0, "w0", 3, 10.0, 1.0)))
     run(b.close())
     again = make()
-    assert run(again.resolve_key("k")) == A and run(again.get_artifact(A)).lease_expiry == 99.0
+    assert run(again.resolve_key("k")) == (A, 99.0)
+    assert run(again.get_artifact(A)).refs == References((("k", 99.0),), anonymous=True, anon_expiry=98.0)
     assert run(again.replicas_of(A)) == [("w0", "disk")]
     assert run(again.load_leases())[0].token == 3
     assert run(again.register_worker(worker("w0"), 3.0))[0] == inc + 1

@@ -42,7 +42,7 @@ def test_only_commits_a_power_loss_would_not_make_moot_wait_for_an_fsync(tmp_pat
             await b.commit_artifact(_artifact(3), "w0", "fresh-key", None, now, ("memory",))  # rebinds it
             await b.commit_artifact(_artifact(4), "w0", None, None, now, ("memory", "disk"))
             await b.commit_artifact(_artifact(5), "w0", None, None, now, ("disk",))
-            assert await b.resolve_key("fresh-key") == _artifact(3).id
+            assert await b.resolve_key("fresh-key") == (_artifact(3).id, None)
             return b.durable
         finally:
             await b.close()

@@ -20,7 +20,7 @@ from tensorcast.cluster import LocalCluster
 from tensorcast.errors import InvalidArgument, NotFound, Unauthenticated
 from tensorcast.testing import RawPeer, running_cluster
 from tensorcast.wire.frames import pack_header
-from tensorcast.wire.messages import PROTOCOL_VERSION, DataHello, ErrorReply, GetArtifact
+from tensorcast.wire.messages import ErrorReply, GetArtifact
 from tensorcast.wire.protocol import ERROR
 
 MiB = 1 << 20
@@ -74,8 +74,7 @@ def test_a_token_sent_to_a_tokenless_cluster_is_refused(cluster: LocalCluster) -
     data = cluster.workers["w0"].info["data_address"]  # type: ignore[index]
     peer = RawPeer(data)
     try:
-        peer.send(DataHello(protocol_version=PROTOCOL_VERSION, token="s3cret"))
-        env, msg = peer.recv()
+        env, msg = peer.hello("s3cret", data=True)
         assert env.kind == ERROR and isinstance(msg, ErrorReply) and msg.code == "UNAUTHENTICATED"
     finally:
         peer.close()

@@ -56,12 +56,21 @@ def test_token_check_in_one_step_answers_like_shard_by_shard() -> None:
             home._check(keys, {s: t for s, t in tokens.items() if s != s0})
         unused = next(s for s in range(16) if s not in tokens)
         assert home._check(keys, {**tokens, unused: 1}) == shards
-        # A newer token: the home steps down from that shard, and the fast path stops accepting it.
-        with pytest.raises(StaleFencingToken):
-            home._check(keys, {**tokens, s0: 11 + s0})
-        assert s0 not in home.leases.held
-        with pytest.raises(StaleFencingToken):
+        # A newer token (any value a caller makes up, 2**63 included) is refused without side effects: the
+        # home keeps the shard and its pages, and still serves the current token.
+        for newer in (11 + s0, 2**63 - 1):
+            with pytest.raises(StaleFencingToken):
+                home._check(keys, {**tokens, s0: newer})
+            assert home.leases.held[s0].token == 10 + s0
+            assert home._check(keys, tokens) == shards
+        # Being handed over to this home: refused until its pages arrived.
+        home._receiving.add(s0)
+        home._leases_changed()
+        with pytest.raises(StaleFencingToken, match="handed over"):
             home._check(keys, tokens)
+        home._receiving.discard(s0)
+        home._leases_changed()
+        assert home._check(keys, tokens) == shards
         # Past the local expiry: refused, whatever the token.
         home.leases.granted(s0, token=11 + s0, sent_at=now - 120, ttl=60.0)
         home._leases_changed()

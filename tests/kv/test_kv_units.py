@@ -10,7 +10,7 @@ from tensorcast.errors import InvalidArgument, ResourceExhausted, StaleFencingTo
 from tensorcast.kv.blocks import BlockRegions
 from tensorcast.kv.hrw import assignment, candidates
 from tensorcast.kv.keys import MAX_KEY_BYTES, KVLayout, check_keys, page_keys, shard_of
-from tensorcast.kv.leases import HomeLeases, LeaseFeed, LeaseMirror, LeaseRecord, grant, release, renew
+from tensorcast.kv.leases import HomeLeases, LeaseFeed, LeaseMirror, LeaseRecord, grant, live_homes, release, renew
 from tensorcast.kv.pages import PageStore
 from tensorcast.testing import leaked_segments
 
@@ -110,9 +110,27 @@ def test_home_acquisition_plan() -> None:
     assert s not in a.plan(rec, homes, 16, gs_now=10.1, grace=0.25)[0]
     dead_first = [h for h in homes if h != rank0[s]]
     assert s in a.plan(rec, dead_first, 16, gs_now=10.1, grace=0.25)[0]
+    # Its lease expired long ago: a takes it over, unless the store was just unreachable (every lease
+    # expired at once while their holders lived): then rank 0 re-acquires its own.
+    assert s in a.plan(rec, homes, 16, gs_now=11.0, grace=0.25)[0]
+    assert s not in a.plan(rec, homes, 16, gs_now=11.0, grace=0.25, takeover=False)[0]
+    mine = next(s for s, w in rank0.items() if w == "a")
+    assert mine in a.plan({mine: LeaseRecord(mine, "a", 1, expiry=10.0)}, homes, 16, gs_now=11.0, grace=0.25,
+                          takeover=False)[0]
     # Holding a shard whose rank-0 home is alive again: give it back.
     a.granted(s, 2, 0.0, 100.0)
     assert s in a.plan({}, homes, 16, gs_now=10, grace=0.25)[1]
+
+
+@pytest.mark.parametrize(("cut_off", "want"), [
+    (None, ["a", "b"]),  # heard from within the TTL of now
+    (100.0, ["a", "b", "c", "d"]),  # cut off from the store since 100: heard within the TTL before then too
+    (101.0, ["a", "b", "c"]),
+    (200.0, ["a", "b"]),  # a cut-off "after now" counts from now
+])
+def test_live_homes_count_the_time_a_home_was_cut_off(cut_off: float | None, want: list[str]) -> None:
+    beats = {"b": 104.5, "a": 103.0, "c": 99.0, "d": 97.5, "e": 90.0}
+    assert live_homes(beats, now=105.0, ttl=3.0, cut_off=cut_off) == want
 
 
 def test_lease_deltas_carry_changes_of_holder_token_or_liveness_not_renewals() -> None:

@@ -33,6 +33,16 @@ def _page_workers(page: Any) -> dict[str, dict[str, list[str]]]:
         ]))""")
 
 
+def _wait_until(page: Any, expression: str, timeout: float) -> None:
+    """Polls a JavaScript expression until it is true (bounded). Not Playwright's ``wait_for_function``: its
+    polling evaluates a string inside the page, which the dashboard's Content-Security-Policy (no 'unsafe-eval')
+    rightly refuses; ``evaluate`` goes through the debugging protocol, so the page keeps its policy."""
+    deadline = time.monotonic() + timeout
+    while not page.evaluate(f"() => Boolean({expression})"):
+        assert time.monotonic() < deadline, f"not true within {timeout} s: {expression}"
+        time.sleep(REFRESH / 4)
+
+
 def _recorded(client: tc.Client) -> dict[str, dict[str, str]]:
     return {w.worker_id: {"memory_used": str(w.memory_used), "memory_capacity": str(w.memory_capacity),
                           "artifacts": str(w.artifacts), "alive": "true" if w.alive else "false"}
@@ -67,9 +77,8 @@ def _shows_list_workers(page: Any, client: tc.Client) -> None:
     worker.start()
     try:
         # While it runs the page keeps updating and shows the artifacts arriving.
-        page.wait_for_function("Number(document.body.dataset.updates) >= 4", timeout=30_000)
-        page.wait_for_function(
-            "Number(document.querySelector('[data-field=artifacts_total]').dataset.value) >= 3", timeout=60_000)
+        _wait_until(page, "Number(document.body.dataset.updates) >= 4", 30)
+        _wait_until(page, "Number(document.querySelector('[data-field=artifacts_total]').dataset.value) >= 3", 60)
     finally:
         stop.set()
         worker.join(timeout=60)
@@ -107,7 +116,7 @@ def test_dashboard_shows_list_workers() -> None:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             try:
                 page.goto(cluster.dashboard_url)
-                page.wait_for_function("Number(document.body.dataset.updates || 0) >= 1", timeout=30_000)
+                _wait_until(page, "Number(document.body.dataset.updates || 0) >= 1", 30)
                 _shows_list_workers(page, client)
             finally:  # a failing run leaves its screenshot too: what the page showed then
                 out.mkdir(parents=True, exist_ok=True)

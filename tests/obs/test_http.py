@@ -16,7 +16,8 @@ async def _get(url: str, path: str, headers: dict[str, str] | None = None, metho
     host, port = url.removeprefix("http://").rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
     head = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-    writer.write(raw if raw is not None else f"{method} {path} HTTP/1.1\r\nHost: x\r\n{head}\r\n".encode())
+    request = f"{method} {path} HTTP/1.1\r\nHost: {host}:{port}\r\n{head}\r\n"
+    writer.write(raw if raw is not None else request.encode())
     await writer.drain()
     data = await reader.read()
     writer.close()

@@ -99,3 +99,25 @@ def test_one_plan_is_one_trace_across_processes(tmp_path: Path) -> None:
     served = [ancestors(s) for s in remote if s["name"] == "serve Prefetch" and s["service"] == "tensorcast-worker-w1"]
     assert sorted(next(n for n in chain if n.startswith("step ")) for chain in served) == ["step pin", "step prefetch"]
     assert all(chain[-2:] == ["plan", "serve RunPlan"] for chain in served), served
+
+
+def test_a_caller_provider_starts_traces_after_a_worker_configured_this_process(tmp_path: Path) -> None:
+    """A process that hosted a worker (``configure(..., roots=False)``: its background work emits nothing)
+    and then runs a caller with its own provider starts the caller's traces: the flag goes with the provider,
+    so a test (or a service embedding a worker) does not silently lose its root spans."""
+    from tensorcast.config import TracingConfig
+
+    exporter = InMemorySpanExporter()
+    try:
+        tracing.configure(TracingConfig(exporter="file", file=str(tmp_path / "w.jsonl")), "worker", roots=False)
+        with tracing.span("heartbeat", "ab12"):
+            pass  # a cluster process's own work: no trace
+        assert not (tmp_path / "w.jsonl").read_text()
+        tracing.configure(TracingConfig(), "another worker", roots=False)  # no exporter: changes nothing
+        tracing.use_provider(tracing.provider(exporter, "caller"))
+        with tracing.span("put", "ab12"):
+            pass
+    finally:
+        tracing.use_provider(None)
+    assert [s.name for s in exporter.get_finished_spans()] == ["put"]
+    assert exporter.get_finished_spans()[0].context.trace_id == tracing.otel_trace_id("ab12")

@@ -5,9 +5,19 @@ import math
 import pytest
 
 from tensorcast.errors import InvalidArgument, ResourceExhausted
-from tensorcast.pool.placement import PRESETS, Placement, PutDecision, decide_put, replica_targets, resolve_placement
+from tensorcast.pool.placement import (
+    PRESETS,
+    Placement,
+    PutDecision,
+    Repair,
+    decide_put,
+    plan_repairs,
+    replica_candidates,
+    replica_targets,
+    resolve_placement,
+)
 from tensorcast.pool.state import MemoryReplica, PoolState
-from tensorcast.records import WorkerInfo
+from tensorcast.records import ArtifactInfo, ReplicaInfo, WorkerInfo
 
 
 def test_presets_and_their_promises() -> None:
@@ -101,3 +111,63 @@ def test_extra_replicas_go_to_other_hosts_first_then_the_least_full() -> None:
     assert replica_targets(workers, "self", "h0", 1) == ["far-empty"]
     assert replica_targets(workers, "self", "h0", 3) == ["far-empty", "far-full", "same-host"]
     assert replica_targets(workers, "self", "h0", 0) == []
+
+
+def _w(wid: str, host: str, used: int = 0, alive: bool = True) -> WorkerInfo:
+    return WorkerInfo(worker_id=wid, address="", host_id=host, roles=("basic",), memory_used=used,
+                      memory_capacity=100, alive=alive)
+
+
+@pytest.mark.parametrize("holders,want", [
+    ({"a": "h0"}, ["c", "e", "b", "d"]),  # h1 and h2 before h0; then each host's second worker, least full first
+    ({"a": "h0", "c": "h1"}, ["e", "b", "d"]),  # the host without a copy first
+    ({}, ["a", "c", "e", "b", "d"]),  # nobody holds it yet: one per host first
+    ({"a": "h0", "b": "h0", "c": "h1", "d": "h1", "e": "h2"}, []),  # every live worker holds it
+])
+def test_candidates_spread_copies_over_hosts(holders: dict[str, str], want: list[str]) -> None:
+    workers = [_w("a", "h0"), _w("b", "h0", 50), _w("c", "h1", 10), _w("d", "h1", 60), _w("e", "h2", 20),
+               _w("dead", "h3", 0, alive=False)]
+    assert replica_candidates(workers, holders) == want
+
+
+def test_planned_bytes_count_against_a_candidate() -> None:
+    workers = [_w("a", "h0"), _w("b", "h1", 10), _w("c", "h1", 20)]
+    assert replica_candidates(workers, {"a": "h0"})[0] == "b"
+    assert replica_candidates(workers, {"a": "h0"}, {"b": 30})[0] == "c"
+
+
+def _art(aid: str, holders: list[str], wanted: int = 2, nbytes: int = 10) -> ArtifactInfo:
+    return ArtifactInfo(id=aid, tensors=(), nbytes=nbytes, replicas_wanted=wanted,
+                        replicas=tuple(ReplicaInfo(worker_id=h) for h in holders))
+
+
+# (artifacts, dead workers, busy, avoid) -> the copies to make
+REPAIRS = [
+    ("one copy lost: its other holder copies it to another host",
+     [_art("x", ["w0", "w1"])], {"w1"}, (), {}, [Repair("x", "w0", "w2")]),
+    ("the lowest-id live holder is responsible",
+     [_art("x", ["w3", "w1", "w0"], wanted=4)], {"w0"}, (), {}, [Repair("x", "w1", "w2"), Repair("x", "w1", "w4")]),
+    ("enough live copies: nothing", [_art("x", ["w0", "w2"])], {"w1"}, (), {}, []),
+    ("no live holder: nothing to copy from", [_art("x", ["w1"])], {"w1"}, (), {}, []),
+    ("copies being made already: nothing", [_art("x", ["w0", "w1"])], {"w1"}, {"x"}, {}, []),
+    ("a target that failed is avoided until its time",
+     [_art("x", ["w0", "w1"])], {"w1"}, (), {("x", "w2"): 200.0}, [Repair("x", "w0", "w3")]),
+    ("an avoidance that ended no longer counts",
+     [_art("x", ["w0", "w1"])], {"w1"}, (), {("x", "w2"): 50.0}, [Repair("x", "w0", "w2")]),
+    ("three wanted, two lost: two targets on distinct hosts",
+     [_art("x", ["w0", "w1", "w2"], wanted=3)], {"w1", "w2"}, (), {},
+     [Repair("x", "w0", "w3"), Repair("x", "w0", "w4")]),
+    ("copies planned for one artifact steer the next one's target",
+     [_art("x", ["w0", "w1"]), _art("y", ["w0", "w1"])], {"w1"}, (), {},
+     [Repair("x", "w0", "w2"), Repair("y", "w0", "w3")]),
+    ("nowhere to go: fewer copies", [_art("x", ["w0", "w1", "w2", "w3", "w4"], wanted=6)], set(), (), {}, []),
+]
+
+
+@pytest.mark.parametrize("artifacts,dead,busy,avoid,want", [r[1:] for r in REPAIRS], ids=[r[0] for r in REPAIRS])
+def test_plan_repairs(artifacts: list[ArtifactInfo], dead: set[str], busy: tuple[str, ...],
+                      avoid: dict[tuple[str, str], float], want: list[Repair]) -> None:
+    # w0, w1 on h0; w2 on h1; w3 on h2; w4 on h3; all equally empty.
+    hosts = {"w0": "h0", "w1": "h0", "w2": "h1", "w3": "h2", "w4": "h3"}
+    workers = [_w(wid, host, alive=wid not in dead) for wid, host in hosts.items()]
+    assert plan_repairs(artifacts, workers, 100.0, busy=busy, avoid=avoid) == want

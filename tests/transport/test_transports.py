@@ -137,7 +137,7 @@ def test_tcp_fetch_ends_by_its_deadline_however_slowly_bytes_trickle() -> None:
 
     sender = threading.Thread(target=trickle, daemon=True)
     sender.start()
-    tr = make_transport("tcp", WireConfig(), token="tok", max_streams=1)
+    tr = make_transport("tcp", WireConfig(), token=None, max_streams=1)  # the fake server asks for no credential
     host, port = listener.getsockname()[:2]
     try:
         t0 = time.monotonic()

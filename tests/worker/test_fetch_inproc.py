@@ -24,6 +24,7 @@ from tensorcast.transport.registry import make_transport
 from tensorcast.wire.messages import DataRequest
 from tensorcast.worker.fetch import Fetcher
 from tensorcast.worker.store import LocalStore
+from tensorcast.worker.trust import BlobTrust
 
 MiB = 1 << 20
 
@@ -61,7 +62,7 @@ class Pair:
         self.server: DataServer = self.transport.serve(self.src.open_source, corrupt_chunks=corrupt_chunks)
         self.server.start("", 0)
         self.dst = _store("dst")
-        self.fetcher = Fetcher("dst", self.dst, self.transport, TransportConfig(retries=2))
+        self.fetcher = Fetcher("dst", self.dst, BlobTrust(self.dst), self.transport, TransportConfig(retries=2))
 
     def replica(self, worker_id: str = "src", address: str | None = None) -> ReplicaInfo:
         return ReplicaInfo(worker_id=worker_id, data_address=address or self.server.address)

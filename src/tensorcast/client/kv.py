@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,7 +52,11 @@ __all__ = ["AsyncKV"]
 _RELEASE_DELAY = 0.05
 
 
-def _page_view(page: Any) -> memoryview:
+def _page_view(page: Any, i: int, max_bytes: int) -> memoryview:
+    """Page ``i``'s bytes as one flat view. Refused before any copy: object arrays (their bytes are pointers
+    into this process, meaningless anywhere else) and views claiming more than ``max_bytes``."""
+    if isinstance(page, np.ndarray) and page.dtype.hasobject:
+        raise InvalidArgument(f"page {i}: dtype {page.dtype} holds Python objects, not bytes; pages are buffers")
     if type(page) is np.ndarray and page.flags.c_contiguous and page.ndim:
         try:  # the common case, without intermediate arrays
             return memoryview(page).cast("B")  # type: ignore[arg-type]
@@ -59,6 +64,15 @@ def _page_view(page: Any) -> memoryview:
             pass
     if isinstance(page, bytes | bytearray | memoryview):
         return memoryview(page).cast("B")
+    if type(page).__module__.startswith("torch"):
+        claimed = int(page.numel()) * int(page.element_size())
+    else:
+        page = np.asarray(page)
+        if page.dtype.hasobject:
+            raise InvalidArgument(f"page {i}: {page.dtype} holds Python objects, not bytes; pages are buffers")
+        claimed = int(page.size) * page.dtype.itemsize
+    if claimed > max_bytes:  # a stride-0 view claiming terabytes is refused before it is copied
+        raise InvalidArgument(f"page {i}: {claimed} bytes; pages are 1..{max_bytes} bytes (kv.max_page_bytes)")
     if type(page).__module__.startswith("torch"):
         page = page.detach().contiguous().reshape(-1).view(__import__("torch").uint8).numpy()
     arr = np.ascontiguousarray(page)
@@ -157,7 +171,7 @@ class AsyncKV:
             raise InvalidArgument("keys and pages differ in length")
         if ttl is not None:
             check_ttl(ttl)
-        views = [_page_view(p) for p in pages]
+        views = [_page_view(p, i, self.config.max_page_bytes) for i, p in enumerate(pages)]
         for i, (page, view) in enumerate(zip(pages, views, strict=True)):
             if not 0 < view.nbytes <= self.config.max_page_bytes:
                 raise InvalidArgument(f"page {i}: {view.nbytes} bytes; pages are 1..{self.config.max_page_bytes} "
@@ -272,7 +286,7 @@ class AsyncKV:
         was) and is a hit, and one larger is ``InvalidArgument``."""
         if len(keys) != len(buffers):
             raise InvalidArgument("keys and buffers differ in length")
-        targets = [_page_view(b) for b in buffers]
+        targets = [_page_view(b, i, sys.maxsize) for i, b in enumerate(buffers)]
         if any(t.readonly for t in targets):
             raise InvalidArgument("get_into needs writable buffers")
         if layout is not None:

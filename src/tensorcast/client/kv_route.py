@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from tensorcast import clock
 from tensorcast.client.locality import Locality
 from tensorcast.config import KVConfig
 from tensorcast.context import CallContext
@@ -61,11 +61,11 @@ class KVRouter:
         self.routes: Routes | None = None
         self.table_refreshes = 0
 
-    async def refresh(self) -> ShardTable:
+    async def refresh(self, ctx: CallContext | None = None) -> ShardTable:
         """Catch up with the lease table: the changes since the last refresh (the whole table the first time,
         or when the answering global store is another one)."""
         since, epoch = (self._table.revision, self._table.epoch) if self._table is not None else (0, "")
-        table = await self.caller.call(ListShards(since=since, epoch=epoch), ShardTable)
+        table = await self.caller.call(ListShards(since=since, epoch=epoch), ShardTable, ctx)
         self._table = table
         if table.full:
             self._by_shard = {}
@@ -129,12 +129,15 @@ class KVRouter:
         slow home, or a shard without a home (start-up, a failover) is waited out: the lease table is read
         again and the affected keys retried, with a short backoff, for up to ``kv.handover_timeout`` seconds.
         Returns the indexes of keys still without an answer then (for writes, ``need_all``, including those
-        whose shard has no holder)."""
+        whose shard has no holder; reads of such keys are misses once the table was read again)."""
         check_keys(keys)
         shards = await self._shards(keys)
         todo = list(range(len(keys)))
-        give_up = time.monotonic() + self.config.handover_timeout
+        give_up = clock.monotonic() + self.config.handover_timeout
         attempt = 0
+        # Reads of a shard without a holder are misses, once the table was read again (the cached one may be
+        # from before a hand-over: the shard has a new holder that nothing told this client about).
+        orphans_refreshed = False
         while True:
             groups, orphans = self.groups(todo, shards)
             results: list[Any]
@@ -147,18 +150,22 @@ class KVRouter:
             else:
                 results = await asyncio.gather(*(op(a, idx, tok) for a, (idx, tok) in groups.items()),
                                                return_exceptions=True)
-            failed: list[int] = list(orphans) if need_all else []
+            failed: list[int] = list(orphans) if need_all or not orphans_refreshed else []
+            orphans_refreshed = orphans_refreshed or bool(orphans)
             for (idx, _), res in zip(groups.values(), results, strict=True):
                 if isinstance(res, _RETRYABLE):
                     failed.extend(idx)
                 elif isinstance(res, BaseException):
                     raise res
             todo = sorted(failed)
-            if not todo or time.monotonic() >= give_up:
+            if not todo or clock.monotonic() >= give_up:
                 return todo
             await asyncio.sleep(min(0.02 * 2**attempt, 0.25))
             attempt += 1
+            left = give_up - clock.monotonic()
+            # Bounded like a request to a home, and by what is left: a refresh that hangs (a lost request, a
+            # gateway failing over) must not use up the whole wait.
             with contextlib.suppress(Unavailable, DeadlineExceeded):  # the gateway itself may be failing over
-                await self.refresh()
+                await self.refresh(self.caller.context(max(0.05, min(self.config.request_timeout, left))))
             if self._addr and len(self._addr) != len(shards):  # another store, another shard count
                 shards = shards_of(keys, len(self._addr))

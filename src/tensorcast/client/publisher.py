@@ -3,15 +3,15 @@
 Owns: ``AsyncWeightPublisher`` — ``publish(state_dict, version=None)`` puts one version as one artifact under
 ``{model}@v{N}`` (N: one past the newest when not given), then collects old versions: all but the newest
 ``keep_last`` and those some binding uses (its caller-leased use record, ``{model}@use/v{N}/{holder}``) are
-deleted. Tensors unchanged since an earlier version cost no copy: the pool is content-addressed per tensor,
-and the publisher knows every tensor's digest before the put begins, so that the worker that takes it skips
-each tensor whose digest it already holds (only changed tensors are copied, or sent from another host). A
-digest costs a BLAKE3 pass over the bytes; a tensor whose XXH3-128 (about three times cheaper) equals the one it had
-at this publisher's previous publish keeps that publish's digest, and one the caller names as unchanged
-costs nothing. Also the
-listing every party shares: the versions of a model, the versions in use, and ``wait_newer`` (polling with
-a bounded backoff: 50 ms doubling to 1 s, up to the timeout). Does not own:
-the put protocol (``client.puts``), bindings (``client.binding``), the GC decision (``weights.versions``).
+deleted, by key (content another key still names stays). Tensors unchanged since an earlier version cost no
+copy: the pool is content-addressed per tensor, and the publisher knows every tensor's digest before the put
+begins, so that the worker that takes it skips each tensor whose digest it already holds (only changed tensors
+are copied, or sent from another host). A digest costs a BLAKE3 pass over the bytes; a tensor whose XXH3-128
+(about three times cheaper) equals the one it had at this publisher's previous publish keeps that publish's
+digest, and one the caller names as unchanged costs nothing. Also the listing every party shares: the versions
+of a model, the versions in use, and ``wait_newer`` (polling with a bounded backoff: 50 ms doubling to 1 s, up
+to the timeout). Does not own: the put protocol (``client.puts``), bindings (``client.binding``), the GC
+decision (``weights.versions``).
 """
 
 from __future__ import annotations
@@ -97,8 +97,7 @@ async def list_keys(caller: Caller, prefix: str, ctx: CallContext | None = None)
     after = ""
     while True:
         reply = await caller.call(ListArtifacts(prefix=prefix, limit=_PAGE, after=after), ArtifactList, ctx)
-        for info in reply.artifacts:
-            out.update({k: info for k in info.keys if k.startswith(prefix)})
+        out.update({k: info for info, k in zip(reply.artifacts, reply.entry_keys, strict=True) if k})
         if not reply.next:
             return out
         after = reply.next
@@ -250,8 +249,10 @@ class AsyncWeightPublisher:
         in_use = await list_in_use(self.client.caller, self.model, ctx)
         doomed = gc_decision(versions, in_use, self.keep_last)
         for n in doomed:
+            # By key: a version's bytes go only when no other key (another version or model, a user's alias)
+            # or lease still refers to them.
             with contextlib.suppress(NotFound):  # deleted meanwhile (another publisher's GC)
-                await self.client.caller.call(DeleteArtifact(key_or_id=versions[n].id), Deleted, ctx)
+                await self.client.caller.call(DeleteArtifact(key_or_id=version_key(self.model, n)), Deleted, ctx)
         return doomed
 
     async def gc(self, *, timeout: float | None = None) -> tuple[int, ...]:

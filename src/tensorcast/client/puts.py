@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -46,6 +47,7 @@ _INLINE_PUT_BYTES = 256 << 10
 # digests_later); below this, both run on the event loop one after the other (a thread hop costs more).
 _HASH_WHILE_WRITING_BYTES = _INLINE_WRITE_BYTES
 T = TypeVar("T")
+log = logging.getLogger("tensorcast.client")
 _LATE_ABORTS: set[asyncio.Task[None]] = set()
 
 
@@ -54,6 +56,16 @@ async def put_tensors(caller: Caller, locality: Locality, writer: SegmentWriter,
                       policy: str | Placement | None, ctx: CallContext) -> ArtifactInfo:
     """Store ``inputs`` as one artifact on the worker at ``address`` (same-host bytes written through
     ``writer``); returns its committed record."""
+    info = await _put_tensors(caller, locality, writer, address, inputs, key, ttl, policy, ctx)
+    if info.copies < info.replicas_wanted:
+        log.warning("artifact %s was put with %d of the %d copies its placement wants on live workers (more are "
+                    "made as workers can take them)", info.id, info.copies, info.replicas_wanted)
+    return info
+
+
+async def _put_tensors(caller: Caller, locality: Locality, writer: SegmentWriter, address: str,
+                       inputs: list[TensorInput], key: str | None, ttl: float | None,
+                       policy: str | Placement | None, ctx: CallContext) -> ArtifactInfo:
     welcome = await caller.connect(address)
     put = _Put(caller, writer, address, inputs, key, ttl, policy, ctx)
     if sum(t.nbytes for t in inputs) <= _INLINE_PUT_BYTES:

@@ -158,10 +158,12 @@ class Reader:
         raise last
 
     def materialize_kept(self, info: ArtifactInfo, names: tuple[str, ...], like: str, source: str = "auto",
-                         device: str = "cpu") -> tuple[dict[str, Any], Diagnostics] | None:
-        """The tensors mapped from places kept for the replica ``materialize`` would read first, if it is a
-        same-host memory replica whose places are kept; else None (then ``materialize``). No round trip and no
-        event loop: safe to call from any thread (a synchronous client calls it on the caller's thread)."""
+                         device: str = "cpu", slices: Mapping[str, tuple[SliceSpec, ...]] | None = None,
+                         ) -> tuple[dict[str, Any], Diagnostics] | None:
+        """The tensors (cut by ``slices``, a view's) mapped from places kept for the replica ``materialize``
+        would read first, if it is a same-host memory replica whose places are kept; else None (then
+        ``materialize``). No round trip and no event loop: safe to call from any thread (a synchronous client
+        calls it on the caller's thread)."""
         if device != "cpu" or like not in ("torch", "numpy") or source not in SOURCES or self._loop is None \
                 or self._closed:
             return None  # (a closed client: the usual path says so)
@@ -172,7 +174,7 @@ class Reader:
         if not self.locality.same_host(replica.host_id):
             return None
         t0 = time.perf_counter()
-        out = self._read_kept(info, replica, names, {t.name: t for t in info.tensors}, like, {})
+        out = self._read_kept(info, replica, names, {t.name: t for t in info.tensors}, like, slices or {})
         if out is None:
             return None
         return out, Diagnostics(replica=replica.worker_id, tier="memory", transport="shared-memory",

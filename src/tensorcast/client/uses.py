@@ -32,7 +32,7 @@ class UseRecords:
         self.model = model
         self.holder = holder
         self.ttl = ttl
-        self.ids: dict[int, str] = {}  # version -> use record's artifact id
+        self.ids: dict[int, str] = {}  # version -> use record's artifact id (its lease is its key's)
 
     async def hold(self, version: int, ctx: CallContext | None = None) -> None:
         """Record that this holder uses ``version`` (before fetching it: collection sees it from now on)."""
@@ -51,15 +51,17 @@ class UseRecords:
         for version in [v for v in self.ids if v not in keep]:
             aid = self.ids.pop(version)
             with contextlib.suppress(TensorCastError):
-                await self.client.caller.call(ReleaseLease(artifact_id=aid), Deleted,
-                                              CallContext().with_timeout(10.0))
+                await self.client.caller.call(
+                    ReleaseLease(artifact_id=aid, key=use_key(self.model, version, self.holder)), Deleted,
+                    CallContext().with_timeout(10.0))
 
     async def renew(self) -> None:
         """Extend every record's lease; put again those that were lost."""
         for version, aid in list(self.ids.items()):
             try:
-                await self.client.caller.call(RenewLease(artifact_id=aid, ttl=self.ttl), ArtifactReply,
-                                              CallContext().with_timeout(max(1.0, self.ttl / 3)))
+                await self.client.caller.call(
+                    RenewLease(artifact_id=aid, ttl=self.ttl, key=use_key(self.model, version, self.holder)),
+                    ArtifactReply, CallContext().with_timeout(max(1.0, self.ttl / 3)))
             except NotFound:
                 log.warning("use record of %s version %d for %s was lost: recording it again", self.model,
                             version, self.holder)

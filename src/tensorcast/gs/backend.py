@@ -1,9 +1,10 @@
-"""The global store's storage-backend interface and the pure rules every backend applies.
+"""The global store's storage-backend interface.
 
 Owns: ``MetadataBackend`` (what the GS service needs from a database, in domain terms: workers,
-artifacts, keys, replicas, pending drops) and the lease-merging rule. A backend commits durably before
-its coroutine returns, so the service acknowledges only what is on disk. Does not own: SQL (``gs.sqlite``)
-or the RPC surface (``gs.service``). A later backend (etcd) implements the same class.
+artifacts, their references (key bindings and the anonymous hold or lease), replicas, pending drops) and the
+records it returns. A backend commits durably before its coroutine returns, so the service acknowledges only
+what is on disk. Does not own: the reference rules (``gs.refs``), SQL (``gs.sqlite``), etcd (``gs.etcd``) or
+the RPC surface (``gs.service``).
 """
 
 from __future__ import annotations
@@ -12,33 +13,32 @@ import abc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from tensorcast.gs.refs import References, merge_lease
 from tensorcast.kv.leases import LeaseRecord
 from tensorcast.records import ArtifactInfo, InstanceInfo, WorkerInfo
 
-__all__ = ["ArtifactRow", "MetadataBackend", "merge_lease"]
+__all__ = ["ArtifactRow", "GoalRow", "MetadataBackend", "Unbound", "merge_lease"]
+
+# An artifact wanting more than one copy: (id, wanted copies, its (worker, tier) replicas).
+GoalRow = tuple[str, int, list[tuple[str, str]]]
 
 
 @dataclass(frozen=True, slots=True)
 class ArtifactRow:
-    """An artifact's durable record (identity + ownership); replicas and keys are joined on read."""
+    """An artifact's durable record (identity) and its references; replicas are joined on read."""
 
     info: ArtifactInfo  # tensors, nbytes, created_at; keys/replicas empty
-    lease_expiry: float | None  # None: system-owned
+    refs: References
 
 
-def merge_lease(existing: float | bool | None, new: float | None) -> float | None:
-    """Ownership after a put of an artifact that may already exist.
+@dataclass(frozen=True, slots=True)
+class Unbound:
+    """What removing one reference did: ``removed`` (nothing kept the artifact: it was deleted, its
+    ``holders`` owe drops) or not (``keys``: the live keys still naming it)."""
 
-    ``existing`` is False when the artifact is new. System ownership (None) always wins: a caller lease
-    never downgrades a system-owned artifact, and a system-owned put upgrades a leased one. Two leases
-    keep the later expiry.
-    """
-    if existing is False:
-        return new
-    if existing is None or new is None:
-        return None
-    assert isinstance(existing, float)
-    return max(existing, new)
+    removed: bool
+    holders: tuple[str, ...] = ()
+    keys: tuple[str, ...] = ()
 
 
 class MetadataBackend(abc.ABC):
@@ -117,28 +117,32 @@ class MetadataBackend(abc.ABC):
     async def commit_artifact(self, info: ArtifactInfo, worker_id: str, key: str | None,
                               lease_expiry: float | None, now: float, tiers: tuple[str, ...] = ("memory",),
                               restored: bool = False) -> bool:
-        """Atomically: record the artifact if new (ownership merged with ``merge_lease``; a tombstone of it is
-        cleared), point ``key`` at it (moving the key if it existed), and record ``worker_id``'s replicas in
-        ``tiers``. ``restored``: a copy announced after the worker restarted — refused (False, nothing
-        changes) when the artifact was deleted meanwhile (a tombstone, or a drop this worker owes)."""
+        """Atomically: record the artifact if new (a tombstone of it is cleared), add the put's reference —
+        the binding of ``key``, or the anonymous reference when ``key`` is None — merged with ``merge_lease``
+        onto the one there (``lease_expiry`` None: permanent), and record ``worker_id``'s replicas in
+        ``tiers``. A key bound to another artifact moves: that artifact keeps what the key held as its
+        anonymous reference (merged), so it stays reachable by id as before. ``restored``: a copy announced
+        after the worker restarted — refused (False, nothing changes) when the artifact was deleted meanwhile
+        (a tombstone, or a drop this worker owes)."""
 
     @abc.abstractmethod
-    async def resolve_key(self, key: str) -> str | None: ...
+    async def resolve_key(self, key: str) -> tuple[str, float | None] | None:
+        """(artifact id, the binding's expiry or None if permanent) of a bound key; None if unbound."""
 
     @abc.abstractmethod
     async def get_artifact(self, artifact_id: str) -> ArtifactRow | None: ...
-
-    @abc.abstractmethod
-    async def keys_of(self, artifact_id: str) -> tuple[str, ...]: ...
 
     @abc.abstractmethod
     async def replicas_of(self, artifact_id: str) -> list[tuple[str, str]]:
         """(worker_id, tier) pairs."""
 
     @abc.abstractmethod
-    async def list_artifacts(self, prefix: str, limit: int, after: str = "") -> tuple[list[str], str]:
-        """One page: ids of artifacts with a key starting with ``prefix`` (all artifacts, by id, when it is
-        empty), after the cursor ``after``; and the cursor of the next page ("" after the last)."""
+    async def list_artifacts(self, prefix: str, limit: int, after: str, now: float
+                             ) -> tuple[list[tuple[str | None, str]], str]:
+        """One page of (key, artifact id) entries, after the cursor ``after`` (``gs.refs.list_cursor``): one
+        per key starting with ``prefix`` whose binding is live at ``now``, in key order; with no prefix, every
+        such key and then the artifacts bound to no key at all (key None), by id. And the cursor of the next
+        page ("" after the last); a page may hold fewer than ``limit`` entries before the last."""
 
     @abc.abstractmethod
     async def key_sizes(self, limit: int) -> tuple[list[tuple[str, int]], int]:
@@ -146,23 +150,36 @@ class MetadataBackend(abc.ABC):
         dashboard's artifacts by key prefix)."""
 
     @abc.abstractmethod
-    async def set_lease(self, artifact_id: str, lease_expiry: float | None) -> bool: ...
+    async def set_lease(self, artifact_id: str, key: str | None, lease_expiry: float) -> bool:
+        """Give the leased reference ``key`` of the artifact (None: its anonymous one) a new expiry; False
+        (nothing changes) if there is no such reference or it is permanent."""
+
+    @abc.abstractmethod
+    async def unbind(self, artifact_id: str, key: str | None, now: float, reason: str,
+                     expired_only: bool = False) -> Unbound | None:
+        """Atomically remove one reference: the binding of ``key`` (its key tombstone says ``reason``), or
+        the anonymous reference when ``key`` is None; when no live reference remains, delete the artifact as
+        ``delete_artifact`` does (with ``reason``). ``expired_only``: only a reference whose lease ended by
+        ``now`` (the reaper; a renewed one is kept). None if there is no such reference (``gs.refs.
+        unbind_outcome`` decides)."""
 
     @abc.abstractmethod
     async def delete_artifact(self, artifact_id: str, now: float, reason: str = "deleted") -> list[str]:
-        """Remove the record and its keys; its replicas become pending drops; a tombstone (of the id and of
-        its keys) remembers why. Returns holder ids."""
+        """Remove the record and every reference (all its keys); its replicas become pending drops; a
+        tombstone (of the id and of its keys) remembers why. Returns holder ids."""
 
     @abc.abstractmethod
     async def tombstone(self, key_or_id: str) -> tuple[str, str] | None:
-        """(artifact id, reason) of a deleted artifact, by id or by a key it had; None if there is none."""
+        """(artifact id, reason) of a deleted artifact by id, or of a key by the key (unbound, or its
+        artifact deleted); None if there is none."""
 
     @abc.abstractmethod
     async def prune_tombstones(self, before: float) -> int:
         """Forget tombstones older than ``before``; returns how many."""
 
     @abc.abstractmethod
-    async def expired_artifacts(self, now: float) -> list[str]: ...
+    async def expired_references(self, now: float) -> list[tuple[str, str | None]]:
+        """(artifact id, key) of every reference whose lease ended by ``now`` (key None: the anonymous one)."""
 
     @abc.abstractmethod
     async def add_replica(self, artifact_id: str, worker_id: str, tiers: tuple[str, ...],
@@ -173,3 +190,10 @@ class MetadataBackend(abc.ABC):
     @abc.abstractmethod
     async def remove_replica(self, artifact_id: str, worker_id: str, tier: str) -> bool:
         """Forget a replica; True when the artifact (still recorded) has no replica left."""
+
+    @abc.abstractmethod
+    async def replica_goals(self, holder: str, after: str, limit: int) -> tuple[list[GoalRow], str]:
+        """One page, by id after the cursor ``after``, of the recorded artifacts whose placement wants more than
+        one copy (``ArtifactInfo.replicas_wanted``, which ``commit_artifact`` records: the most any put asked
+        for; ``get_artifact`` returns it): (id, wanted copies, its (worker, tier) replicas); only those with a
+        replica on ``holder`` when it is given. And the cursor of the next page ("" after the last)."""

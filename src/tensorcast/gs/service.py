@@ -1,8 +1,9 @@
 """The global store service: control-plane metadata over RPC, durable in a ``MetadataBackend``.
 
-Owns: the GS handlers (worker registry and heartbeats, artifact records, keys, replica locations, caller
-leases and their reaping) and the GS process entry point. Tensor bytes never come here. Every mutation is
-committed by the backend before the reply is sent. Does not own: storage (``gs.sqlite``) or placement.
+Owns: the GS handlers (worker registry and heartbeats, instances, shard leases) composed with the artifact
+requests (``gs.artifacts``), the background reaper of ended leases, and the GS process entry point. Tensor
+bytes never come here. Every mutation is committed by the backend before the reply is sent. Does not own:
+storage (``gs.sqlite``, ``gs.etcd``), the reference rules (``gs.refs``) or placement.
 """
 
 from __future__ import annotations
@@ -13,24 +14,26 @@ import json
 import logging
 import math
 import os
-import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from tensorcast import clock
 from tensorcast.config import Config
-from tensorcast.errors import InvalidArgument, NotFound, clip
+from tensorcast.credentials import check_bind
+from tensorcast.errors import InvalidArgument, NotFound
+from tensorcast.gs.artifacts import ArtifactService
 from tensorcast.gs.backend import MetadataBackend
+from tensorcast.gs.goals import under_replicated
 from tensorcast.gs.observe import GSGauges, gs_routes
+from tensorcast.gs.page_index import PageIndex
 from tensorcast.gs.sqlite import SqliteBackend
 from tensorcast.kv.leases import LeaseFeed, LeaseRecord, grant, release, renew
-from tensorcast.limits import check_ttl
 from tensorcast.obs import metrics, tracing
 from tensorcast.obs.http import HttpServer
-from tensorcast.records import ArtifactInfo, InstanceInfo, ReplicaInfo, ShardLease, WorkerInfo
-from tensorcast.tensors import ARTIFACT_ID_RE
+from tensorcast.records import ArtifactInfo, InstanceInfo, ShardLease, WorkerInfo
 from tensorcast.wire.kv_messages import (
     AcquireShards,
     GSStats,
@@ -59,6 +62,7 @@ from tensorcast.wire.messages import (
     InstanceList,
     ListArtifacts,
     ListInstances,
+    ListUnderReplicated,
     ListWorkers,
     Registered,
     RegisterInstance,
@@ -66,6 +70,7 @@ from tensorcast.wire.messages import (
     ReleaseLease,
     RemoveReplica,
     RenewLease,
+    UnderReplicated,
     WorkerList,
 )
 from tensorcast.wire.rpc import Handler, HandlerRegistry, Request, RpcServer
@@ -79,6 +84,8 @@ class GlobalStore:
     def __init__(self, backend: MetadataBackend, config: Config) -> None:
         self.backend = backend
         self.config = config
+        self.artifacts = ArtifactService(backend, config)
+        self.page_index = PageIndex(backend, config.gs)
         # Requests served, by message type: lets tests prove which paths touch the GS.
         self.request_counts: collections.Counter[str] = collections.Counter()
         self._pruned = 0.0  # when tombstones were last pruned
@@ -107,6 +114,7 @@ class GlobalStore:
             (PageIndexGet, self.page_index_get),
             (InstanceHeartbeat, self.instance_heartbeat),
             (ListInstances, self.list_instances),
+            (ListUnderReplicated, self.list_under_replicated),
         ):
             self.registry.register(msg_type, self._counted(msg_type.__name__, handler))
 
@@ -122,57 +130,16 @@ class GlobalStore:
         return now - w.last_heartbeat < self.config.gs.worker_liveness_timeout
 
     async def _workers(self) -> dict[str, WorkerInfo]:
-        now = time.time()
+        now = clock.time()
         return {w.worker_id: msgspec.structs.replace(w, alive=self._alive(w, now))
                 for w in await self.backend.list_workers()}
 
-    async def resolve(self, key_or_id: str) -> str:
-        if not key_or_id:
-            raise InvalidArgument("empty artifact key or id")
-        if ARTIFACT_ID_RE.match(key_or_id):
-            return key_or_id
-        aid = await self.backend.resolve_key(key_or_id)
-        if aid is None:
-            raise await self._gone(key_or_id, f"no artifact with key {clip(key_or_id)}")
-        return aid
-
-    async def _gone(self, key_or_id: str, plain: str) -> NotFound:
-        """The NotFound for a key or id: saying why when the artifact existed (deleted, lease expired,
-        evicted from the cache, lost with a worker's memory)."""
-        tomb = await self.backend.tombstone(key_or_id)
-        if tomb is None:
-            return NotFound(plain)
-        what = clip(key_or_id) if tomb[0] != key_or_id else tomb[0]
-        return NotFound(f"artifact {what} is gone: {tomb[1]}")
-
     async def reap(self, artifact_id: str, reason: str) -> None:
-        """An artifact whose bytes are gone (its last replica evicted or lost): a miss from now on, not an
-        entry that lists without a replica."""
-        await self.backend.delete_artifact(artifact_id, time.time(), reason)
-        log.info("artifact %s is gone: %s", artifact_id, reason)
-
-    async def info(self, artifact_id: str, workers: dict[str, WorkerInfo] | None = None) -> ArtifactInfo:
-        row = await self.backend.get_artifact(artifact_id)
-        if row is None or (row.lease_expiry is not None and row.lease_expiry <= time.time()):
-            raise await self._gone(artifact_id, f"no artifact {artifact_id}")
-        workers = workers if workers is not None else await self._workers()
-        replicas = []
-        for wid, tier in await self.backend.replicas_of(artifact_id):
-            w = workers.get(wid)
-            replicas.append(ReplicaInfo(worker_id=wid, address=w.address if w else "",
-                                        host_id=w.host_id if w else "", tier=tier,
-                                        alive=bool(w and w.alive), data_address=w.data_address if w else ""))
-        return ArtifactInfo(
-            id=artifact_id, tensors=row.info.tensors, nbytes=row.info.nbytes,
-            keys=await self.backend.keys_of(artifact_id),
-            owner="system" if row.lease_expiry is None else "lease",
-            lease_expiry=row.lease_expiry, created_at=row.info.created_at, replicas=tuple(replicas),
-            policy=row.info.policy, meta=row.info.meta,
-        )
+        await self.artifacts.reap(artifact_id, reason)
 
     # ----------------------------------------------------------------- handlers
     async def register_worker(self, msg: RegisterWorker, req: Request) -> Registered:
-        incarnation, orphans = await self.backend.register_worker(msg.worker, time.time())
+        incarnation, orphans = await self.backend.register_worker(msg.worker, clock.time())
         log.info("worker %s registered at %s (incarnation %d)", msg.worker.worker_id, msg.worker.address,
                  incarnation)
         for aid in orphans:  # their only copies were in the memory of this worker's previous incarnation
@@ -187,66 +154,32 @@ class GlobalStore:
              "disk_used": msg.disk_used, "disk_capacity": msg.disk_capacity, "net_in_bps": msg.net_in_bps,
              "net_out_bps": msg.net_out_bps, "transfers_in_flight": msg.transfers_in_flight,
              "memory_prefaulted": msg.memory_prefaulted, "plans_in_flight": msg.plans_in_flight},
-            time.time(), msg.dropped)
+            clock.time(), msg.dropped)
         return HeartbeatReply(drop=drop, reregister=not known)
 
     async def list_workers(self, msg: ListWorkers, req: Request) -> WorkerList:
         return WorkerList(workers=tuple((await self._workers()).values()))
 
     async def commit_artifact(self, msg: CommitArtifact, req: Request) -> ArtifactReply:
-        if msg.key is not None:
-            validate_key(msg.key)
-        now = time.time()
-        lease = None if msg.ttl is None else now + check_ttl(msg.ttl)
-        if not await self.backend.commit_artifact(msg.artifact, msg.worker_id, msg.key, lease, now, msg.tiers,
-                                                  restored=msg.restored):
-            raise await self._gone(msg.artifact.id, f"artifact {msg.artifact.id} was deleted")
-        return ArtifactReply(artifact=await self.info(msg.artifact.id))
+        return await self.artifacts.commit(msg, await self._workers())
 
     async def get_artifact(self, msg: GetArtifact, req: Request) -> ArtifactReply:
-        return ArtifactReply(artifact=await self.info(await self.resolve(msg.key_or_id)))
+        return await self.artifacts.get(msg, await self._workers())
 
     async def list_artifacts(self, msg: ListArtifacts, req: Request) -> ArtifactList:
-        if msg.limit < 1:
-            raise InvalidArgument(f"limit must be >= 1, got {msg.limit}")
-        workers = await self._workers()
-        # A page is at most gs.list_page_size: the caller continues from the cursor.
-        ids, cursor = await self.backend.list_artifacts(msg.prefix, min(msg.limit, self.config.gs.list_page_size),
-                                                        msg.after)
-        out = []
-        for aid in ids:
-            try:
-                out.append(await self.info(aid, workers))
-            except NotFound:
-                continue  # expired, not reaped yet
-        return ArtifactList(artifacts=tuple(out), next=cursor)
+        return await self.artifacts.list(msg, await self._workers())
 
     async def delete_artifact(self, msg: DeleteArtifact, req: Request) -> Deleted:
-        aid = await self.resolve(msg.key_or_id)
-        if await self.backend.get_artifact(aid) is None:
-            raise NotFound(f"no artifact {msg.key_or_id}")
-        workers = await self._workers()
-        holders = await self.backend.delete_artifact(aid, time.time(), "deleted")
-        log.debug("deleted artifact %s", aid)  # one per delete: operators count them in metrics
-        return Deleted(artifact_id=aid, replicas=tuple(
-            ReplicaInfo(worker_id=w, address=workers[w].address if w in workers else "") for w in holders))
+        return await self.artifacts.delete(msg, await self._workers())
 
     async def renew_lease(self, msg: RenewLease, req: Request) -> ArtifactReply:
-        check_ttl(msg.ttl)
-        info = await self.info(msg.artifact_id)
-        if info.owner == "system":
-            raise InvalidArgument(f"artifact {msg.artifact_id} is system-owned: it has no lease to renew")
-        await self.backend.set_lease(msg.artifact_id, time.time() + msg.ttl)
-        return ArtifactReply(artifact=await self.info(msg.artifact_id))
+        return await self.artifacts.renew(msg, await self._workers())
 
     async def release_lease(self, msg: ReleaseLease, req: Request) -> Deleted:
-        info = await self.info(msg.artifact_id)
-        if info.owner == "system":
-            raise InvalidArgument(f"artifact {msg.artifact_id} is system-owned: delete it instead of releasing")
-        return await self.delete_artifact(DeleteArtifact(key_or_id=msg.artifact_id), req)
+        return await self.artifacts.release(msg, await self._workers())
 
     async def register_instance(self, msg: RegisterInstance, req: Request) -> Ack:
-        await self.backend.upsert_instance(msg.instance, time.time())
+        await self.backend.upsert_instance(msg.instance, clock.time())
         log.info("instance %s registered at %s (home %s)", msg.instance.instance_id, msg.instance.address,
                  msg.instance.home_worker)
         return Ack()
@@ -254,7 +187,7 @@ class GlobalStore:
     async def instance_heartbeat(self, msg: InstanceHeartbeat, req: Request) -> Ack:
         load = {"running": msg.running, "waiting": msg.waiting, "kv_tokens_used": msg.kv_tokens_used,
                 "kv_tokens_capacity": msg.kv_tokens_capacity}
-        if not await self.backend.instance_heartbeat(msg.instance_id, load, time.time()):
+        if not await self.backend.instance_heartbeat(msg.instance_id, load, clock.time()):
             raise NotFound(f"no instance {msg.instance_id}: register again")
         return Ack()
 
@@ -263,7 +196,7 @@ class GlobalStore:
 
     async def instances(self) -> list[InstanceInfo]:
         """Every instance, with ``alive`` as of now."""
-        now = time.time()
+        now = clock.time()
         timeout = self.config.gs.worker_liveness_timeout
         return [msgspec.structs.replace(i, alive=now - i.last_heartbeat < timeout)
                 for i in await self.backend.list_instances()]
@@ -271,6 +204,15 @@ class GlobalStore:
     async def workers(self) -> list[WorkerInfo]:
         """Every worker, with ``alive`` as of now."""
         return list((await self._workers()).values())
+
+    async def info(self, artifact_id: str, workers: dict[str, WorkerInfo] | None = None) -> ArtifactInfo:
+        """An artifact's record with its replicas (``NotFound`` when it is gone)."""
+        return await self.artifacts.info(artifact_id, workers if workers is not None else await self._workers())
+
+    async def list_under_replicated(self, msg: ListUnderReplicated, req: Request) -> UnderReplicated:
+        limit = max(0, min(msg.limit, self.config.gs.list_page_size))
+        short, missing = await under_replicated(self, msg.holder, limit)
+        return UnderReplicated(artifacts=tuple(short), missing=missing)
 
     # ----------------------------------------------------------------- shard leases (touched per shard)
     async def _leases(self) -> dict[int, LeaseRecord]:
@@ -299,7 +241,7 @@ class GlobalStore:
 
     async def shard_table(self, since: int = 0, epoch: str = "") -> ShardTable:
         """The lease table, or what changed in it since ``since`` of this store's ``epoch``."""
-        leases, now = await self._leases(), time.time()
+        leases, now = await self._leases(), clock.time()
         self._feed.observe(leases, now)
         full, shards = self._feed.since(epoch, since)
         revision = self._feed.revision  # before the next await: a change observed meanwhile is not skipped
@@ -310,7 +252,7 @@ class GlobalStore:
 
     async def acquire_shards(self, msg: AcquireShards, req: Request) -> ShardGrants:
         self._check_shards(msg.shards)
-        ttl, now = self._ttl(msg.ttl), time.time()
+        ttl, now = self._ttl(msg.ttl), clock.time()
 
         def acquire(s: int, rec: LeaseRecord | None) -> LeaseRecord | None:
             g = grant(rec, s, msg.worker_id, now, ttl)
@@ -322,7 +264,7 @@ class GlobalStore:
 
     async def renew_shards(self, msg: RenewShards, req: Request) -> ShardGrants:
         self._check_shards(msg.shards, msg.tokens)
-        ttl, now = self._ttl(msg.ttl), time.time()
+        ttl, now = self._ttl(msg.ttl), clock.time()
         tokens = dict(zip(msg.shards, msg.tokens, strict=True))
         changed = await self.backend.update_leases(
             msg.shards, lambda s, rec: renew(rec, msg.worker_id, tokens[s], now, ttl))
@@ -336,7 +278,7 @@ class GlobalStore:
 
     async def stats(self, msg: GSStats, req: Request) -> GSStatsReply:
         return GSStatsReply(requests=dict(self.request_counts), metrics_url=self.metrics_url,
-                            stores=await self.backend.list_stores(time.time()))
+                            stores=await self.backend.list_stores(clock.time()))
 
     async def announce_loop(self, address: str) -> None:
         """Tell the backend this process is alive, a few times per liveness timeout (other global stores,
@@ -350,15 +292,15 @@ class GlobalStore:
             await asyncio.sleep(ttl / 3)
 
     async def page_index_put(self, msg: PageIndexPut, req: Request) -> Ack:
-        await self.backend.page_index_put(msg.keys, msg.worker_id)
+        await self.page_index.put(msg.keys, msg.worker_id)
         return Ack()
 
     async def page_index_get(self, msg: PageIndexGet, req: Request) -> PageIndexReply:
-        return PageIndexReply(holders=tuple(await self.backend.page_index_get(msg.keys)))
+        return PageIndexReply(holders=tuple(await self.page_index.get(msg.keys)))
 
     async def add_replica(self, msg: AddReplica, req: Request) -> Ack:
         if not await self.backend.add_replica(msg.artifact_id, msg.worker_id, msg.tiers, msg.restored):
-            raise await self._gone(msg.artifact_id, f"no artifact {msg.artifact_id}")
+            raise await self.artifacts.gone(msg.artifact_id, f"no artifact {msg.artifact_id}")
         return Ack()
 
     async def remove_replica(self, msg: RemoveReplica, req: Request) -> Ack:
@@ -369,14 +311,13 @@ class GlobalStore:
 
     # ----------------------------------------------------------------- background
     async def reap_leases(self) -> None:
-        """Turn expired caller leases into deletions (holders drop them at their next heartbeat)."""
+        """Remove the references whose lease ended, and the artifacts left with none (holders drop them at
+        their next heartbeat)."""
         while True:
             await asyncio.sleep(self.config.gs.lease_reap_interval)
             try:
-                now = time.time()
-                for aid in await self.backend.expired_artifacts(now):
-                    await self.backend.delete_artifact(aid, now, "its lease expired")
-                    log.info("lease of artifact %s expired", aid)
+                now = clock.time()
+                await self.artifacts.reap_expired(now)
                 if now - self._pruned > 60.0:
                     self._pruned = now
                     await self.backend.prune_tombstones(now - self.config.gs.tombstone_ttl)
@@ -390,33 +331,32 @@ def _lease_msg(r: LeaseRecord, workers: dict[str, WorkerInfo]) -> ShardLease:
                       address=w.address if w else "", host_id=w.host_id if w else "")
 
 
-def validate_key(key: str) -> None:
-    if not key or len(key) > 1024 or any(ord(c) < 32 for c in key):
-        raise InvalidArgument(f"invalid key {clip(key)}: 1..1024 printable characters")
-    if ARTIFACT_ID_RE.match(key):
-        raise InvalidArgument(f"invalid key {clip(key)}: keys may not look like artifact ids")
-
-
 async def run_global_store(config: Config, data_dir: Path, ready_file: Path | None = None,
                            stop: asyncio.Event | None = None) -> None:
-    """Serve the GS until ``stop`` is set (or forever). Writes ``{address, pid}`` to ``ready_file``."""
+    """Serve the GS until ``stop`` is set (or forever). Writes ``{address, pid}`` to ``ready_file``. Without a
+    token, it listens on loopback only (its RPC port and its metrics endpoint): refused before anything opens."""
+    check_bind(config.gs.host, config.token, "the global store")
+    if config.metrics.enabled:
+        check_bind(config.metrics.host or config.gs.host, config.token, "the metrics endpoint (metrics.host)")
     backend: MetadataBackend
     if config.gs.etcd_endpoints:
         from tensorcast.gs.etcd import EtcdBackend
 
         backend = EtcdBackend(config.gs.etcd_endpoints, config.gs.etcd_prefix, config.gs.worker_liveness_timeout)
     else:
-        backend = SqliteBackend(data_dir / "gs.sqlite3", config.gs.sqlite_synchronous)
+        backend = SqliteBackend(data_dir / "gs.sqlite3", config.gs.sqlite_synchronous, config.gs.sqlite_max_bytes)
     await backend.open()
     gs = GlobalStore(backend, config)
-    server = RpcServer(gs.registry, config.wire, token=config.token, server_id="gs", host_id="", roles=("gs",))
+    server = RpcServer(gs.registry, config.wire, token=config.token, server_id="gs", host_id="", roles=("gs",),
+                       tls=config.tls)
     address = await server.start(config.gs.host, config.gs.port)
     metrics.set_enabled(config.metrics.enabled)
     tracing.configure(config.tracing, "tensorcast-gs", roots=False)
     http, source = None, None
     if config.metrics.enabled:
         gauges = GSGauges(gs)
-        http = HttpServer(config.token, gs_routes(gs), before_scrape=gauges.refresh)
+        http = HttpServer(config.token, gs_routes(gs), before_scrape=gauges.refresh, tls=config.tls,
+                          allowed_hosts=config.metrics.allowed_hosts)
         gs.metrics_url = await http.start(config.metrics.host or config.gs.host, config.metrics.port)
         source = metrics.add_source(gauges.samples)
     reaper = asyncio.ensure_future(gs.reap_leases())

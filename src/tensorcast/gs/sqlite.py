@@ -1,8 +1,9 @@
 """SQLite backend of the global store: the embedded default.
 
-Owns: the schema and the SQL. WAL journal, one writer (the GS event loop), ``synchronous`` from config
-(FULL by default: every commit is on disk before the service acknowledges). Each public method is one
-transaction. Does not own: lease rules (``gs.backend.merge_lease``) or the RPC surface.
+Owns: the SQL (the schema and its migration are in ``gs.sqlite_schema``). WAL journal, one writer (the GS
+event loop), ``synchronous`` from config (FULL by default: every commit is on disk before the service
+acknowledges). Each public method is one transaction. Does not own: the reference rules (``gs.refs``) or
+the RPC surface.
 """
 
 from __future__ import annotations
@@ -10,100 +11,23 @@ from __future__ import annotations
 import contextlib
 import json
 import sqlite3
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from tensorcast.errors import InvalidArgument
-from tensorcast.gs.backend import ArtifactRow, MetadataBackend, merge_lease
+from tensorcast import clock
+from tensorcast.errors import InvalidArgument, ResourceExhausted
+from tensorcast.gs import sqlite_goals
+from tensorcast.gs.backend import ArtifactRow, GoalRow, MetadataBackend, Unbound
+from tensorcast.gs.refs import References, list_cursor, merge_lease, parse_cursor, unbind_outcome
+from tensorcast.gs.sqlite_schema import SCHEMA, migrate
 from tensorcast.kv.leases import LeaseRecord
 from tensorcast.records import ArtifactInfo, InstanceInfo, TensorMeta, WorkerInfo
 
 __all__ = ["SqliteBackend"]
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS workers (
-    worker_id TEXT PRIMARY KEY,
-    address TEXT NOT NULL,
-    host_id TEXT NOT NULL,
-    roles TEXT NOT NULL,
-    pid INTEGER NOT NULL,
-    incarnation INTEGER NOT NULL,
-    registered_at REAL NOT NULL,
-    last_heartbeat REAL NOT NULL,
-    memory_used INTEGER NOT NULL DEFAULT 0,
-    memory_capacity INTEGER NOT NULL DEFAULT 0,
-    artifacts INTEGER NOT NULL DEFAULT 0,
-    data_address TEXT NOT NULL DEFAULT '',
-    disk_used INTEGER NOT NULL DEFAULT 0,
-    disk_capacity INTEGER NOT NULL DEFAULT 0,
-    net_in_bps REAL NOT NULL DEFAULT 0,
-    net_out_bps REAL NOT NULL DEFAULT 0,
-    transfers_in_flight INTEGER NOT NULL DEFAULT 0,
-    memory_prefaulted INTEGER NOT NULL DEFAULT 0,
-    metrics_url TEXT NOT NULL DEFAULT '',
-    plans_in_flight INTEGER NOT NULL DEFAULT 0
-);
-CREATE TABLE IF NOT EXISTS artifacts (
-    artifact_id TEXT PRIMARY KEY,
-    tensors BLOB NOT NULL,
-    nbytes INTEGER NOT NULL,
-    created_at REAL NOT NULL,
-    lease_expiry REAL,
-    policy TEXT NOT NULL DEFAULT 'cache',
-    meta TEXT NOT NULL DEFAULT '{}'
-);
-CREATE INDEX IF NOT EXISTS artifacts_lease ON artifacts(lease_expiry) WHERE lease_expiry IS NOT NULL;
-CREATE TABLE IF NOT EXISTS keys (
-    key TEXT PRIMARY KEY,
-    artifact_id TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS keys_artifact ON keys(artifact_id);
-CREATE TABLE IF NOT EXISTS replicas (
-    artifact_id TEXT NOT NULL,
-    worker_id TEXT NOT NULL,
-    tier TEXT NOT NULL,
-    PRIMARY KEY (artifact_id, worker_id, tier)
-);
-CREATE INDEX IF NOT EXISTS replicas_worker ON replicas(worker_id);
-CREATE TABLE IF NOT EXISTS instances (
-    instance_id TEXT PRIMARY KEY,
-    info BLOB NOT NULL,
-    last_heartbeat REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS shard_leases (
-    shard INTEGER PRIMARY KEY,
-    holder TEXT NOT NULL,
-    token INTEGER NOT NULL,
-    expiry REAL NOT NULL,
-    acquired_at REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS page_index (
-    key TEXT PRIMARY KEY,
-    worker_id TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS drops (
-    artifact_id TEXT NOT NULL,
-    worker_id TEXT NOT NULL,
-    PRIMARY KEY (artifact_id, worker_id)
-);
-CREATE TABLE IF NOT EXISTS tombstones (
-    artifact_id TEXT PRIMARY KEY,
-    reason TEXT NOT NULL,
-    at REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS tombstones_at ON tombstones(at);
-CREATE TABLE IF NOT EXISTS key_tombstones (
-    key TEXT PRIMARY KEY,
-    artifact_id TEXT NOT NULL,
-    reason TEXT NOT NULL,
-    at REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS key_tombstones_at ON key_tombstones(at);
-"""
 
 _TENSORS = msgspec.msgpack.Encoder()
 _TENSORS_DEC = msgspec.msgpack.Decoder(tuple[TensorMeta, ...])
@@ -112,11 +36,12 @@ _INSTANCE = msgspec.msgpack.Decoder(InstanceInfo)
 
 
 class SqliteBackend(MetadataBackend):
-    def __init__(self, path: str | Path, synchronous: str = "FULL") -> None:
+    def __init__(self, path: str | Path, synchronous: str = "FULL", max_bytes: int = 0) -> None:
         if synchronous.upper() not in {"OFF", "NORMAL", "FULL", "EXTRA"}:
             raise InvalidArgument(f"gs.sqlite_synchronous must be OFF/NORMAL/FULL/EXTRA, got {synchronous!r}")
         self.path = Path(path)
         self.synchronous = synchronous.upper()
+        self.max_bytes = max_bytes  # 0: as large as the disk allows
         self._db: sqlite3.Connection | None = None
         self._stores: dict[str, tuple[str, float]] = {}  # the global store using this file (address -> url)
 
@@ -131,8 +56,12 @@ class SqliteBackend(MetadataBackend):
         self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(f"PRAGMA synchronous={self.synchronous}")
-        self._db.executescript(_SCHEMA)
-        self._migrate()
+        if self.max_bytes:  # a database at this size fails its writes as a full disk would (SQLITE_FULL)
+            page = self._db.execute("PRAGMA page_size").fetchone()[0]
+            self._db.execute(f"PRAGMA max_page_count={max(1, self.max_bytes // page)}")
+        self._db.executescript(SCHEMA)
+        self._db.executescript(sqlite_goals.SCHEMA)
+        migrate(self._db)
 
     async def close(self) -> None:
         if self._db is not None:
@@ -141,15 +70,6 @@ class SqliteBackend(MetadataBackend):
 
     async def check(self) -> None:
         self.db.execute("SELECT 1").fetchone()
-
-    def _migrate(self) -> None:
-        """Columns added since a database was created (all have defaults)."""
-        have = {r[1] for r in self.db.execute("PRAGMA table_info(workers)")}
-        for column, decl in (("memory_prefaulted", "INTEGER NOT NULL DEFAULT 0"),
-                             ("metrics_url", "TEXT NOT NULL DEFAULT ''"),
-                             ("plans_in_flight", "INTEGER NOT NULL DEFAULT 0")):
-            if column not in have:
-                self.db.execute(f"ALTER TABLE workers ADD COLUMN {column} {decl}")
 
     @contextlib.contextmanager
     def _tx(self, durable: bool = True) -> Iterator[sqlite3.Connection]:
@@ -169,10 +89,17 @@ class SqliteBackend(MetadataBackend):
             db.execute("BEGIN IMMEDIATE")
             try:
                 yield db
+                db.execute("COMMIT")
             except BaseException:
-                db.execute("ROLLBACK")
+                if db.in_transaction:  # SQLite may already have rolled back (a full disk, for one)
+                    db.execute("ROLLBACK")
                 raise
-            db.execute("COMMIT")
+        except sqlite3.OperationalError as exc:
+            if not _full(exc):
+                raise
+            # A full disk (or gs.sqlite_max_bytes reached) is the operator's to fix, not a bug: typed and
+            # retryable, nothing of the transaction kept, and reads go on being served.
+            raise ResourceExhausted(f"the global store's database {self.path.name} is full: {exc}") from None
         finally:
             if relaxed:
                 db.execute(f"PRAGMA synchronous={self.synchronous}")
@@ -282,7 +209,7 @@ class SqliteBackend(MetadataBackend):
         return out
 
     async def announce_store(self, address: str, metrics_url: str, ttl: float) -> None:
-        self._stores[address] = (metrics_url, time.time() + ttl)  # one process: nothing to persist
+        self._stores[address] = (metrics_url, clock.time() + ttl)  # one process: nothing to persist
 
     async def list_stores(self, now: float) -> dict[str, str]:
         return {a: url for a, (url, until) in self._stores.items() if until > now}
@@ -308,24 +235,46 @@ class SqliteBackend(MetadataBackend):
         durable = set(tiers) != {"memory"} or (key is not None and self.db.execute(
             "SELECT 1 FROM keys WHERE key=?", (key,)).fetchone() is not None)
         with self._tx(durable=durable) as db:
-            row = db.execute("SELECT lease_expiry FROM artifacts WHERE artifact_id=?", (info.id,)).fetchone()
+            row = db.execute("SELECT anonymous, lease_expiry FROM artifacts WHERE artifact_id=?",
+                             (info.id,)).fetchone()
             if restored and self._deleted_here(db, info.id, worker_id):
                 return False
             db.execute("DELETE FROM tombstones WHERE artifact_id=?", (info.id,))
-            lease = merge_lease(False if row is None else row[0], lease_expiry)
             if row is None:
-                db.execute("INSERT INTO artifacts VALUES (?,?,?,?,?,?,?)",
-                           (info.id, _TENSORS.encode(info.tensors), info.nbytes, now, lease, info.policy,
-                            json.dumps(info.meta)))
-            else:
-                db.execute("UPDATE artifacts SET lease_expiry=? WHERE artifact_id=?", (lease, info.id))
+                db.execute("INSERT INTO artifacts (artifact_id, tensors, nbytes, created_at, lease_expiry, policy, "
+                           "meta, anonymous) VALUES (?,?,?,?,?,?,?,?)",
+                           (info.id, _TENSORS.encode(info.tensors), info.nbytes, now,
+                            lease_expiry if key is None else None, info.policy, json.dumps(info.meta),
+                            int(key is None)))
+            elif key is None:
+                self._hold(db, info.id, row, lease_expiry)
+            sqlite_goals.note(db, info.id, info.replicas_wanted, new=row is None)
             if key is not None:
-                db.execute("INSERT OR REPLACE INTO keys VALUES (?,?)", (key, info.id))
-                db.execute("DELETE FROM key_tombstones WHERE key=?", (key,))
+                self._bind(db, key, info.id, lease_expiry, now)
             for tier in tiers:
                 db.execute("INSERT OR IGNORE INTO replicas VALUES (?,?,?)", (info.id, worker_id, tier))
             db.execute("DELETE FROM drops WHERE artifact_id=? AND worker_id=?", (info.id, worker_id))
         return True
+
+    @staticmethod
+    def _hold(db: sqlite3.Connection, artifact_id: str, row: tuple[int, float | None], expiry: float | None) -> None:
+        """Merge ``expiry`` onto the anonymous reference (``row``: its anonymous, lease_expiry)."""
+        lease = merge_lease(row[1] if row[0] else False, expiry)
+        db.execute("UPDATE artifacts SET anonymous=1, lease_expiry=? WHERE artifact_id=?", (lease, artifact_id))
+
+    def _bind(self, db: sqlite3.Connection, key: str, artifact_id: str, expiry: float | None, now: float) -> None:
+        """Bind ``key`` (merged onto its binding to this artifact; moved from another one, which keeps what
+        the key held as its anonymous reference)."""
+        old = db.execute("SELECT artifact_id, expiry FROM keys WHERE key=?", (key,)).fetchone()
+        if old is not None and old[0] == artifact_id:
+            expiry = merge_lease(old[1], expiry)
+        elif old is not None:
+            moved = db.execute("SELECT anonymous, lease_expiry FROM artifacts WHERE artifact_id=?",
+                               (old[0],)).fetchone()
+            if moved is not None:
+                self._hold(db, old[0], moved, old[1])
+        db.execute("INSERT OR REPLACE INTO keys (key, artifact_id, expiry) VALUES (?,?,?)", (key, artifact_id, expiry))
+        db.execute("DELETE FROM key_tombstones WHERE key=?", (key,))
 
     @staticmethod
     def _deleted_here(db: sqlite3.Connection, artifact_id: str, worker_id: str) -> bool:
@@ -334,39 +283,55 @@ class SqliteBackend(MetadataBackend):
             or db.execute("SELECT 1 FROM drops WHERE artifact_id=? AND worker_id=?",
                           (artifact_id, worker_id)).fetchone() is not None
 
-    async def resolve_key(self, key: str) -> str | None:
-        row = self.db.execute("SELECT artifact_id FROM keys WHERE key=?", (key,)).fetchone()
-        return None if row is None else str(row[0])
+    async def resolve_key(self, key: str) -> tuple[str, float | None] | None:
+        row = self.db.execute("SELECT artifact_id, expiry FROM keys WHERE key=?", (key,)).fetchone()
+        return None if row is None else (str(row[0]), row[1])
+
+    @staticmethod
+    def _refs(db: sqlite3.Connection, artifact_id: str, row: tuple[Any, ...]) -> References:
+        bindings = tuple((str(k), e) for k, e in db.execute(
+            "SELECT key, expiry FROM keys WHERE artifact_id=? ORDER BY key", (artifact_id,)))
+        return References(bindings, bool(row[0]), row[1] if row[0] else None)
 
     async def get_artifact(self, artifact_id: str) -> ArtifactRow | None:
         row = self.db.execute(
-            "SELECT tensors, nbytes, created_at, lease_expiry, policy, meta FROM artifacts WHERE artifact_id=?",
-            (artifact_id,)).fetchone()
+            "SELECT anonymous, lease_expiry, tensors, nbytes, created_at, policy, meta FROM artifacts "
+            "WHERE artifact_id=?", (artifact_id,)).fetchone()
         if row is None:
             return None
-        info = ArtifactInfo(id=artifact_id, tensors=_TENSORS_DEC.decode(row[0]), nbytes=row[1], created_at=row[2],
-                            policy=row[4], meta=json.loads(row[5]))
-        return ArtifactRow(info, row[3])
+        info = ArtifactInfo(id=artifact_id, tensors=_TENSORS_DEC.decode(row[2]), nbytes=row[3], created_at=row[4],
+                            policy=row[5], meta=json.loads(row[6]),
+                            replicas_wanted=sqlite_goals.goal(self.db, artifact_id))
+        return ArtifactRow(info, self._refs(self.db, artifact_id, row))
 
-    async def keys_of(self, artifact_id: str) -> tuple[str, ...]:
-        return tuple(r[0] for r in self.db.execute(
-            "SELECT key FROM keys WHERE artifact_id=? ORDER BY key", (artifact_id,)))
+    async def replica_goals(self, holder: str, after: str, limit: int) -> tuple[list[GoalRow], str]:
+        return sqlite_goals.rows(self.db, holder, after, limit)
 
     async def replicas_of(self, artifact_id: str) -> list[tuple[str, str]]:
         return [(r[0], r[1]) for r in self.db.execute(
             "SELECT worker_id, tier FROM replicas WHERE artifact_id=? ORDER BY worker_id", (artifact_id,))]
 
-    async def list_artifacts(self, prefix: str, limit: int, after: str = "") -> tuple[list[str], str]:
-        if not prefix:
-            rows = [r[0] for r in self.db.execute(
-                "SELECT artifact_id FROM artifacts WHERE artifact_id > ? ORDER BY artifact_id LIMIT ?", (after, limit))]
-            return rows, rows[-1] if len(rows) == limit else ""
-        # Range scan on the key index: [prefix, prefix + U+10FFFF), after the cursor (the last key seen).
-        pairs = self.db.execute(
-            "SELECT key, artifact_id FROM keys WHERE key >= ? AND key > ? AND key < ? ORDER BY key LIMIT ?",
-            (prefix, after, prefix + "\U0010ffff", limit)).fetchall()
-        ids = list(dict.fromkeys(aid for _, aid in pairs))  # an artifact with two keys here: listed once
-        return ids, pairs[-1][0] if len(pairs) == limit else ""
+    async def list_artifacts(self, prefix: str, limit: int, after: str, now: float
+                             ) -> tuple[list[tuple[str | None, str]], str]:
+        kind, mark = parse_cursor(after)
+        out: list[tuple[str | None, str]] = []
+        if kind != "a":
+            # Range scan on the key index: [prefix, prefix + U+10FFFF), after the cursor (the last key seen).
+            bound = " AND key < ?" if prefix else ""
+            out += self.db.execute(
+                f"SELECT key, artifact_id FROM keys WHERE key >= ? AND key > ?{bound} "
+                "AND (expiry IS NULL OR expiry > ?) ORDER BY key LIMIT ?",
+                (prefix, mark, *((prefix + "\U0010ffff",) if prefix else ()), now, limit)).fetchall()
+            if len(out) == limit:
+                return out, list_cursor(str(out[-1][0]), out[-1][1])
+            if prefix:
+                return out, ""
+            mark = ""
+        out += [(None, r[0]) for r in self.db.execute(
+            "SELECT artifact_id FROM artifacts WHERE artifact_id > ? AND NOT EXISTS "
+            "(SELECT 1 FROM keys WHERE keys.artifact_id=artifacts.artifact_id) ORDER BY artifact_id LIMIT ?",
+            (mark, limit - len(out)))]
+        return out, list_cursor(None, out[-1][1]) if len(out) == limit else ""
 
     async def key_sizes(self, limit: int) -> tuple[list[tuple[str, int]], int]:
         pairs = self.db.execute("SELECT keys.key, artifacts.nbytes FROM keys JOIN artifacts USING (artifact_id) "
@@ -374,23 +339,56 @@ class SqliteBackend(MetadataBackend):
         total = self.db.execute("SELECT COUNT(*) FROM artifacts").fetchone()[0]
         return [(k, n) for k, n in pairs], total
 
-    async def set_lease(self, artifact_id: str, lease_expiry: float | None) -> bool:
+    async def set_lease(self, artifact_id: str, key: str | None, lease_expiry: float) -> bool:
         with self._tx() as db:
-            cur = db.execute("UPDATE artifacts SET lease_expiry=? WHERE artifact_id=?", (lease_expiry, artifact_id))
+            if key is None:
+                cur = db.execute("UPDATE artifacts SET lease_expiry=? WHERE artifact_id=? AND anonymous=1 "
+                                 "AND lease_expiry IS NOT NULL", (lease_expiry, artifact_id))
+            else:
+                cur = db.execute("UPDATE keys SET expiry=? WHERE key=? AND artifact_id=? AND expiry IS NOT NULL",
+                                 (lease_expiry, key, artifact_id))
         return cur.rowcount > 0
+
+    async def unbind(self, artifact_id: str, key: str | None, now: float, reason: str,
+                     expired_only: bool = False) -> Unbound | None:
+        with self._tx() as db:
+            row = db.execute("SELECT anonymous, lease_expiry FROM artifacts WHERE artifact_id=?",
+                             (artifact_id,)).fetchone()
+            if row is None:
+                return None
+            refs = self._refs(db, artifact_id, row)
+            outcome = unbind_outcome(refs, key, now, expired_only)
+            if outcome == "missing":
+                return None
+            if outcome == "delete":
+                return Unbound(True, tuple(self._delete(db, artifact_id, now, reason)))
+            if outcome == "unbind":
+                if key is None:
+                    db.execute("UPDATE artifacts SET anonymous=0, lease_expiry=NULL WHERE artifact_id=?",
+                               (artifact_id,))
+                else:
+                    db.execute("DELETE FROM keys WHERE key=?", (key,))
+                    db.execute("INSERT OR REPLACE INTO key_tombstones VALUES (?,?,?,?)",
+                               (key, artifact_id, reason, now))
+                refs = refs.without(key)
+            return Unbound(False, keys=refs.live_keys(now))
 
     async def delete_artifact(self, artifact_id: str, now: float, reason: str = "deleted") -> list[str]:
         with self._tx() as db:
-            holders = [r[0] for r in db.execute(
-                "SELECT DISTINCT worker_id FROM replicas WHERE artifact_id=?", (artifact_id,))]
-            keys = [r[0] for r in db.execute("SELECT key FROM keys WHERE artifact_id=?", (artifact_id,))]
-            db.execute("DELETE FROM artifacts WHERE artifact_id=?", (artifact_id,))
-            db.execute("DELETE FROM keys WHERE artifact_id=?", (artifact_id,))
-            for wid in holders:
-                db.execute("INSERT OR IGNORE INTO drops VALUES (?,?)", (artifact_id, wid))
-            db.execute("INSERT OR REPLACE INTO tombstones VALUES (?,?,?)", (artifact_id, reason, now))
-            db.executemany("INSERT OR REPLACE INTO key_tombstones VALUES (?,?,?,?)",
-                           [(k, artifact_id, reason, now) for k in keys])
+            return self._delete(db, artifact_id, now, reason)
+
+    @staticmethod
+    def _delete(db: sqlite3.Connection, artifact_id: str, now: float, reason: str) -> list[str]:
+        holders = [r[0] for r in db.execute(
+            "SELECT DISTINCT worker_id FROM replicas WHERE artifact_id=?", (artifact_id,))]
+        keys = [r[0] for r in db.execute("SELECT key FROM keys WHERE artifact_id=?", (artifact_id,))]
+        db.execute("DELETE FROM artifacts WHERE artifact_id=?", (artifact_id,))
+        db.execute("DELETE FROM keys WHERE artifact_id=?", (artifact_id,))
+        for wid in holders:
+            db.execute("INSERT OR IGNORE INTO drops VALUES (?,?)", (artifact_id, wid))
+        db.execute("INSERT OR REPLACE INTO tombstones VALUES (?,?,?)", (artifact_id, reason, now))
+        db.executemany("INSERT OR REPLACE INTO key_tombstones VALUES (?,?,?,?)",
+                       [(k, artifact_id, reason, now) for k in keys])
         return holders
 
     async def tombstone(self, key_or_id: str) -> tuple[str, str] | None:
@@ -405,9 +403,13 @@ class SqliteBackend(MetadataBackend):
             n += db.execute("DELETE FROM key_tombstones WHERE at < ?", (before,)).rowcount
         return n
 
-    async def expired_artifacts(self, now: float) -> list[str]:
-        return [r[0] for r in self.db.execute(
-            "SELECT artifact_id FROM artifacts WHERE lease_expiry IS NOT NULL AND lease_expiry <= ?", (now,))]
+    async def expired_references(self, now: float) -> list[tuple[str, str | None]]:
+        keys = [(str(r[0]), str(r[1])) for r in self.db.execute(
+            "SELECT artifact_id, key FROM keys WHERE expiry IS NOT NULL AND expiry <= ?", (now,))]
+        anonymous: list[tuple[str, str | None]] = [(str(r[0]), None) for r in self.db.execute(
+            "SELECT artifact_id FROM artifacts WHERE lease_expiry IS NOT NULL AND lease_expiry <= ? AND anonymous=1",
+            (now,))]
+        return [*keys, *anonymous]
 
     async def add_replica(self, artifact_id: str, worker_id: str, tiers: tuple[str, ...],
                           restored: bool = False) -> bool:
@@ -426,3 +428,8 @@ class SqliteBackend(MetadataBackend):
             db.execute("DELETE FROM replicas WHERE artifact_id=? AND worker_id=? AND tier=?",
                        (artifact_id, worker_id, tier))
             return self._unreplicated(db, artifact_id)
+
+
+def _full(exc: sqlite3.OperationalError) -> bool:
+    """SQLITE_FULL: the disk, or the database's size cap, has no room for the write."""
+    return getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "full" in str(exc)

@@ -255,7 +255,11 @@ class HFCausalLMAdaptor:
         if keep < 1:
             return None
         del self.requests[previous_id]
-        prev.cache.crop(keep)
+        # A negative count removes that many tokens on every transformers version in range (a positive one
+        # meant "keep this many" until 5.19 and is refused since).
+        surplus = prev.cache.get_seq_length() - keep
+        if surplus > 0:
+            prev.cache.crop(-surplus)
         return prev.cache, keep
 
     def kv_report(self, request_id: str, *, wait: bool = True) -> ReuseReport | None:

@@ -24,6 +24,7 @@ from tensorcast.client.kv import AsyncKV
 from tensorcast.client.loop import LoopThread
 from tensorcast.config import Config
 from tensorcast.context import CallContext
+from tensorcast.credentials import check_bind
 from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, clip
 from tensorcast.instance.adaptor import InstanceAdaptor
 from tensorcast.kv.keys import KVLayout
@@ -79,12 +80,17 @@ class InstanceRuntime:
         self._client: AsyncClient | None = None
         self._server: RpcServer | None = None
         self._heartbeat: asyncio.Task[None] | None = None
-        self._http = HttpServer(self.token) if self.config.metrics.enabled else None
+        self._http = HttpServer(self.token, tls=self.config.tls, allowed_hosts=self.config.metrics.allowed_hosts) \
+            if self.config.metrics.enabled else None
         self.metrics_url = ""
         self._source: int | None = None
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> InstanceRuntime:
+        """Attach to the worker and serve. Without a token, only on loopback (its RPC port and its metrics)."""
+        check_bind(self.host, self.token, f"instance {self.instance_id}")
+        if self._http is not None:
+            check_bind(self.config.metrics.host or self.host, self.token, "the metrics endpoint (metrics.host)")
         self._loop.run(self._start())
         return self
 
@@ -98,7 +104,7 @@ class InstanceRuntime:
         registry = HandlerRegistry()
         registry.register(InstanceCall, self._handle)
         self._server = RpcServer(registry, self.config.wire, token=self.token, server_id=self.instance_id,
-                                 host_id=self._client.host_id, roles=("instance",))
+                                 host_id=self._client.host_id, roles=("instance",), tls=self.config.tls)
         self.address = await self._server.start(self.host, self.port)
         metrics.set_enabled(self.config.metrics.enabled)
         if self._http is not None:

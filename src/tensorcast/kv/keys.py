@@ -105,17 +105,36 @@ class PageKeyChain:
 
 def key_hash(key: str) -> int:
     """A key's 64-bit hash (XXH3 of its UTF-8 bytes): its shard, and its name in a presence table."""
-    return _xxh3(key.encode())
+    try:
+        return _xxh3(key.encode())
+    except UnicodeEncodeError:
+        raise InvalidArgument(f"page keys must be valid UTF-8: {clip(key)} holds a lone surrogate") from None
 
 
 def key_hashes(keys: Sequence[str]) -> list[int]:
     """``key_hash`` of every key, in one pass without a Python frame per key (batches run it per call)."""
-    return list(map(_xxh3, map(str.encode, keys)))
+    try:
+        return list(map(_xxh3, map(str.encode, keys)))
+    except UnicodeEncodeError:
+        raise InvalidArgument(f"page keys must be valid UTF-8: {_not_utf8(keys)} holds a lone surrogate") from None
 
 
 def key_hash_array(keys: Sequence[str]) -> np.ndarray[Any, Any]:
     """``key_hashes`` as a uint64 array (straight into a C array: no list of Python ints in between)."""
-    return np.frombuffer(array.array("Q", map(_xxh3, map(str.encode, keys))), np.uint64)
+    try:
+        return np.frombuffer(array.array("Q", map(_xxh3, map(str.encode, keys))), np.uint64)
+    except UnicodeEncodeError:
+        raise InvalidArgument(f"page keys must be valid UTF-8: {_not_utf8(keys)} holds a lone surrogate") from None
+
+
+def _not_utf8(keys: Sequence[str]) -> str:
+    """Which key cannot be encoded (for the error message; the fast paths above do not say)."""
+    for i, key in enumerate(keys):
+        try:
+            key.encode()
+        except UnicodeEncodeError:
+            return f"key {i} ({clip(key)})"
+    return "a key"
 
 
 def shard_of(key: str, num_shards: int) -> int:

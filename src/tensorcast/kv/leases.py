@@ -23,7 +23,8 @@ from dataclasses import dataclass, field, replace
 from tensorcast.errors import StaleFencingToken
 from tensorcast.kv.hrw import candidates
 
-__all__ = ["HeldShard", "HomeLeases", "LeaseFeed", "LeaseMirror", "LeaseRecord", "grant", "release", "renew"]
+__all__ = ["HeldShard", "HomeLeases", "LeaseFeed", "LeaseMirror", "LeaseRecord", "grant", "live_homes", "release",
+           "renew"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,16 @@ def release(rec: LeaseRecord | None, worker: str, token: int) -> LeaseRecord | N
     return None
 
 
+def live_homes(heartbeats: Mapping[str, float], now: float, ttl: float, cut_off: float | None = None) -> list[str]:
+    """The shard homes to rank (sorted): those whose last heartbeat (the store's clock) is within ``ttl`` of
+    ``now``, so a dead home drops out by the time its leases expire. ``cut_off``: when the reading home last
+    reached the store before it was cut off from it (the store was down, or the network between them); the
+    other homes' heartbeats could not arrive then either, so those heard within ``ttl`` before it count too,
+    instead of every home seeing itself alone and taking every shard."""
+    since = now - ttl if cut_off is None else min(now, cut_off) - ttl
+    return sorted(w for w, at in heartbeats.items() if at > since)
+
+
 @dataclass
 class HeldShard:
     token: int
@@ -82,14 +93,16 @@ class HomeLeases:
             raise StaleFencingToken(f"shard {shard}: request token {token}, current token {h.token}")
 
     def plan(self, leases: Mapping[int, LeaseRecord], homes: Iterable[str], num_shards: int, gs_now: float,
-             grace: float) -> tuple[list[int], list[int]]:
+             grace: float, takeover: bool = True) -> tuple[list[int], list[int]]:
         """(shards to acquire, shards to release) given the store's table and the live shard homes.
 
         The rank-0 candidate among the live homes asks for a vacant or expired shard at once; rank r asks
         once the lease has been expired for ``r * grace`` (the store arbitrates anyway; this only avoids
         pointless contention). ``homes`` must hold only live homes, so a dead home never ranks first.
         A holder that is no longer a candidate, or that a live better-ranked candidate outranks while
-        the shard is still in its hands, gives it back so the assignment converges to HRW.
+        the shard is still in its hands, gives it back so the assignment converges to HRW. ``takeover=False``
+        (just after the store was unreachable: every lease expired at once, their holders alive) leaves the
+        expired shards of other live homes to them.
         """
         live = sorted(set(homes))
         acquire: list[int] = []
@@ -114,7 +127,7 @@ class HomeLeases:
             # The best live candidate asks at once. A lower-ranked one asks only if the holder's lease
             # has been expired for rank * grace (the better candidates had their chance) — never for a
             # shard that was released or never leased while a better candidate is alive.
-            expired_long = rec is not None and bool(rec.holder) and gs_now - rec.expiry >= rank * grace
+            expired_long = takeover and rec is not None and bool(rec.holder) and gs_now - rec.expiry >= rank * grace
             if rank == 0 or expired_long:
                 acquire.append(shard)
         return acquire, give_back

@@ -31,7 +31,19 @@ from tensorcast.pool.segments import SHM_DIR, Segment, remove_stale_segments
 from tensorcast.pool.slab import SlabAllocator
 from tensorcast.records import SlotList
 
-__all__ = ["Page", "PageStore"]
+__all__ = ["Page", "PageStore", "check_page_sizes"]
+
+
+def check_page_sizes(sizes: Sequence[int], max_page_bytes: int, max_request_bytes: int) -> None:
+    """Before anything is reserved or allocated for a request's pages: each is 1..``max_page_bytes``, and
+    all of them at most ``max_request_bytes`` (clients split larger batches)."""
+    bad = next((n for n in sizes if not 0 < n <= max_page_bytes), None)
+    if bad is not None:
+        raise InvalidArgument(f"page of {bad} bytes: pages must be 1..{max_page_bytes} bytes")
+    total = sum(sizes)
+    if total > max_request_bytes:
+        raise ResourceExhausted(f"{total} bytes of pages in one request exceed kv.max_request_bytes "
+                                f"({max_request_bytes}): split the batch")
 
 
 @dataclass(slots=True)
@@ -105,7 +117,7 @@ class PageStore:
 
     def _index(self, key: str, page: Page, ttl: float | None, now: float) -> None:
         ttl = self.default_ttl if ttl is None else ttl
-        page.expires = None if ttl is None else now + ttl
+        page.expires = None if ttl is None or math.isinf(ttl) else now + ttl
         old = self.index.pop(key, None)
         if old is not None:  # the same key again: the presence entry stays (its expiry is updated)
             self._free(key, old, unpublish=False)
@@ -207,6 +219,47 @@ class PageStore:
 
     def view(self, page: Page) -> memoryview:
         return self._arenas[page.arena].view()[page.offset : page.offset + page.nbytes]
+
+    def shards(self) -> list[int]:
+        """The shards with pages here."""
+        return [s for s, keys in self.by_shard.items() if keys]
+
+    def pages_of(self, shards: Sequence[int], after: tuple[int, str] | None, max_bytes: int,
+                 now: float) -> tuple[list[tuple[str, Page]], tuple[int, str] | None]:
+        """One batch of the unexpired pages of ``shards``, in (shard, key) order after the cursor ``after``,
+        at most ``max_bytes`` of them (at least one page); and the cursor of the next batch (None: done)."""
+        out: list[tuple[str, Page]] = []
+        total = 0
+        for shard in sorted(set(shards)):
+            if after is not None and shard < after[0]:
+                continue
+            for key in sorted(self.by_shard.get(shard, ())):
+                if after is not None and (shard, key) <= after:
+                    continue
+                page = self.index.get(key)
+                if page is None or (page.expires is not None and page.expires <= now):
+                    continue
+                if out and total + page.nbytes > max_bytes:
+                    return out, (out[-1][1].shard, out[-1][0])
+                out.append((key, page))
+                total += page.nbytes
+        return out, None
+
+    @staticmethod
+    def ttl_left(page: Page, now: float) -> float:
+        """Seconds until ``page`` expires (inf without a TTL): what a copy elsewhere keeps."""
+        return math.inf if page.expires is None else max(page.expires - now, 0.0)
+
+    def drop_keys(self, keys: Sequence[str]) -> int:
+        """Forget these pages (handed over to another home); returns how many were here."""
+        n = 0
+        with self.batch():
+            for key in keys:
+                page = self.index.pop(key, None)
+                if page is not None:
+                    self._free(key, page)
+                    n += 1
+        return n
 
     # ----------------------------------------------------------------- removal
     def drop_shard(self, shard: int) -> int:

@@ -9,13 +9,17 @@ fetching the records or serving the page.
 
 from __future__ import annotations
 
+import base64
+import functools
+import hashlib
+import re
 from collections.abc import Iterable, Sequence
 from importlib import resources
 from typing import Any
 
 from tensorcast.records import InstanceInfo, ShardLease, WorkerInfo
 
-__all__ = ["cluster_view", "key_prefix", "page"]
+__all__ = ["cluster_view", "key_prefix", "page", "page_csp"]
 
 
 def key_prefix(key: str) -> str:
@@ -91,3 +95,18 @@ def cluster_view(workers: Sequence[WorkerInfo], instances: Sequence[InstanceInfo
 def page() -> bytes:
     """The dashboard page (it polls ``api/state`` relative to its own address)."""
     return resources.files("tensorcast.obs").joinpath("dashboard.html").read_bytes()
+
+
+@functools.cache
+def page_csp() -> str:
+    """The page's Content-Security-Policy: its own inline script and style (by hash, so nothing injected runs),
+    requests to its own origin only, no framing, no forms, no plugins."""
+    html = page().decode()
+
+    def hashes(tag: str) -> str:
+        bodies = re.findall(rf"<{tag}>(.*?)</{tag}>", html, re.S)
+        return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'"
+                        for b in bodies)
+
+    return (f"default-src 'none'; script-src {hashes('script')}; style-src {hashes('style')}; "
+            "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")

@@ -24,8 +24,8 @@ from prometheus_client.registry import Collector
 
 from tensorcast.obs.families import Counter, Histogram
 
-__all__ = ["REGISTRY", "Sample", "add_source", "enabled", "exposition", "kv_pages", "operation", "plan_step",
-           "remove_source", "rpc_sent", "rpc_served", "set_enabled", "shard_renewal"]
+__all__ = ["REGISTRY", "Sample", "add_source", "blob_verified", "enabled", "exposition", "kv_pages",
+           "operation", "plan_step", "remove_source", "rpc_sent", "rpc_served", "set_enabled", "shard_renewal"]
 
 REGISTRY = CollectorRegistry(auto_describe=False)
 
@@ -57,8 +57,11 @@ _PLAN_STEPS = Counter("tensorcast_plan_steps", "Plan step attempts a gateway ran
                       "(succeeded, retryable_error, failed).", ["op", "outcome"])
 _PLAN_STEP_SECONDS = Histogram("tensorcast_plan_step_seconds", "Duration of one attempt of a plan step.", ["op"],
                                _SECONDS)
+_VERIFIED = Counter("tensorcast_blob_verifications", "Blobs a same-host caller wrote (and stated the digest of) that "
+                    "a worker checked against their digest, by why (dedup, read, idle) and result (ok, mismatch).",
+                    ["reason", "result"])
 for _family in (_RPC_SERVED, _RPC_SERVED_SECONDS, _RPC_SENT, _RPC_SENT_SECONDS, _OPS, _OP_BYTES, _OP_SECONDS,
-                _KV_PAGES, _KV_RENEWAL_LAG, _PLAN_STEPS, _PLAN_STEP_SECONDS):
+                _KV_PAGES, _KV_RENEWAL_LAG, _PLAN_STEPS, _PLAN_STEP_SECONDS, _VERIFIED):
     REGISTRY.register(_family)
 
 _enabled = True
@@ -117,6 +120,12 @@ def shard_renewal(lag: float) -> None:
     """How much later than its loop period a shard home renewed its leases (negative: on time)."""
     if _enabled:
         _KV_RENEWAL_LAG.observe((), max(0.0, lag))
+
+
+def blob_verified(reason: str, ok: bool) -> None:
+    """A blob's bytes checked against its digest (``worker.trust``): ``ok`` False, a mismatch (it was dropped)."""
+    if _enabled:
+        _VERIFIED.inc((reason, "ok" if ok else "mismatch"))
 
 
 def plan_step(op: str, outcome: str, seconds: float) -> None:

@@ -74,10 +74,13 @@ def provider(exporter: Any, service: str, *, batch: bool = False) -> Any:
     return out
 
 
-def use_provider(tracer_provider: Any | None) -> None:
-    """Emit this process's spans through ``tracer_provider`` (None: stop emitting)."""
-    global _tracer
+def use_provider(tracer_provider: Any | None, *, roots: bool = True) -> None:
+    """Emit this process's spans through ``tracer_provider`` (None: stop emitting). ``roots=False`` only
+    continues traces that came in requests. The flag goes with the provider: a process that hosted a worker
+    (whose ``configure`` said ``roots=False``) and then sets a caller's provider starts traces again."""
+    global _tracer, _roots
     _tracer = None if tracer_provider is None else tracer_provider.get_tracer("tensorcast")
+    _roots = roots
 
 
 def check_exporter(config: TracingConfig) -> None:
@@ -93,29 +96,27 @@ def configure(config: TracingConfig, service: str, *, roots: bool = True) -> Non
     """Set up this process's tracer from the configuration (``tracing.exporter``). ``roots=False`` (the
     cluster's own processes) only continues traces that callers started, so that background work
     (heartbeats, lease renewals) emits no spans."""
-    global _roots
     check_exporter(config)
-    _roots = roots
     if not config.exporter:
-        return
+        return  # nothing to emit: the process keeps whatever provider (and roots flag) it had
     try:
         import opentelemetry.sdk.trace  # noqa: F401
     except ImportError:
         raise InvalidArgument("tracing.exporter is set but OpenTelemetry is not installed: "
                               "pip install 'tensorcast[tracing]'") from None
     if config.exporter == "file":
-        use_provider(provider(_FileExporter(config.file), service))
+        use_provider(provider(_FileExporter(config.file), service), roots=roots)
     elif config.exporter == "console":
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
-        use_provider(provider(ConsoleSpanExporter(), service, batch=True))
+        use_provider(provider(ConsoleSpanExporter(), service, batch=True), roots=roots)
     else:
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError:
             raise InvalidArgument("tracing.exporter = otlp needs opentelemetry-exporter-otlp-proto-http: "
                                   "pip install 'tensorcast[otlp]'") from None
-        use_provider(provider(OTLPSpanExporter(), service, batch=True))
+        use_provider(provider(OTLPSpanExporter(), service, batch=True), roots=roots)
 
 
 _NO_SPAN = contextlib.nullcontext()

@@ -2,8 +2,13 @@
 
 Owns: ``DIR/blobs/<digest>`` (written to ``DIR/tmp`` first, made durable with fsync, then renamed, so a
 blob file is complete or absent), ``DIR/artifacts/<id>`` manifests (the tensor list and placement) that a
-restarted worker reads to re-announce its disk replicas, and the byte accounting. Blob files are never
-rewritten in place, so readers may map them copy-on-write. Does not own: placement decisions.
+restarted worker reads to re-announce its disk replicas, the byte accounting, and which blob files' bytes
+are still unchecked against their digest (written by a same-host caller that stated it): ``DIR/checked/
+<digest>`` marks a checked one (made after the check, removed before the blob changes, never synced: a
+marker lost in a crash only means one more check). Storing a blob whose digest is held already first
+checks an unchecked holder, and a holder whose bytes do not match is replaced by the new file (``replaced``
+is told). Blob files are never rewritten in place, so readers may map them copy-on-write. Does not own:
+placement decisions, or when the other checks happen (``worker.trust``).
 """
 
 from __future__ import annotations
@@ -11,8 +16,10 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
+import blake3
 import msgspec
 
 from tensorcast.errors import ResourceExhausted
@@ -36,7 +43,7 @@ class DiskTier:
     def __init__(self, directory: str | Path, capacity: int) -> None:
         self.dir = Path(directory)
         self.capacity = capacity
-        for sub in ("blobs", "tmp", "artifacts"):
+        for sub in ("blobs", "tmp", "artifacts", "checked"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
         shutil.rmtree(self.dir / "tmp", ignore_errors=True)  # partial writes of a crashed process
         (self.dir / "tmp").mkdir(exist_ok=True)
@@ -44,6 +51,9 @@ class DiskTier:
         self._blob_size: dict[str, int] = {}
         self.manifests: dict[str, Manifest] = {}
         self.reserved = 0
+        self._unverified: set[str] = set()  # blob files whose bytes were never checked against their digest
+        # Told (on the storing thread) of a blob file replaced because its bytes did not match its digest.
+        self.replaced: Callable[[str], None] = lambda digest: None
         self._load()
 
     @property
@@ -51,9 +61,14 @@ class DiskTier:
         return sum(self._blob_size.values())
 
     def _load(self) -> None:
+        checked = {f.name for f in (self.dir / "checked").iterdir()}
         for f in (self.dir / "blobs").iterdir():
             self._blob_size[f.name] = f.stat().st_size
             self._blob_refs[f.name] = 0
+            if f.name not in checked:
+                self._unverified.add(f.name)
+        for name in checked - set(self._blob_size):
+            self._mark(name, False)
         for f in (self.dir / "artifacts").iterdir():
             try:
                 m = _DEC.decode(f.read_bytes())
@@ -95,28 +110,37 @@ class DiskTier:
             self.unreserve(nbytes)
             raise
 
-    def commit_upload(self, digest: str, seg: Segment) -> None:
+    def commit_upload(self, digest: str, seg: Segment, verified: bool = True) -> None:
+        """Make an upload blob ``digest`` (``verified=False``: its bytes were not checked against it). Blocking."""
         self.unreserve(seg.size)
-        if digest in self._blob_size:
+        if digest in self._blob_size and self.check(digest) is not False:
             seg.unlink()
             seg.try_close()
             return
+        replacing = digest in self._blob_size  # a holder whose bytes are not ``digest``'s: the upload replaces it
         seg.flush()
         _fsync_path(seg.path)
+        self._mark(digest, False)
+        self._unverified.add(digest)
         seg.rename(self.blob_path(digest))
         _fsync_path(str(self.dir / "blobs"))
         seg.try_close()
         self._blob_size[digest] = seg.size
-        self._blob_refs[digest] = 0
+        if verified:
+            self._checked(digest)
+        if replacing:
+            self.replaced(digest)
+        else:
+            self._blob_refs[digest] = 0
 
     def discard_upload(self, seg: Segment) -> None:
         self.unreserve(seg.size)
         seg.unlink()
         seg.try_close()
 
-    def write_blob(self, digest: str, data: memoryview) -> None:
-        """Copy bytes held elsewhere (a memory segment) into a durable blob file."""
-        if digest in self._blob_size:
+    def write_blob(self, digest: str, data: memoryview, verified: bool = True) -> None:
+        """Copy bytes held elsewhere (a memory segment) into a durable blob file. Blocking."""
+        if digest in self._blob_size and self.check(digest) is not False:
             return
         seg = self.new_upload(len(data))
         try:
@@ -124,7 +148,57 @@ class DiskTier:
         except BaseException:
             self.discard_upload(seg)
             raise
-        self.commit_upload(digest, seg)
+        self.commit_upload(digest, seg, verified)
+
+    # ----------------------------------------------------------------- trust
+    def is_unverified(self, digest: str) -> bool:
+        return digest in self._unverified and digest in self._blob_size
+
+    @property
+    def any_unverified(self) -> bool:
+        return bool(self._unverified)
+
+    def is_verified(self, digest: str) -> bool:
+        return digest in self._blob_size and digest not in self._unverified
+
+    def unverified_blobs(self) -> list[tuple[str, int]]:
+        return [(d, self._blob_size[d]) for d in list(self._unverified) if d in self._blob_size]
+
+    def check(self, digest: str, threads: int = blake3.blake3.AUTO) -> bool | None:
+        """Check a held blob file's bytes against its digest (once: a match is remembered). None: not held.
+        Blocking: reads the whole file."""
+        if digest not in self._blob_size:
+            return None
+        if digest not in self._unverified:
+            return True
+        try:
+            ok = str(blake3.blake3(max_threads=threads).update_mmap(self.blob_path(digest)).hexdigest()) == digest
+        except FileNotFoundError:
+            return None
+        if ok:
+            self._checked(digest)
+        return ok
+
+    def _checked(self, digest: str) -> None:
+        self._unverified.discard(digest)
+        self._mark(digest, True)
+
+    def _mark(self, digest: str, checked: bool) -> None:
+        path = self.dir / "checked" / digest
+        with contextlib.suppress(OSError):
+            if checked:
+                path.touch()
+            else:
+                path.unlink(missing_ok=True)
+
+    def condemn(self, digest: str) -> list[str]:
+        """Drop a blob file whose bytes do not match its digest, and every artifact using it (returned)."""
+        users = [aid for aid, m in self.manifests.items() if any(t.digest == digest for t in m.tensors)]
+        for aid in users:
+            self.remove_artifact(aid)
+        if digest in self._blob_size and not self._blob_refs.get(digest):
+            self._remove_blob(digest)
+        return users
 
     def add_artifact(self, manifest: Manifest) -> None:
         if manifest.artifact_id in self.manifests:
@@ -156,8 +230,10 @@ class DiskTier:
         return True
 
     def _remove_blob(self, digest: str) -> None:
+        self._mark(digest, False)
         del self._blob_refs[digest]
         del self._blob_size[digest]
+        self._unverified.discard(digest)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.blob_path(digest))
 

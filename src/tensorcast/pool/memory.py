@@ -3,9 +3,11 @@
 Owns: where each blob's bytes are (its own segment for a large tensor, a slot in a slab arena for small
 objects such as KV pages, or a place in a pack segment shared by the tensors of one batch, e.g. a
 checkpoint), allocating under the capacity (pre-faulted stock first), committing uploads
-(deduplicated by digest), replicas as sets of blobs, eviction, and read leases that keep bytes from being
-unmapped or reused while a data-plane thread sends them. Thread-safe: data-plane threads take leases
-while the event loop mutates. Does not own: placement policy (``worker``), the disk tier (``pool.disk``).
+(deduplicated by digest), which blobs' bytes are still unchecked against their digest (written by a
+same-host caller that stated it) and condemning one that failed the check, replicas as sets of blobs,
+eviction, and read leases that keep bytes from being unmapped or reused while a data-plane thread sends
+them. Thread-safe: data-plane threads take leases while the event loop mutates. Does not own: placement
+policy (``worker``), checking digests (``worker.trust``), the disk tier (``pool.disk``).
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ class MemoryTier:
         self._blobs: dict[str, BlobLoc] = {}
         self._arenas: dict[str, Segment] = {}
         self._tensors: dict[str, tuple[TensorMeta, ...]] = {}
+        # Committed blobs whose bytes nobody here has checked against their digest (a same-host caller wrote
+        # them and stated it): never deduplicated onto or handed out before they are (``worker.trust``).
+        self._unverified: set[str] = set()
         self._closing: list[Segment] = []
         self._untrimmed: list[tuple[Segment, int]] = []  # pack chunks and the bytes they use
         self._open: tuple[Segment, int] | None = None  # the chunk the next pack continues in, and its bytes used
@@ -239,16 +244,62 @@ class MemoryTier:
             self.state.unreserve(loc.accounted)
             self._release_loc(loc)
 
-    def commit_blob(self, digest: str, loc: BlobLoc) -> None:
+    def commit_blob(self, digest: str, loc: BlobLoc, verified: bool = True) -> None:
+        """Store an upload as blob ``digest``; ``verified=False``: its bytes were not checked against the digest
+        here. A blob held already stays (the caller checked it first: ``worker.trust``) and ``loc`` is freed."""
         with self.lock:
             if self.state.commit_blob(digest, loc.accounted):
                 self._blobs[digest] = loc
+                if not verified:
+                    self._unverified.add(digest)
             else:
                 self._release_loc(loc)  # someone stored the same bytes first
 
     def has_blob(self, digest: str) -> bool:
         with self.lock:
             return self.state.has_blob(digest)
+
+    def held(self, digest: str) -> BlobLoc | None:
+        """Where blob ``digest`` is (None: not held); the same object until the blob is freed."""
+        return self._blobs.get(digest)
+
+    # ----------------------------------------------------------------- trust
+    def is_unverified(self, digest: str) -> bool:
+        """The blob is held and its bytes were never checked against its digest here."""
+        return digest in self._unverified
+
+    @property
+    def any_unverified(self) -> bool:
+        return bool(self._unverified)
+
+    def is_verified(self, digest: str) -> bool:
+        with self.lock:
+            return digest in self._blobs and digest not in self._unverified
+
+    def mark_verified(self, digest: str) -> None:
+        with self.lock:
+            self._unverified.discard(digest)
+
+    def unverified_blobs(self) -> list[tuple[str, int]]:
+        """(digest, size) of the blobs not checked yet."""
+        with self.lock:
+            return [(d, self._blobs[d].size) for d in self._unverified if d in self._blobs]
+
+    def condemn(self, digest: str) -> list[str]:
+        """Drop a blob whose bytes do not match its digest, and every replica using it (returned): as an
+        eviction of those replicas, except that the blob's pages never go back to the stock for other bytes
+        (callers' existing mappings keep the old pages). A later upload of ``digest`` is stored afresh."""
+        with self.lock:
+            loc = self._blobs.get(digest)
+            if loc is None:
+                return []
+            if loc.arena is None:
+                loc.segment.exported = True  # retired with its last blob: unlinked, never recycled
+            users = self.state.replicas_using(digest)
+            for aid in users:
+                self.remove_replica(aid)
+            self._free_blob(digest)  # unreferenced (an upload committed, its replica not recorded yet)
+            return users
 
     # ----------------------------------------------------------------- replicas
     def add_replica(self, rep: MemoryReplica, tensors: tuple[TensorMeta, ...]) -> None:
@@ -310,6 +361,7 @@ class MemoryTier:
     # ----------------------------------------------------------------- internals
     def _free_blob(self, digest: str) -> None:
         if self.state.free_blob(digest):
+            self._unverified.discard(digest)
             self._release_loc(self._blobs.pop(digest))
 
     def _release_loc(self, loc: BlobLoc) -> None:
@@ -347,6 +399,7 @@ class MemoryTier:
                 seg.unlink()
                 seg.try_close()
             self._blobs.clear()
+            self._unverified.clear()
             self._arenas.clear()
             self._closing.clear()
         self.stock.close()

@@ -2,8 +2,9 @@
 
 Owns: the named presets users know from other tensor stores (the general form, ``Placement``, is a
 record), and the decisions a placement implies: where a put lands (``decide_put``: memory after evicting
-whom, the disk tier, or a refusal) and which workers receive its extra replicas (``replica_targets``).
-Pure: no I/O, no clock (``now`` is passed in). The worker applies the decisions in ``worker.puts``.
+whom, the disk tier, or a refusal), which workers receive its further copies (``replica_candidates``,
+``replica_targets``), and which copies restore artifacts that lost some (``plan_repairs``). Pure: no I/O,
+no clock (``now`` is passed in). The worker applies the decisions (``worker.puts``, ``worker.replication``).
 
 | preset    | memory    | disk     | replicas | on memory overflow          | evictable |
 |-----------|-----------|----------|----------|-----------------------------|-----------|
@@ -14,23 +15,28 @@ Pure: no I/O, no clock (``now`` is passed in). The worker applies the decisions 
 | warm      | required  | -        | 1        | refuse (ResourceExhausted)  | yes       |
 | pinned    | required  | -        | 1        | refuse (ResourceExhausted)  | no        |
 
-``replicas`` counts memory replicas on distinct workers (the first where the put lands, the others
-copied worker-to-worker before ``put`` returns, when such workers exist). A ``durable``/``ha``/``cold``
-artifact is never lost while its disk copy exists: eviction only ever drops memory copies.
+``replicas`` counts copies on distinct live workers (``ArtifactInfo.copies``; a worker's copy is its memory
+replica, or its disk one): the first where the put lands, the others copied worker-to-worker before ``put``
+returns (a target that fails is replaced by the next candidate), as many as live workers allow within the
+put's deadline; ``ArtifactInfo.replicas_wanted`` keeps the count, and a worker's loss (or an evicted copy)
+starts new copies elsewhere. A ``durable``/``ha``/``cold`` artifact is never lost while its disk copy exists:
+eviction only ever drops memory copies.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 import msgspec
 
 from tensorcast.errors import InvalidArgument, ResourceExhausted, clip
 from tensorcast.pool.state import PoolState
-from tensorcast.records import Placement, WorkerInfo
+from tensorcast.records import ArtifactInfo, Placement, WorkerInfo
 
-__all__ = ["PRESETS", "Placement", "PutDecision", "decide_put", "replica_targets", "resolve_placement"]
+__all__ = ["PRESETS", "Placement", "PutDecision", "Repair", "decide_put", "plan_repairs", "replica_candidates",
+           "replica_targets", "resolve_placement"]
 
 
 PRESETS: dict[str, Placement] = {
@@ -103,8 +109,61 @@ def decide_put(placement: Placement, state: PoolState, need: int, now: float, pr
 
 
 def replica_targets(workers: Iterable[WorkerInfo], self_id: str, self_host: str, extra: int) -> list[str]:
-    """The ``extra`` live workers that take further memory replicas of a fresh artifact: other hosts first
-    (a host failure then loses fewer copies), then the least full."""
-    others = sorted((w for w in workers if w.alive and w.worker_id != self_id),
-                    key=lambda w: (w.host_id == self_host, w.memory_used / max(w.memory_capacity, 1), w.worker_id))
-    return [w.worker_id for w in others[:max(extra, 0)]]
+    """The ``extra`` live workers that take further copies of a fresh artifact held by ``self_id`` only."""
+    return replica_candidates(workers, {self_id: self_host})[:max(extra, 0)]
+
+
+def replica_candidates(workers: Iterable[WorkerInfo], holders: Mapping[str, str],
+                       planned: Mapping[str, int] | None = None) -> list[str]:
+    """The live workers that may take a further copy of an artifact held by ``holders`` (worker id -> host),
+    best first: on the hosts with the fewest copies so far (a host failure then loses fewer; each pick counts
+    for the next, so two copies to place on three hosts go to two hosts), then the least full (counting the
+    bytes ``planned`` for them already), then by id."""
+    planned = planned or {}
+    on_host = Counter(holders.values())
+    free = [w for w in workers if w.alive and w.worker_id not in holders]
+    out: list[str] = []
+    while free:
+        best = min(free, key=lambda w: (on_host[w.host_id], (w.memory_used + planned.get(w.worker_id, 0)) /
+                                        max(w.memory_capacity, 1), w.worker_id))
+        out.append(best.worker_id)
+        on_host[best.host_id] += 1
+        free.remove(best)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Repair:
+    """One copy to make: ``source`` (the holder responsible for it) has ``target`` pull the artifact."""
+
+    artifact_id: str
+    source: str
+    target: str
+
+
+def plan_repairs(artifacts: Iterable[ArtifactInfo], workers: Iterable[WorkerInfo], now: float, *,
+                 busy: Collection[str] = (), avoid: Mapping[tuple[str, str], float] | None = None) -> list[Repair]:
+    """The copies that bring each artifact back to ``replicas_wanted`` copies on distinct live workers.
+
+    Each short artifact's copies are made by its live holder with the lowest id (every holder decides the
+    same without talking to the others), onto ``replica_candidates`` of its live holders (each planned copy
+    counts for the next artifact's choice); never onto a pair in ``avoid`` (artifact, target) until the time
+    it maps to (a copy there failed). Artifacts in ``busy`` (copies already being made) and those with no
+    live holder (nothing to copy from) get none."""
+    avoid = avoid or {}
+    workers = list(workers)
+    host_of = {w.worker_id: w.host_id for w in workers}
+    alive = {w.worker_id for w in workers if w.alive}
+    planned: Counter[str] = Counter()
+    out: list[Repair] = []
+    for info in sorted(artifacts, key=lambda a: a.id):
+        live = sorted({r.worker_id for r in info.replicas if r.worker_id in alive})
+        need = info.replicas_wanted - len(live)
+        if need <= 0 or not live or info.id in busy:
+            continue
+        holders = {wid: host_of[wid] for wid in live}
+        targets = [t for t in replica_candidates(workers, holders, planned) if avoid.get((info.id, t), 0.0) <= now]
+        for target in targets[:need]:
+            out.append(Repair(info.id, live[0], target))
+            planned[target] += info.nbytes
+    return out

@@ -148,6 +148,10 @@ class PoolState:
             return size
         return 0
 
+    def replicas_using(self, digest: str) -> list[str]:
+        """The replicas that reference blob ``digest``."""
+        return [r.artifact_id for r in self.replicas.values() if digest in r.digests]
+
     def unreferenced(self) -> list[str]:
         return [d for d, n in self.blob_refs.items() if n == 0]
 

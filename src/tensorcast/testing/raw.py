@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import secrets
 import socket
 from typing import Any
 
 import msgspec
 
 from tensorcast.checksums import chunk_checksums, pack_checksums
+from tensorcast.credentials import Keyring
 from tensorcast.wire.connection import encode_envelope
 from tensorcast.wire.frames import CHECKSUMS, HEADER, pack_header
-from tensorcast.wire.messages import PROTOCOL_VERSION, Hello
+from tensorcast.wire.handshake import NONCE_BYTES, proof
+from tensorcast.wire.messages import PROTOCOL_VERSION, Challenge, DataHello, Hello, Proof
 from tensorcast.wire.protocol import REQUEST, Envelope, Message
 
 __all__ = ["RawPeer"]
@@ -23,6 +26,7 @@ class RawPeer:
     def __init__(self, address: str, timeout: float = 5.0) -> None:
         host, port = address.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=timeout)
+        self.sent: list[bytes] = []  # every frame ``send`` wrote
 
     def send_raw(self, data: bytes) -> None:
         self.sock.sendall(data)
@@ -34,11 +38,26 @@ class RawPeer:
         body = encode_envelope(request_id, REQUEST, trace_id, deadline, message)
         sums = pack_checksums(chunk_checksums(memoryview(payload))) if payload and checksums else b""
         flags = CHECKSUMS if sums else 0
-        self.sock.sendall(pack_header(len(body), len(payload), flags) + body + sums + payload)
+        frame = pack_header(len(body), len(payload), flags) + body + sums + payload
+        self.sent.append(frame)
+        self.sock.sendall(frame)
 
-    def hello(self, token: str | None = None) -> tuple[Envelope, Any]:
-        self.send(Hello(protocol_version=PROTOCOL_VERSION, token=token, peer_id="raw"))
-        return self.recv()
+    def hello(self, token: str | None = None, *, data: bool = False) -> tuple[Envelope, Any]:
+        """The handshake with ``token`` (the secret or a credential): ``Hello`` (``DataHello`` with ``data``),
+        and a ``Proof`` when the server challenges; returns the last reply (``Welcome``, ``DataReply`` or an
+        error). The frames sent are kept in ``sent`` (to replay them)."""
+        keyring = Keyring.from_token(token)
+        channel = "data" if data else "rpc"
+        role = keyring.role if keyring is not None else ""
+        nonce = secrets.token_bytes(NONCE_BYTES) if keyring is not None else b""
+        self.send(DataHello(protocol_version=PROTOCOL_VERSION, role=role, nonce=nonce, peer_id="raw") if data
+                  else Hello(protocol_version=PROTOCOL_VERSION, role=role, nonce=nonce, peer_id="raw"))
+        env, msg = self.recv()
+        if isinstance(msg, Challenge) and keyring is not None:  # answered without checking the server's proof
+            mine = proof(keyring.key(role), "client", channel, role, nonce, msg.nonce, msg.server_id, "raw")
+            self.send(Proof(proof=mine), request_id=2)
+            env, msg = self.recv()
+        return env, msg
 
     def _recv_exact(self, n: int) -> bytes:
         buf = bytearray()

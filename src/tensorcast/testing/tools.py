@@ -8,7 +8,7 @@ import random
 import shutil
 import socket
 
-__all__ = ["require_tool", "unused_port"]
+__all__ = ["require_tool", "unused_port", "unused_ports"]
 
 # A tool is given a port number, not a socket, so a port found free here can be taken before the tool binds it.
 # Ports below Linux's ephemeral range (32768 and up by default) are never handed out for outgoing connections,
@@ -27,6 +27,25 @@ def unused_port() -> int:
                 continue
             return port
     raise OSError(f"no free port in {_PORT_RANGE}")
+
+
+def unused_ports(n: int) -> int:
+    """The first of ``n`` consecutive loopback TCP ports that nothing listens on now (outside the ephemeral range)."""
+    for _ in range(200):
+        first = random.randrange(_PORT_RANGE[0], _PORT_RANGE[1] - n)
+        socks = []
+        try:
+            for port in range(first, first + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise OSError(f"no {n} free ports in a row in {_PORT_RANGE}")
 
 
 def require_tool(path: str, package: str) -> str:

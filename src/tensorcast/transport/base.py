@@ -74,12 +74,21 @@ class DataServer(Protocol):
     """A worker's side of a transport: serves ``DataRequest``s from its ``SourceOpener``."""
 
     address: str
-    bytes_sent: int  # payload bytes sent so far (the network-pressure signal)
-    active: int  # ranges being sent right now
+
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes sent so far (the network-pressure signal)."""
+
+    @property
+    def active(self) -> int:
+        """Ranges being sent right now."""
 
     def start(self, host: str, port: int) -> str: ...
 
     def close(self) -> None: ...
+
+    def healthy(self) -> bool:
+        """Whether it still serves (its loop runs): reported by ``/healthz`` and the heartbeat."""
 
 
 class Transport(Protocol):

@@ -28,6 +28,9 @@ _ids = itertools.count(1)
 
 
 class InProcDataServer:
+    def healthy(self) -> bool:
+        return True
+
     def __init__(self, open_source: SourceOpener, *, corrupt_chunks: int = 0) -> None:
         self.open_source = open_source
         self.address = ""

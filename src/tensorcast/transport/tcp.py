@@ -1,8 +1,9 @@
 """Bulk tensor transfer over TCP, the client side: a range split over several parallel streams, each
 ``recv_into`` its part of the destination, every chunk checked.
 
-Owns: ``TcpTransport`` — pooled, authenticated connections per data server (a pooled connection the
-server closed meanwhile is replaced once, transparently), the stream split, and checking each chunk
+Owns: ``TcpTransport`` — pooled, authenticated connections per data server (TLS when ``tls.enabled``; the
+handshake of ``wire.handshake``: ``DataHello``, a ``Proof`` answering the server's ``Challenge``; a pooled
+connection the server closed meanwhile is replaced once, transparently), the stream split, and checking each chunk
 against the xxh3-64 checksum sent before it: a mismatch discards the range and raises ``ChunkCorrupted``
 (the caller retries, here or from another replica), so corrupt bytes are never kept. A fetch ends by its
 deadline however slowly the bytes arrive (``DeadlineExceeded``; ``Unavailable`` when it passes while
@@ -14,6 +15,7 @@ connecting). Blocking
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,12 +25,15 @@ import msgspec
 import xxhash
 
 from tensorcast.checksums import CHUNK_BYTES, ChunkCorrupted
-from tensorcast.config import TransportConfig, WireConfig
+from tensorcast.config import TLSConfig, TransportConfig, WireConfig
+from tensorcast.credentials import Keyring
 from tensorcast.errors import DeadlineExceeded, Unavailable, error_from_code
+from tensorcast.tls import client_context, handshake_error, server_hostname
 from tensorcast.transport.base import FetchStats, SourceOpener, split_ranges
 from tensorcast.transport.tcp_frames import CHECKSUM, recv_exact, recv_frame, send_frame
 from tensorcast.transport.tcp_server import TcpDataServer
-from tensorcast.wire.messages import PROTOCOL_VERSION, DataHello, DataReply, DataRequest
+from tensorcast.wire.handshake import ClientHandshake
+from tensorcast.wire.messages import PROTOCOL_VERSION, Challenge, DataHello, DataReply, DataRequest, Proof
 from tensorcast.wire.protocol import ERROR, REQUEST
 from tensorcast.wire.rpc import parse_address
 
@@ -47,9 +52,11 @@ class TcpTransport:
     kind = "tcp"
 
     def __init__(self, config: WireConfig, *, token: str | None, max_streams: int = 8,
-                 limits: TransportConfig | None = None) -> None:
+                 limits: TransportConfig | None = None, tls: TLSConfig | None = None) -> None:
         self.config = config
         self.token = token
+        self.keyring = Keyring.from_token(token)
+        self.tls = tls
         self.limits = limits or TransportConfig()
         self._max_streams = max_streams
         self._pool = _Pool()
@@ -57,7 +64,7 @@ class TcpTransport:
 
     def serve(self, open_source: SourceOpener, *, corrupt_chunks: int = 0) -> TcpDataServer:
         return TcpDataServer(open_source, self.config, token=self.token, limits=self.limits,
-                             corrupt_chunks=corrupt_chunks, senders=self._max_streams)
+                             corrupt_chunks=corrupt_chunks, senders=self._max_streams, tls=self.tls)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -84,10 +91,8 @@ class TcpTransport:
         if deadline is not None:
             until = min(until, deadline)
         try:
-            send_frame(sock, REQUEST, DataHello(protocol_version=PROTOCOL_VERSION, token=self.token))
-            env, reply = recv_frame(sock, self.config.max_frame_bytes, until)
-            if env.kind == ERROR:
-                raise error_from_code(reply.code, reply.message)
+            sock = self._secure(sock, address, host, until)
+            self._handshake(sock, address, until)
         except OSError as exc:
             sock.close()
             raise Unavailable(f"data plane at {address}: handshake failed: {exc}") from None
@@ -95,6 +100,32 @@ class TcpTransport:
             sock.close()
             raise
         return sock
+
+    def _secure(self, sock: socket.socket, address: str, host: str, until: float) -> socket.socket:
+        """TLS over ``sock`` when configured (the server's certificate checked), by ``until``."""
+        ctx = client_context(self.tls) if self.tls is not None else None
+        if ctx is None or self.tls is None:
+            return sock
+        sock.settimeout(max(0.001, until - time.time()))
+        try:
+            return ctx.wrap_socket(sock, server_hostname=server_hostname(self.tls, host))
+        except ssl.SSLError as exc:
+            raise handshake_error(f"the data plane at {address}", exc) from None
+
+    def _handshake(self, sock: socket.socket, address: str, until: float) -> None:
+        """``DataHello``; a ``Challenge`` answered with our ``Proof``; the server's ``DataReply``."""
+        hs = ClientHandshake(self.keyring, "", "data")
+        send_frame(sock, REQUEST, DataHello(protocol_version=PROTOCOL_VERSION, role=hs.role, nonce=hs.nonce))
+        env, reply = recv_frame(sock, self.config.max_frame_bytes, until)
+        if env.kind != ERROR and isinstance(reply, Challenge):
+            send_frame(sock, REQUEST, Proof(proof=hs.challenged(reply, f"the data plane at {address}")))
+            env, reply = recv_frame(sock, self.config.max_frame_bytes, until)
+        elif env.kind != ERROR and isinstance(reply, DataReply):
+            hs.accepted(f"the data plane at {address}")
+        if env.kind == ERROR:
+            raise error_from_code(reply.code, reply.message)
+        if not isinstance(reply, DataReply):
+            raise Unavailable(f"data plane at {address}: unexpected handshake reply {type(reply).__name__}")
 
     def _release(self, address: str, sock: socket.socket) -> None:
         with self._pool.lock:

@@ -13,18 +13,15 @@ import struct
 import time
 from typing import Any
 
-import msgspec
-
 from tensorcast.errors import InvalidArgument, TensorCastError, Unavailable
+from tensorcast.wire.codec import decode_envelope, decode_message
 from tensorcast.wire.connection import encode_envelope, error_reply
 from tensorcast.wire.frames import HEADER, pack_header, parse_header
-from tensorcast.wire.protocol import ERROR, Envelope, Message
+from tensorcast.wire.protocol import ERROR, Envelope
 
 __all__ = ["CHECKSUM", "decode_frame", "recv_exact", "recv_frame", "send_error", "send_frame"]
 
 CHECKSUM = struct.Struct(">Q")  # the xxh3-64 of a chunk, sent before it
-_ENV = msgspec.msgpack.Decoder(Envelope)
-_MSG = msgspec.msgpack.Decoder(Message)
 
 
 def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
@@ -45,11 +42,9 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = N
 
 
 def decode_frame(body: bytes | bytearray | memoryview) -> tuple[Envelope, Any]:
-    try:
-        env = _ENV.decode(body)
-        return env, _MSG.decode(env.body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise InvalidArgument(f"malformed data-plane frame: {exc}") from None
+    """The envelope and message of a data-plane frame; ``InvalidArgument`` for anything malformed."""
+    env = decode_envelope(body)
+    return env, decode_message(env.body)
 
 
 def recv_frame(sock: socket.socket, max_body: int, deadline: float | None = None) -> tuple[Envelope, Any]:

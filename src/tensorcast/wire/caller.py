@@ -17,13 +17,15 @@ import logging
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from tensorcast.config import WireConfig
+from tensorcast.config import TLSConfig, WireConfig
 from tensorcast.context import CallContext
 from tensorcast.errors import InternalError, InvalidArgument
-from tensorcast.wire.connection import Sink, WireState
+from tensorcast.wire.channel import RpcChannel
+from tensorcast.wire.connection import Sink
 from tensorcast.wire.messages import Welcome
 from tensorcast.wire.protocol import REPLY_TO, retry_safe
-from tensorcast.wire.rpc import ConnectionLost, NotSent, ReplySink, RpcChannel
+from tensorcast.wire.rpc import ConnectionLost, NotSent, ReplySink
+from tensorcast.wire.shared import WireState
 
 __all__ = ["Caller"]
 
@@ -33,12 +35,15 @@ T = TypeVar("T")
 
 class Caller:
     """Typed requests to any peer. ``address`` is the default peer, or several equivalent ones (a client's
-    gateways) tried in turn; ``timeout`` the default time a call may take when its context has no deadline."""
+    gateways) tried in turn; ``timeout`` the default time a call may take when its context has no deadline;
+    ``tls`` the process's TLS configuration (every connection uses it when enabled)."""
 
     def __init__(self, config: WireConfig, *, token: str | None, peer_id: str, host_id: str,
-                 address: str | Sequence[str] = "", timeout: float | None = None) -> None:
+                 address: str | Sequence[str] = "", timeout: float | None = None,
+                 tls: TLSConfig | None = None) -> None:
         self.config = config
         self.token = token
+        self.tls = tls
         self.peer_id = peer_id
         self.host_id = host_id
         self.timeout = timeout
@@ -66,7 +71,7 @@ class Caller:
         ch = self._channels.get(address)
         if ch is None:
             ch = RpcChannel(address, self.config, token=self.token, peer_id=self.peer_id, host_id=self.host_id,
-                            shared=self._shared)
+                            shared=self._shared, tls=self.tls)
             self._channels[address] = ch
         return ch
 

@@ -5,7 +5,8 @@ payload bytes to a receiver-chosen destination (the socket is ``recv_into`` that
 body is known), writing frames with their payload checksums and flow control, and the connection's
 lifecycle. The checksums are kept on the frame; the RPC layer checks them before anything uses the
 bytes. Protocol violations (bad magic, oversized body) are answered with a typed error and the
-connection is closed; they never take the process down. Does not own: what requests mean (``wire.rpc``).
+connection is closed; they never take the process down. Does not own: what requests mean (``wire.rpc``), or
+the frame's parts (``wire.frame_parts``, whose names it re-exports).
 """
 
 from __future__ import annotations
@@ -13,22 +14,29 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, cast
-
-import msgspec
 
 from tensorcast.checksums import chunk_checksums, chunk_count, pack_checksums, unpack_checksums
 from tensorcast.config import WireConfig
-from tensorcast.errors import InvalidArgument, ResourceExhausted, TensorCastError, Unauthenticated, Unavailable
-from tensorcast.log import RateLimitedLog
+from tensorcast.errors import InvalidArgument, ResourceExhausted, TensorCastError, Unauthenticated
+from tensorcast.wire.codec import decode_envelope, decode_message
+from tensorcast.wire.frame_parts import (
+    ConnectionLost,
+    Frame,
+    Landing,
+    NotSent,
+    Sink,
+    encode_envelope,
+    error_reply,
+    payload_views,
+)
 from tensorcast.wire.frames import CHECKSUMS, HEADER, pack_header, parse_header
-from tensorcast.wire.messages import ErrorReply
-from tensorcast.wire.protocol import ERROR, Envelope, Message
+from tensorcast.wire.protocol import ERROR, Envelope
+from tensorcast.wire.shared import WireState
 from tensorcast.wire.sockets import detect_dead_peer
 
-__all__ = ["HASH_OFF_LOOP_BYTES", "Connection", "ConnectionLost", "Frame", "Landing", "NotSent", "PayloadFaults",
-           "ReceiveBudget", "Sink", "WireState", "encode_envelope", "error_reply", "payload_views"]
+__all__ = ["HASH_OFF_LOOP_BYTES", "Connection", "ConnectionLost", "Frame", "Landing", "NotSent", "Sink",
+           "encode_envelope", "error_reply", "payload_views"]
 
 log = logging.getLogger("tensorcast.wire")
 
@@ -37,114 +45,7 @@ _STAGING_PREAUTH = 4096  # an unauthenticated peer gets no more than this (and m
 _DISCARD = 1024 * 1024
 # Payloads at least this large are checksummed (and verified) off the event loop.
 HASH_OFF_LOOP_BYTES = 1024 * 1024
-_ENVELOPE_DECODER = msgspec.msgpack.Decoder(Envelope)
-_MESSAGE_DECODER = msgspec.msgpack.Decoder(Message)
-_ENCODER = msgspec.msgpack.Encoder()
 _HEADER, _BODY, _PAYLOAD, _SUMS = 0, 1, 2, 3
-
-
-def encode_envelope(request_id: int, kind: int, trace_id: str, deadline: float | None, body: Any,
-                    span_id: int = 0) -> bytes:
-    raw = msgspec.Raw(_ENCODER.encode(body))
-    return _ENCODER.encode(Envelope(request_id, kind, trace_id, deadline, raw, span_id))
-
-
-# The longest error message sent to a peer (callers' keys and paths are clipped where they are quoted).
-_MAX_ERROR_CHARS = 2000
-
-
-def error_reply(exc: TensorCastError) -> ErrorReply:
-    message = exc.message if len(exc.message) <= _MAX_ERROR_CHARS else exc.message[:_MAX_ERROR_CHARS] + "..."
-    return ErrorReply(code=exc.code, message=message, retryable=exc.retryable)
-
-
-# A payload destination: one buffer, or several filled in order (scatter), e.g. KV page slots.
-Sink = memoryview | list[memoryview]
-
-
-def payload_views(payload: Sink | None) -> list[memoryview]:
-    """A payload as flat byte views (empty ones dropped)."""
-    views = [] if payload is None else payload if isinstance(payload, list) else [payload]
-    return [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views if v.nbytes]
-
-
-@dataclass(slots=True)
-class Landing:
-    """Where a request's payload lands, with what the handler needs about it (``context``), and how to give
-    the destination back if the request fails before its handler completes (``discard``)."""
-
-    views: Sink
-    context: Any = None
-    discard: Callable[[], None] | None = None
-
-
-class PayloadFaults:
-    """Fault injection for tests (``wire.fault_corrupt_payload_chunks``): corrupt one chunk of each of the
-    next N payloads sent, so that receivers' checksum checks and senders' retries are exercised."""
-
-    def __init__(self, payloads: int) -> None:
-        self.left = payloads
-
-    def take(self) -> bool:
-        if self.left <= 0:
-            return False
-        self.left -= 1
-        return True
-
-
-class NotSent(Unavailable):
-    """The peer could not be reached, so the request was never sent: any request may be sent elsewhere."""
-
-
-class ConnectionLost(Unavailable):
-    """The connection broke while a request was in flight: it may or may not have been carried out."""
-
-
-class ReceiveBudget:
-    """Bytes all connections of one process hold in frame bodies and payloads still arriving into fresh
-    buffers (``wire.receive_budget_bytes``): many peers announcing large frames cannot make the process
-    commit more memory than this."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.held = 0
-
-    def take(self, nbytes: int) -> None:
-        if self.held + nbytes > self.limit:
-            raise ResourceExhausted(f"receive buffers full: {nbytes} more bytes would exceed "
-                                    f"wire.receive_budget_bytes ({self.limit}); retry")
-        self.held += nbytes
-
-    def give(self, nbytes: int) -> None:
-        self.held -= nbytes
-
-
-class WireState:
-    """What every connection of one process (a server, or a caller's channels) shares."""
-
-    def __init__(self, config: WireConfig) -> None:
-        self.budget = ReceiveBudget(config.receive_budget_bytes)
-        self.faults = PayloadFaults(config.fault_corrupt_payload_chunks)
-        # Warnings about what peers can do at will are rate-limited for every connection of the process at
-        # once, so that no peer can flood the log: refused connections (the RPC layer), and connections
-        # closed for a protocol violation (each kind with its own budget, so that one does not hide the other).
-        self.refusals = RateLimitedLog(log)
-        self.violations = RateLimitedLog(log)
-
-
-class Frame:
-    """A received frame: the envelope, its decoded message (or the decode error), the payload, and the
-    payload's checksums as sent (verified by the RPC layer)."""
-
-    __slots__ = ("checksums", "envelope", "error", "landing", "message", "payload")
-
-    def __init__(self, envelope: Envelope, message: Any, error: TensorCastError | None) -> None:
-        self.envelope = envelope
-        self.message = message
-        self.error = error
-        self.payload: Sink | None = None
-        self.checksums: list[int] | None = None
-        self.landing: Landing | None = None
 
 
 # Called with the frame's envelope, message and payload length once the body is known; returns the
@@ -170,7 +71,14 @@ class Connection(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self.closed = asyncio.Event()
         self.peer: Any = None  # set by the RPC layer after the handshake
+        self.role = ""  # the peer's credential's role, once authenticated (``credentials``)
+        self.handshake: Any = None  # the server's handshake state (``wire.handshake``) until authenticated
         self.authenticated = False
+        self.heard = False  # a byte has arrived (the server closes silent sockets before a peer mid-handshake)
+        # Server side: called once the transport is there (to start TLS on it); until TLS is up, nothing is
+        # written in clear into what the peer takes for a TLS stream.
+        self.on_made: Callable[[Connection], None] | None = None
+        self.tls_pending = False
         self.handshake_timer: asyncio.TimerHandle | None = None  # cancelled once authenticated or closed
         self._failed = False  # a protocol violation was reported; ignore whatever follows
         self._staging = bytearray(_STAGING_PREAUTH)
@@ -203,6 +111,8 @@ class Connection(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and self.config.dead_peer_timeout > 0:
             detect_dead_peer(sock, self.config.dead_peer_timeout)
+        if self.on_made is not None:
+            self.on_made(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed.set()
@@ -213,6 +123,20 @@ class Connection(asyncio.BufferedProtocol):
             self.handshake_timer = None
         if self._on_lost is not None:
             self._on_lost(self, exc)
+
+    def scratch(self, nbytes: int) -> tuple[memoryview, Callable[[], None]]:
+        """A fresh buffer for payload bytes a handler will drop (a page already stored), charged to the
+        process's receive budget (``ResourceExhausted`` beyond it) until the returned release runs."""
+        self._shared.budget.take(nbytes)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._shared.budget.give(nbytes)
+
+        return memoryview(bytearray(nbytes)), release
 
     def authenticate(self, peer: Any = None) -> None:
         """The handshake succeeded: frames up to ``wire.max_frame_bytes`` and payloads are accepted now."""
@@ -248,6 +172,7 @@ class Connection(asyncio.BufferedProtocol):
         return memoryview(self._staging)[self._w :]
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.heard = True
         if self._failed:
             return
         try:
@@ -264,9 +189,9 @@ class Connection(asyncio.BufferedProtocol):
             self._process()
         except TensorCastError as exc:
             self.fail(exc)
-        except Exception as exc:  # a bug must not kill the event loop
-            log.exception("connection reader failed")
-            self.fail(InvalidArgument(f"connection reader failed: {exc}"))
+        except Exception as exc:  # a bug must not kill the event loop, nor a peer flood the log through it
+            self._shared.bugs.exception("connection reader failed")
+            self.fail(InvalidArgument(f"connection reader failed: {type(exc).__name__}"))
 
     # ------------------------------------------------------------------ frame parsing
 
@@ -330,14 +255,11 @@ class Connection(asyncio.BufferedProtocol):
         self._held = 0
 
     def _body_done(self, body: bytes) -> None:
+        env = decode_envelope(body)  # an undecodable envelope ends the connection (InvalidArgument)
         try:
-            env = _ENVELOPE_DECODER.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise InvalidArgument(f"malformed frame body: {exc}") from exc
-        try:
-            frame = Frame(env, _MESSAGE_DECODER.decode(env.body), None)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            frame = Frame(env, None, InvalidArgument(f"unknown or malformed message: {exc}", trace_id=env.trace_id))
+            frame = Frame(env, decode_message(env.body), None)
+        except InvalidArgument as exc:  # this request's error only
+            frame = Frame(env, None, InvalidArgument(exc.message, trace_id=env.trace_id))
         if self._payload_len == 0:
             self._state = _HEADER
             self._on_frame(self, frame)
@@ -483,8 +405,9 @@ class Connection(asyncio.BufferedProtocol):
         self._drop_pending()
         if self.transport is not None and not self.closed.is_set():
             self._shared.violations.warning("closing connection: %s", exc)
-            body = encode_envelope(0, ERROR, exc.trace_id or "", None, error_reply(exc))
-            self.transport.write(pack_header(len(body), 0) + body)
+            if not self.tls_pending:
+                body = encode_envelope(0, ERROR, exc.trace_id or "", None, error_reply(exc))
+                self.transport.write(pack_header(len(body), 0) + body)
             self.transport.close()
 
     def close(self) -> None:

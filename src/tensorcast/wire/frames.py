@@ -29,6 +29,7 @@ MAGIC = b"TC"
 HEADER = struct.Struct("!2sBBIQ")
 CHECKSUMS = 0x01
 _KNOWN_FLAGS = CHECKSUMS
+_TLS = (b"\x15", b"\x16")  # the first byte of a TLS alert or handshake record
 
 
 def pack_header(body_len: int, payload_len: int, flags: int = 0) -> bytes:
@@ -40,7 +41,8 @@ def parse_header(data: bytes | memoryview, max_body: int) -> tuple[int, int, int
     or ``ResourceExhausted`` (too big)."""
     magic, version, flags, body_len, payload_len = HEADER.unpack(data)
     if magic != MAGIC:
-        raise InvalidArgument(f"malformed frame: bad magic {bytes(magic)!r}")
+        tls = " (a TLS record: the peer speaks TLS and this side does not; tls.enabled)" if magic[:1] in _TLS else ""
+        raise InvalidArgument(f"malformed frame: bad magic {bytes(magic)!r}{tls}")
     if version != PROTOCOL_VERSION:
         raise InvalidArgument(f"unsupported protocol version {version} (this side speaks {PROTOCOL_VERSION})")
     if flags & ~_KNOWN_FLAGS:

@@ -112,6 +112,55 @@ class KVExistsReply(Msg):
     presence: str = ""
 
 
+class KVHandoff(Msg):
+    """A home granted ``tokens``' shards asks another home for the pages it kept of them. Without ``tenures``,
+    a probe: the reply names, per shard, the tenure (fencing token) of the pages kept there. With them, one
+    batch (at most ``max_bytes``) of each shard's pages of that tenure, after the cursor ``(after_shard,
+    after_key)``; the cursor also acknowledges every page up to it: the asked home drops those once the global
+    store's table confirms the grant."""
+
+    worker_id: str
+    tokens: dict[int, int]
+    tenures: dict[int, int] = msgspec.field(default_factory=dict)
+    after_shard: int = -1
+    after_key: str = ""
+    max_bytes: int = 0
+    # The asker has taken what it needed of these shards (sent to every home it probed, chosen or not): what
+    # the asked home keeps of them is no longer anyone's, once the lease table confirms the grant.
+    done: bool = False
+
+
+class KVPages(Msg):
+    """Pages between shard homes (a hand-over batch, or copies to a backup): ``sizes[i]`` bytes of page i
+    follow in the payload, ``ttls[i]`` seconds of its TTL are left (inf: none). As a request (``KVReplicate``'s
+    reply is ``KVPutReply``), ``tokens`` are the sender's leases of the pages' shards."""
+
+    keys: tuple[str, ...]
+    sizes: tuple[int, ...]
+    ttls: tuple[float, ...]
+    tenures: dict[int, int] = msgspec.field(default_factory=dict)  # a probe's answer: shard -> tenure (0: none)
+
+
+class KVReplicate(Msg):
+    """The holder of ``tokens``' shards copies pages it stored to one of their backup homes (``kv.replicas``);
+    the bytes follow in the payload."""
+
+    worker_id: str
+    tokens: dict[int, int]
+    keys: tuple[str, ...]
+    sizes: tuple[int, ...]
+    ttls: tuple[float, ...]
+
+
+class KVShardsReleased(Msg):
+    """A home gave ``shards`` back (``leaving``: all of its shards, it is stopping): the home told reads the
+    lease table now instead of at its next tick, and while ``leaving`` counts the sender out of the homes."""
+
+    worker_id: str
+    shards: tuple[int, ...]
+    leaving: bool = False
+
+
 class GSStats(Msg):
     pass
 

@@ -32,7 +32,8 @@ from tensorcast.records import (
 
 # 2: records moved out of messages; ArtifactInfo travels inside ArtifactReply; payload checksums.
 # 3: small puts in one request (PutBegin.inline with the bytes as its payload; PutPlan.artifact).
-PROTOCOL_VERSION = 4
+# 5: keys are independent references. 6: challenge-response handshake (Challenge, Proof); credentials carry roles.
+PROTOCOL_VERSION = 6
 
 
 class Msg(msgspec.Struct, frozen=True, tag=True, kw_only=True, omit_defaults=True):
@@ -43,10 +44,30 @@ class Msg(msgspec.Struct, frozen=True, tag=True, kw_only=True, omit_defaults=Tru
 
 
 class Hello(Msg):
+    """Opens a connection. ``role``: the credential's role ("" without one), ``nonce`` the caller's fresh
+    random bytes; the credential itself never travels (``wire.handshake``)."""
+
     protocol_version: int
-    token: str | None = None
+    role: str = ""
+    nonce: bytes = b""
     peer_id: str = ""
     host_id: str = ""
+
+
+class Challenge(Msg):
+    """Server -> caller, to a ``Hello`` with a role: the server's fresh ``nonce``, and its ``proof`` that it
+    holds the role's key (an HMAC over both nonces and the context)."""
+
+    nonce: bytes
+    server_id: str = ""
+    proof: bytes = b""
+
+
+class Proof(Msg):
+    """Caller -> server, answering a ``Challenge``: the HMAC of the role's key over this connection's nonces and
+    context. The reply is ``Welcome`` (``DataReply`` on the data plane) or an error."""
+
+    proof: bytes
 
 
 class Welcome(Msg):
@@ -230,8 +251,12 @@ class DropArtifact(Msg):
 
 
 class DataHello(Msg):
+    """Opens a data-plane connection, as ``Hello`` does a control connection."""
+
     protocol_version: int
-    token: str | None = None
+    role: str = ""
+    nonce: bytes = b""
+    peer_id: str = ""
 
 
 class DataRequest(Msg):
@@ -261,7 +286,8 @@ class GetArtifact(Msg):
 
 
 class ListArtifacts(Msg):
-    """One page of artifacts with a key under ``prefix`` (all artifacts when empty), after the cursor."""
+    """One page of listing entries after the cursor: one per key under ``prefix``; with no prefix, one per
+    key and then one per artifact bound to no key."""
 
     prefix: str = ""
     limit: int = 1000
@@ -271,24 +297,37 @@ class ListArtifacts(Msg):
 class ArtifactList(Msg):
     artifacts: tuple[ArtifactInfo, ...]
     next: str = ""  # the cursor of the next page; "" after the last
+    # The key each entry is listed under ("" for an artifact bound to no key), one per entry of ``artifacts``.
+    entry_keys: tuple[str, ...] = ()
 
 
 class DeleteArtifact(Msg):
+    """By key: unbind that key (the content goes only when nothing else refers to it). By id: delete the
+    content outright, with every key."""
+
     key_or_id: str
 
 
 class Deleted(Msg):
     artifact_id: str
-    replicas: tuple[ReplicaInfo, ...] = ()
+    replicas: tuple[ReplicaInfo, ...] = ()  # the holders that drop it (when removed)
+    removed: bool = True  # the artifact went (False: other references keep it)
+    keys: tuple[str, ...] = ()  # when kept: the keys still naming it
 
 
 class RenewLease(Msg):
+    """Extend one leased reference: the binding of ``key``, or (None) the lease of puts without a key."""
+
     artifact_id: str
     ttl: float
+    key: str | None = None
 
 
 class ReleaseLease(Msg):
+    """End one leased reference (``key`` as in ``RenewLease``); the artifact goes if nothing else keeps it."""
+
     artifact_id: str
+    key: str | None = None
 
 
 class ListWorkers(Msg):
@@ -416,3 +455,16 @@ class RemoveReplica(Msg):
     artifact_id: str
     worker_id: str
     tier: str = "memory"
+
+
+class ListUnderReplicated(Msg):
+    """The artifacts with fewer copies on live workers than their placement wants (``ArtifactInfo.copies`` <
+    ``replicas_wanted``): only those with a replica on ``holder`` when it is given, at most ``limit``."""
+
+    holder: str = ""
+    limit: int = 100
+
+
+class UnderReplicated(Msg):
+    artifacts: tuple[ArtifactInfo, ...] = ()
+    missing: int = 0  # copies missing in all (of the holder's artifacts, when one was named), listed or not

@@ -1,37 +1,41 @@
-"""Request/response RPC over framed connections: handler registry, server and client channel.
+"""Request/response RPC over framed connections, the server side: handler registry and server.
 
-Owns: the handshake (``Hello`` -> ``Welcome``, cluster-token check), multiplexing many requests on one
-connection by request id, deadlines (a request whose absolute deadline has passed is refused with
-``DeadlineExceeded`` before its handler starts; a handler still running at the deadline is cancelled),
-the trace id of each request in the logging context, and turning handler exceptions into typed
-``ErrorReply`` frames (and back into exceptions on the caller side). Does not own: what handlers do.
+Owns: TLS on accepted connections (``tls.enabled``), the handshake's frames (``Hello`` -> ``Challenge`` ->
+``Proof`` -> ``Welcome``, decided by ``wire.handshake``), each request's role check (``REQUIRED_ROLE``:
+``PermissionDenied`` before the handler runs), multiplexing many requests on one connection by request id,
+deadlines (a request whose absolute deadline has passed is refused with ``DeadlineExceeded`` before its
+handler starts; a handler still running at the deadline is cancelled), the trace id of each request in the
+logging context, and turning handler exceptions into typed ``ErrorReply`` frames. Does not own: what
+handlers do, or the caller's side (``wire.channel``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import itertools
 import logging
+import math
 import time
+from asyncio import sslproto
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 from tensorcast.checksums import ChunkCorrupted, first_bad_chunk
-from tensorcast.config import WireConfig
+from tensorcast.config import TLSConfig, WireConfig
 from tensorcast.context import CallContext, set_current_trace
+from tensorcast.credentials import Keyring, allows, check_bind
 from tensorcast.errors import (
     DeadlineExceeded,
     InternalError,
     InvalidArgument,
+    PermissionDenied,
     TensorCastError,
     Unauthenticated,
     clip,
-    error_from_code,
 )
 from tensorcast.obs import metrics, tracing
+from tensorcast.tls import server_context
 from tensorcast.wire.connection import (
     HASH_OFF_LOOP_BYTES,
     Connection,
@@ -40,16 +44,17 @@ from tensorcast.wire.connection import (
     Landing,
     NotSent,
     Sink,
-    WireState,
     encode_envelope,
     error_reply,
     payload_views,
 )
-from tensorcast.wire.messages import PROTOCOL_VERSION, ErrorReply, Hello, Welcome
-from tensorcast.wire.protocol import ERROR, REQUEST, RESPONSE, Envelope
+from tensorcast.wire.handshake import ServerHandshake
+from tensorcast.wire.messages import PROTOCOL_VERSION, Hello, Proof, Welcome
+from tensorcast.wire.protocol import ERROR, REQUEST, RESPONSE, Envelope, required_role
+from tensorcast.wire.shared import WireState, has_bytes_waiting
 
-__all__ = ["ConnectionLost", "HandlerRegistry", "NotSent", "Reply", "Request", "RpcChannel", "RpcServer",
-           "parse_address"]
+__all__ = ["ConnectionLost", "HandlerRegistry", "NotSent", "Reply", "Request", "RpcServer", "parse_address",
+           "verify_payload"]
 
 log = logging.getLogger("tensorcast.rpc")
 
@@ -115,17 +120,6 @@ class HandlerRegistry:
         return reply.message if isinstance(reply, Reply) else reply
 
 
-def token_refusal(expected: str | None, sent: str | None) -> str:
-    """Why a handshake's token is refused ("" when it is accepted): a wrong or missing token, and also a
-    token sent to a cluster that has none (a misconfigured cluster or client, never silently accepted)."""
-    if expected is None:
-        return "" if sent is None else "this cluster runs without a token, yet one was sent: configure the " \
-                                       "cluster with it (TENSORCAST_TOKEN) or connect without one"
-    if not hmac.compare_digest((sent or "").encode(), expected.encode()):
-        return "wrong or missing cluster token"
-    return ""
-
-
 class RpcServer:
     def __init__(
         self,
@@ -137,20 +131,24 @@ class RpcServer:
         host_id: str,
         roles: tuple[str, ...] = (),
         on_request: Callable[[Any], None] | None = None,
+        tls: TLSConfig | None = None,
     ) -> None:
         self.registry = registry
         self._on_request = on_request
         self.config = config
         self.token = token
+        self.keyring = Keyring.from_token(token)
+        self._tls = server_context(tls) if tls is not None else None
         self.welcome = Welcome(protocol_version=PROTOCOL_VERSION, server_id=server_id, host_id=host_id,
                                roles=roles)
         self._server: asyncio.Server | None = None
         self._shared = WireState(config)
-        self._conns: set[Connection] = set()
+        self._conns: dict[Connection, None] = {}  # in accept order
         self._tasks: set[asyncio.Task[None]] = set()
         self.address = ""
 
     async def start(self, host: str, port: int) -> str:
+        check_bind(host, self.token, f"the RPC port of {self.welcome.server_id or 'a server'}")
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(self._make_conn, host, port)
         sock_host, sock_port = self._server.sockets[0].getsockname()[:2]
@@ -170,20 +168,66 @@ class RpcServer:
     def _make_conn(self) -> Connection:
         conn = Connection(self.config, self._on_frame, self._choose_sink, self._on_lost, self._shared)
         loop = asyncio.get_running_loop()
+        waiting = [c for c in self._conns if not c.authenticated]  # in accept order (a dict-ordered set)
+        if len(waiting) >= self.config.max_unauthenticated:  # the oldest silent one makes room
+            self._shared.refusals.warning("closed the oldest unauthenticated connection: %d are waiting "
+                                          "(wire.max_unauthenticated)", len(waiting))
+            victim = next((c for c in waiting if not c.heard and not _bytes_waiting(c)), waiting[0])  # silent first
+            self._conns.pop(victim, None)
+            victim.close()
         if len(self._conns) >= self.config.max_connections:
             self._shared.refusals.warning("refused a connection: %d open (wire.max_connections)", len(self._conns))
             loop.call_soon(conn.close)  # once connection_made has given it its transport
             return conn
-        self._conns.add(conn)
+        self._conns[conn] = None
+        conn.handshake = ServerHandshake(self.keyring, self.welcome.server_id, "rpc")
         conn.handshake_timer = loop.call_later(self.config.handshake_timeout, self._check_handshake, conn)
+        if self._tls is not None:
+            conn.on_made = self._made
         return conn
+
+    def _made(self, conn: Connection) -> None:
+        """The accepted connection has its transport: first the plain one, which TLS is put over before a byte
+        is read from it (an ``SSLProtocol`` between the socket and the connection, as ``loop.start_tls`` does);
+        then, once the TLS handshake is done, the TLS one. A connection still negotiating TLS counts against
+        the same caps and the same handshake timeout as any that has not authenticated, and can be closed."""
+        if conn.tls_pending:
+            conn.tls_pending = False  # TLS is up: from here the connection reads and writes through it
+            return
+        assert self._tls is not None and conn.transport is not None
+        loop = asyncio.get_running_loop()
+        raw, waiter = conn.transport, loop.create_future()
+        # (whole seconds; the connection's own handshake timer closes it on time in any case)
+        tls = sslproto.SSLProtocol(loop, conn, self._tls, waiter, server_side=True,
+                                   ssl_handshake_timeout=max(1, math.ceil(self.config.handshake_timeout)))
+        conn.tls_pending = True
+        raw.set_protocol(tls)
+        tls.connection_made(raw)
+        self._spawn(self._tls_outcome(conn, raw, waiter))
+
+    async def _tls_outcome(self, conn: Connection, raw: asyncio.Transport, waiter: asyncio.Future[None]) -> None:
+        """A TLS handshake that failed (or timed out, or was cut off) is logged, and its connection forgotten:
+        asyncio tells the connection nothing of it."""
+        try:
+            await waiter
+            why = "closed"
+        except (OSError, ConnectionError) as exc:  # ssl.SSLError is an OSError
+            why = getattr(exc, "reason", None) or type(exc).__name__
+        if not conn.tls_pending:
+            return  # up
+        peer = raw.get_extra_info("peername")
+        self._shared.refusals.warning("refused a connection from %s: TLS handshake failed (%s)",
+                                      peer[0] if peer else "?", why)
+        raw.close()
+        if not conn.closed.is_set():
+            conn.connection_lost(None)
 
     def _check_handshake(self, conn: Connection) -> None:
         if not conn.authenticated and not conn.closed.is_set():
             conn.fail(Unauthenticated("no handshake within the timeout"))
 
     def _on_lost(self, conn: Connection, exc: Exception | None) -> None:
-        self._conns.discard(conn)
+        self._conns.pop(conn, None)
 
     def _choose_sink(self, conn: Connection, env: Envelope, message: Any, size: int) -> Sink | Landing | None:
         if not conn.authenticated:
@@ -191,6 +235,7 @@ class RpcServer:
         entry = self.registry.get(type(message))
         if entry is None or entry[1] is None:
             raise InvalidArgument(f"{type(message).__name__} does not take a payload")
+        self._check_role(conn, message, env)  # before anything is reserved for the payload
         view = entry[1](message, conn)
         if view is None or isinstance(view, list | Landing):
             return view
@@ -211,22 +256,35 @@ class RpcServer:
         self._spawn(self._handle(conn, frame))
 
     def _handshake(self, conn: Connection, frame: Frame) -> None:
+        """``Hello`` (answered with a ``Challenge``, or with ``Welcome`` on a cluster without a token), then
+        ``Proof`` (answered with ``Welcome``); anything else, or a refusal, closes the connection."""
         env, msg = frame.envelope, frame.message
-        if not isinstance(msg, Hello):
-            conn.fail(Unauthenticated("the first message must be Hello"))
+        hs: ServerHandshake = conn.handshake
+        try:
+            if isinstance(msg, Hello):
+                if msg.protocol_version != PROTOCOL_VERSION:
+                    conn.fail(InvalidArgument(f"protocol version {msg.protocol_version} not supported (server "
+                                              f"speaks {PROTOCOL_VERSION})"))
+                    return
+                conn.peer = msg
+                challenge = hs.hello(msg.role, msg.nonce, msg.peer_id)
+                reply: Any = challenge if challenge is not None else self._welcome(conn)
+            elif isinstance(msg, Proof) and isinstance(conn.peer, Hello):
+                hs.answer(msg.proof)
+                reply = self._welcome(conn)
+            else:
+                raise Unauthenticated("the first message must be Hello")
+        except Unauthenticated as exc:
+            who = clip(conn.peer.peer_id if isinstance(conn.peer, Hello) else "?", 64)
+            self._shared.refusals.warning("refused a connection from %s: %s", who, exc.message)
+            conn.fail(exc)
             return
-        if msg.protocol_version != PROTOCOL_VERSION:
-            conn.fail(InvalidArgument(
-                f"protocol version {msg.protocol_version} not supported (server speaks {PROTOCOL_VERSION})"))
-            return
-        refusal = token_refusal(self.token, msg.token)
-        if refusal:
-            self._shared.refusals.warning("refused a connection from %s: %s", clip(msg.peer_id or "?", 64), refusal)
-            conn.fail(Unauthenticated(refusal))
-            return
-        conn.authenticate(msg)
-        body = encode_envelope(env.request_id, RESPONSE, env.trace_id, None, self.welcome)
-        self._spawn(self._send(conn, body))
+        self._spawn(self._send(conn, encode_envelope(env.request_id, RESPONSE, env.trace_id, None, reply)))
+
+    def _welcome(self, conn: Connection) -> Welcome:
+        conn.authenticate(conn.peer)
+        conn.role, conn.handshake = conn.handshake.role, None
+        return self.welcome
 
     async def _handle(self, conn: Connection, frame: Frame) -> None:
         env = frame.envelope
@@ -253,6 +311,7 @@ class RpcServer:
             entry = self.registry.get(type(frame.message))
             if entry is None:
                 raise InvalidArgument(f"{type(frame.message).__name__} is not served here")
+            self._check_role(conn, frame.message, env)
             ctx.check(type(frame.message).__name__)
             await verify_payload(frame)
             coro = entry[0](frame.message, Request(conn, ctx, frame.payload, conn.peer,
@@ -273,7 +332,7 @@ class RpcServer:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.exception("handler for %s failed", type(frame.message).__name__)
+            self._shared.bugs.exception("handler for %s failed", type(frame.message).__name__)
             outcome = InternalError.code
             self._write_error(conn, env, InternalError(f"{type(exc).__name__}: {exc}"))
         finally:
@@ -282,6 +341,13 @@ class RpcServer:
             if reply is not None and reply.on_sent is not None:
                 reply.on_sent()
         return outcome
+
+    @staticmethod
+    def _check_role(conn: Connection, message: Any, env: Envelope) -> None:
+        needed = required_role(message)
+        if not allows(conn.role, needed):
+            raise PermissionDenied(f"{type(message).__name__} needs a {needed} credential; this connection's is "
+                                   f"{conn.role}", trace_id=env.trace_id)
 
     def _write_error(self, conn: Connection, env: Envelope, exc: TensorCastError) -> None:
         body = encode_envelope(env.request_id, ERROR, env.trace_id, None, error_reply(exc))
@@ -312,163 +378,7 @@ async def verify_payload(frame: Frame) -> None:
                              trace_id=frame.envelope.trace_id)
 
 
-class RpcChannel:
-    """A client's connection to one server, reconnecting on demand.
-
-    ``call`` sends one request and waits for its reply; many calls may be in flight at once.
-    """
-
-    def __init__(
-        self,
-        address: str,
-        config: WireConfig,
-        *,
-        token: str | None,
-        peer_id: str = "",
-        host_id: str = "",
-        shared: WireState | None = None,
-    ) -> None:
-        self.address = address
-        self.config = config
-        self.hello = Hello(protocol_version=PROTOCOL_VERSION, token=token, peer_id=peer_id, host_id=host_id)
-        self.welcome: Welcome | None = None
-        self._shared = shared or WireState(config)
-        self._conn: Connection | None = None
-        self._connecting: asyncio.Lock | None = None
-        self._ids = itertools.count(1)
-        self._pending: dict[int, tuple[asyncio.Future[Frame], ReplySink | None]] = {}
-
-    async def connect(self, ctx: CallContext | None = None) -> Welcome:
-        """Open the connection (or reuse it) and handshake; bounded by the handshake timeout and by
-        ``ctx``'s deadline, whichever comes first."""
-        if self._connecting is None:
-            self._connecting = asyncio.Lock()
-        limit = CallContext(deadline=time.time() + self.config.handshake_timeout)
-        if ctx is not None and ctx.deadline is not None and ctx.deadline < (limit.deadline or 0):
-            limit = ctx
-        async with self._connecting:
-            if self._conn is not None and not self._conn.closed.is_set():
-                assert self.welcome is not None
-                return self.welcome
-            host, port = parse_address(self.address)
-            loop = asyncio.get_running_loop()
-            left = min(self.config.connect_timeout, max(limit.remaining() or 0.0, 0.001))
-            try:
-                _, conn = await asyncio.wait_for(
-                    loop.create_connection(
-                        lambda: Connection(self.config, self._on_frame, self._choose_sink, self._on_lost,
-                                           self._shared),
-                        host, port),
-                    left,
-                )
-            except TimeoutError:
-                if limit is ctx:
-                    raise DeadlineExceeded(f"connecting to {self.address}: deadline exceeded",
-                                           trace_id=ctx.trace_id) from None
-                raise NotSent(f"cannot connect to {self.address}: timed out") from None
-            except OSError as exc:
-                raise NotSent(f"cannot connect to {self.address}: {exc}") from None
-            try:
-                frame = await self._roundtrip(conn, self.hello, limit, None, None)
-                if not isinstance(frame.message, Welcome):
-                    raise InvalidArgument(f"unexpected handshake reply {type(frame.message).__name__}")
-            except BaseException:
-                conn.close()
-                raise
-            conn.authenticate(frame.message)
-            self._conn = conn
-            self.welcome = frame.message
-            return frame.message
-
-    async def call(
-        self,
-        message: Any,
-        ctx: CallContext,
-        *,
-        payload: Sink | None = None,
-        sink: ReplySink | None = None,
-    ) -> Frame:
-        """Send ``message`` and return the reply frame; raise the typed error the server reported."""
-        method = type(message).__name__
-        ctx.check(method)
-        started = time.perf_counter()
-        outcome = "ok"
-        try:
-            with tracing.span(method, ctx.trace_id, kind="client", attributes={"peer": self.address}):
-                await self.connect(ctx)
-                assert self._conn is not None
-                return await self._roundtrip(self._conn, message, ctx, payload, sink)
-        except TensorCastError as exc:
-            outcome = exc.code
-            raise
-        finally:
-            metrics.rpc_sent(method, self._peer_kind(), outcome, time.perf_counter() - started)
-
-    def _peer_kind(self) -> str:
-        """gs, instance or worker (the roles the peer announced), for metrics."""
-        roles = self.welcome.roles if self.welcome is not None else ()
-        return "gs" if "gs" in roles else "instance" if "instance" in roles else "worker" if roles else "unknown"
-
-    async def _roundtrip(
-        self,
-        conn: Connection,
-        message: Any,
-        ctx: CallContext,
-        payload: Sink | None,
-        sink: ReplySink | None,
-    ) -> Frame:
-        request_id = next(self._ids)
-        fut: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
-        self._pending[request_id] = (fut, sink)
-        try:
-            body = encode_envelope(request_id, REQUEST, ctx.trace_id, ctx.deadline, message, tracing.current_span_id())
-            left = ctx.remaining()
-            try:
-                async with asyncio.timeout(left):
-                    await conn.send(body, payload)
-                    frame = await fut
-            except TimeoutError:
-                raise DeadlineExceeded(f"{type(message).__name__} to {self.address}: deadline exceeded",
-                                       trace_id=ctx.trace_id) from None
-        finally:
-            self._pending.pop(request_id, None)
-        if frame.envelope.kind == ERROR:
-            err = frame.message
-            if isinstance(err, ErrorReply):
-                raise error_from_code(err.code, err.message, ctx.trace_id)
-            raise InternalError("malformed error reply", trace_id=ctx.trace_id)
-        if frame.error is not None:
-            raise frame.error
-        await verify_payload(frame)
-        return frame
-
-    def _choose_sink(self, conn: Connection, env: Envelope, message: Any, size: int) -> Sink | None:
-        entry = self._pending.get(env.request_id)
-        if entry is None or entry[1] is None or env.kind == ERROR:
-            return None
-        sink = entry[1]
-        return sink(message) if callable(sink) else sink
-
-    def _on_frame(self, conn: Connection, frame: Frame) -> None:
-        env = frame.envelope
-        entry = self._pending.get(env.request_id)
-        if entry is not None:
-            if not entry[0].done():
-                entry[0].set_result(frame)
-            return
-        if env.request_id == 0 and env.kind == ERROR and isinstance(frame.message, ErrorReply):
-            # A connection-level error (the server is about to close): fail everything in flight.
-            exc = error_from_code(frame.message.code, frame.message.message)
-            for fut, _ in list(self._pending.values()):
-                if not fut.done():
-                    fut.set_exception(exc)
-
-    def _on_lost(self, conn: Connection, exc: Exception | None) -> None:
-        for fut, _ in list(self._pending.values()):
-            if not fut.done():
-                fut.set_exception(ConnectionLost(f"connection to {self.address} lost"))
-
-    async def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+def _bytes_waiting(conn: Connection) -> bool:
+    """Whether the peer of a connection not yet read from has sent something (``has_bytes_waiting``)."""
+    sock = conn.transport.get_extra_info("socket") if conn.transport is not None else None
+    return sock is not None and has_bytes_waiting(sock.fileno())

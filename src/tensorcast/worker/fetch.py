@@ -4,7 +4,9 @@ Owns: the prefetch/pin path of a destination worker — make room, pick sources 
 first, then peers' memory replicas, then peers' disk replicas), move each missing tensor over the data
 plane straight into a freshly allocated (pre-faulted) segment with several streams, retry a range whose
 chunk failed its checksum, fall back to the next replica when a source dies, and record the new replica.
-Nothing partial is ever kept: a failed fetch frees what it allocated. Does not own: the transport itself.
+Nothing partial is ever kept: a failed fetch frees what it allocated. Blobs held here that a same-host caller
+wrote are checked before a fetch counts on them (``worker.trust``); a peer checks what it sends, so fetched
+bytes are checked ones. Does not own: the transport itself.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from tensorcast.views import apply_slices, byte_range, sliced_shape
 from tensorcast.weights.reader import ReadJob, SliceJob, read_ranges
 from tensorcast.wire.messages import DataRequest, Prefetched
 from tensorcast.worker.store import LocalStore
+from tensorcast.worker.trust import BlobTrust
 
 __all__ = ["Fetcher", "view_digest"]
 
@@ -56,9 +59,11 @@ _ENC = msgspec.msgpack.Encoder()
 
 
 class Fetcher:
-    def __init__(self, worker_id: str, store: LocalStore, transport: Transport, config: TransportConfig) -> None:
+    def __init__(self, worker_id: str, store: LocalStore, trust: BlobTrust, transport: Transport,
+                 config: TransportConfig) -> None:
         self.worker_id = worker_id
         self.store = store
+        self.trust = trust
         self.transport = transport
         self.config = config
         self.in_flight = 0
@@ -89,6 +94,8 @@ class Fetcher:
         placement = PRESETS.get(info.policy, PRESETS["cache"])
         if not placement.wants_memory:
             placement = PRESETS["cache"]
+        digests = [t.digest for t in info.tensors if t.nbytes]
+        await self.trust.ensure(digests)  # count only on checked bytes held here
         missing = {t.digest: t for t in info.tensors if t.nbytes and not store.memory.has_blob(t.digest)}
         await store.make_room(sum(t.nbytes for t in missing.values()), exclude=frozenset({info.id}))
         t0 = time.perf_counter()
@@ -111,6 +118,7 @@ class Fetcher:
                 result = Prefetched(worker_id=self.worker_id, already_present=False, source=source,
                                     source_tier=tier, bytes_moved=result.bytes_moved + meta.nbytes,
                                     retries=result.retries + retries)
+            await self.trust.settle(digests)  # blobs stored meanwhile are checked before ours defer to them
             self._commit(allocated)
             if any(t.nbytes and not store.memory.has_blob(t.digest) for t in info.tensors):
                 raise Unavailable(f"a tensor of {info.id} was evicted during the fetch; retry")
@@ -138,6 +146,7 @@ class Fetcher:
             nbytes = int(np.prod(shape, dtype=np.int64)) * numpy_dtype(meta.dtype).itemsize
             out.append(TensorMeta(name=name, dtype=meta.dtype, shape=shape, nbytes=nbytes,
                                   digest=view_digest(meta.digest, specs)))
+        await self.trust.ensure(metas[n].digest for n in view)  # sliced from checked bytes only
         await store.make_room(sum(t.nbytes for t in out), exclude=frozenset({view_id}))
         t0 = time.perf_counter()
         with self._staging() as allocated:
@@ -170,8 +179,8 @@ class Fetcher:
         itemsize = numpy_dtype(meta.dtype).itemsize
         rng = byte_range(meta.shape, itemsize, specs) if specs else (0, meta.nbytes)
         # (A checkpoint in place here never comes this way: ``materialize_view`` reads it in one batch.)
-        if self.store.memory.has_blob(meta.digest) or (
-                self.store.disk is not None and self.store.disk.has_blob(meta.digest)):
+        if self.store.memory.is_verified(meta.digest) or (
+                self.store.disk is not None and self.store.disk.is_verified(meta.digest)):
             src, _tier, release = self.store.lease_tensor(info.id, meta, "")
             try:
                 await asyncio.to_thread(_copy_slices, src, meta, specs, loc.view())
@@ -241,7 +250,7 @@ class Fetcher:
                     trace_id: str, streams: int) -> tuple[str, str, int]:
         """Fill ``loc`` with ``meta``'s bytes; returns (source worker, tier, retries)."""
         disk = self.store.disk
-        if disk is not None and disk.has_blob(meta.digest):
+        if disk is not None and disk.is_verified(meta.digest):  # (unchecked: ``trust.ensure`` came first)
             src, tier, release = self.store.lease_blob(meta, "disk")
             try:
                 await asyncio.to_thread(loc.view().__setitem__, slice(None), src)

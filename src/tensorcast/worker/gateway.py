@@ -2,9 +2,10 @@
 
 Owns: relaying metadata requests (``GetArtifact``, ``ListArtifacts``, ``ListWorkers``, ``RenewLease``,
 ``ListShards``, ``GSStats``, the page-index benchmark calls) with the caller's trace id and deadline;
-``DeleteArtifact``/``ReleaseLease`` (recorded at the store, this worker's copy freed at once, the other
-holders drop theirs at their next heartbeat); and running plans (``RunPlan``) as the ``GatewayPort`` the
-plan operations use. Does not own: plan scheduling (``plans``), the instances' calls (``worker.instances``).
+``DeleteArtifact``/``ReleaseLease`` (recorded at the store; when that removed the artifact — no reference
+keeps it — this worker's copy is freed at once, and the other holders drop theirs at their next heartbeat);
+and running plans (``RunPlan``) as the ``GatewayPort`` the plan operations use. Does not own: plan scheduling
+(``plans``), the instances' calls (``worker.instances``).
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class GatewayRole:
 
     async def delete(self, msg: DeleteArtifact | ReleaseLease, req: Request) -> Deleted:
         reply = await self.parts.gs.caller.call(msg, Deleted, req.ctx)
-        self.storage.drop(reply.artifact_id)  # free our copy now; other holders at their next heartbeat
+        if reply.removed:  # free our copy now; other holders at their next heartbeat
+            self.storage.drop(reply.artifact_id)
         return reply
 
     async def run_plan(self, msg: RunPlan, req: Request) -> PlanResult:

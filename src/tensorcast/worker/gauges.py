@@ -57,5 +57,14 @@ def worker_samples(worker_id: str, storage: StorageRole, kv_home: ShardHome | No
         yield Sample("tensorcast_kv_pages_stored", "KV pages a shard home holds.", w, len(kv_home.store.index))
         yield Sample("tensorcast_kv_page_bytes", "Bytes of KV page slots a shard home holds.", w,
                      kv_home.store.used)
+        handover = kv_home.handover
+        yield Sample("tensorcast_kv_pages_kept", "KV pages a shard home keeps of shards it does not serve (for "
+                     "their next holder to pull, or as a backup).", w, kv_home.kept_pages())
+        for direction, count in (("received", handover.pulled), ("sent", handover.handed)):
+            yield Sample("tensorcast_kv_handover_pages", "KV pages moved between shard homes when a shard changed "
+                         "holder, by direction.", {**w, "direction": direction}, count, counter=True)
+        for result, count in (("ok", handover.copied), ("failed", handover.copy_failures)):
+            yield Sample("tensorcast_kv_backup_copies", "KV pages copied to backup shard homes (kv.replicas), and "
+                         "copies to a backup that failed.", {**w, "result": result}, count, counter=True)
     if gateway is not None:
         yield Sample("tensorcast_plans_in_flight", "Plans a gateway is running now.", w, gateway.plans.in_flight)

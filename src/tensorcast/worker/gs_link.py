@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from tensorcast import clock
 from tensorcast.context import CallContext
 from tensorcast.errors import TensorCastError, Unavailable
 from tensorcast.records import ArtifactInfo, InstanceInfo, WorkerInfo
@@ -30,10 +30,12 @@ from tensorcast.wire.messages import (
     HeartbeatReply,
     InstanceList,
     ListInstances,
+    ListUnderReplicated,
     ListWorkers,
     Registered,
     RegisterWorker,
     RemoveReplica,
+    UnderReplicated,
     WorkerList,
 )
 from tensorcast.wire.rpc import Request
@@ -58,7 +60,7 @@ class GlobalStoreLink:
 
     @staticmethod
     def _ctx(timeout: float = _CALL_TIMEOUT) -> CallContext:
-        return CallContext(deadline=time.time() + timeout)
+        return CallContext(deadline=clock.time() + timeout)
 
     # ----------------------------------------------------------------- registration and heartbeats
     async def register(self, info: Callable[[], WorkerInfo], announce: Callable[[], Awaitable[None]],
@@ -72,7 +74,7 @@ class GlobalStoreLink:
                 await announce()
                 return
             except TensorCastError as exc:
-                if time.time() > deadline:
+                if clock.time() > deadline:
                     raise Unavailable(f"cannot register with the global store: {exc}") from exc
                 await asyncio.sleep(0.2)
 
@@ -85,12 +87,19 @@ class GlobalStoreLink:
         self._dropped.discard(artifact_id)
 
     async def heartbeat_loop(self, stats: Callable[[], dict[str, Any]], drop: Callable[[str], None],
-                             reregister: Callable[[], Awaitable[None]]) -> None:
+                             reregister: Callable[[], Awaitable[None]],
+                             healthy: Callable[[], str] = lambda: "") -> None:
         """Every ``heartbeat_interval``: report ``stats()``, ``drop`` what the store says was deleted, and
-        ``reregister`` when the store does not know this worker (its database was replaced)."""
+        ``reregister`` when the store does not know this worker (its database was replaced). While
+        ``healthy()`` names a problem (its data plane stopped serving), no heartbeat is sent: the cluster
+        takes the worker for dead instead of sending readers to it."""
         interval = self.heartbeat_interval
         while True:
             await asyncio.sleep(interval)
+            problem = healthy()
+            if problem:
+                log.error("not heartbeating: %s", problem)
+                continue
             dropped = tuple(self._dropped)
             beat = Heartbeat(worker_id=self.worker_id, incarnation=self.incarnation, dropped=dropped, **stats())
             try:
@@ -130,6 +139,10 @@ class GlobalStoreLink:
         with contextlib.suppress(TensorCastError):
             await self.caller.call(RemoveReplica(artifact_id=artifact_id, worker_id=self.worker_id, tier=tier), Ack,
                                    self._ctx())
+
+    async def under_replicated(self, ctx: CallContext, limit: int = 100) -> UnderReplicated:
+        """The artifacts this worker holds a replica of that have fewer copies on live workers than wanted."""
+        return await self.caller.call(ListUnderReplicated(holder=self.worker_id, limit=limit), UnderReplicated, ctx)
 
     # ----------------------------------------------------------------- signals
     async def list_workers(self, ctx: CallContext) -> list[WorkerInfo]:

@@ -5,8 +5,9 @@ Owns: the ``Prefetch`` handler (routed to the worker it names; pulls the artifac
 storage role's ``Fetcher``, or materializes one tensor-parallel rank's view as an artifact of its own,
 optionally also onto a CUDA device for same-host CUDA IPC hand-offs), recording the new replica at the
 global store, ``RegisterCheckpoint`` (a safetensors checkpoint registered where it lies, by location
-digests, never read here) and re-opening those registrations after a restart. Does not own: the bytes'
-storage (``worker.storage``), moving them (``worker.fetch``).
+digests, never read here, and only under the allowed roots: ``weights.files``) and re-opening those
+registrations after a restart. Does not own: the bytes' storage (``worker.storage``), moving them
+(``worker.fetch``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tensorcast.obs import metrics
 from tensorcast.records import ArtifactInfo, ReplicaInfo, TensorMeta
 from tensorcast.tensors import ARTIFACT_ID_RE, artifact_id, wrap_bytes
 from tensorcast.transport.h2d import to_device
+from tensorcast.weights.files import CheckpointRoots
 from tensorcast.weights.safetensors import Checkpoint, CheckpointTensor, open_checkpoint
 from tensorcast.wire.messages import ArtifactReply, Prefetch, Prefetched, RegisterCheckpoint
 from tensorcast.wire.rpc import HandlerRegistry, Request
@@ -41,6 +43,8 @@ class LoadingRole:
         self.parts = parts
         self.storage = storage
         self.store = storage.store
+        worker = parts.config.worker
+        self.roots = CheckpointRoots([*parts.config.weights.allowed_roots, worker.data_dir])
 
     def register(self, registry: HandlerRegistry) -> None:
         registry.register(Prefetch, self.prefetch)
@@ -98,6 +102,7 @@ class LoadingRole:
         if devices.has(artifact_id, device):
             return
         metas = self.store.memory.tensors(artifact_id)
+        await self.storage.trust.ensure_read(artifact_id, (t.name for t in metas), "memory")  # hand out checked bytes
         nbytes = nbytes_of(metas)
         devices.reserve(nbytes)
         releases = []
@@ -136,7 +141,7 @@ class LoadingRole:
 
     # ----------------------------------------------------------------- checkpoints in place
     async def register_checkpoint(self, msg: RegisterCheckpoint, req: Request) -> ArtifactReply:
-        ckpt = await asyncio.to_thread(open_checkpoint, msg.path)
+        ckpt = await asyncio.to_thread(open_checkpoint, msg.path, self.roots)
         metas = checkpoint_metas(ckpt)
         aid = artifact_id(metas)
         self.store.add_external(aid, metas, dict(ckpt.tensors), msg.verify_checksums, ckpt.path)
@@ -154,7 +159,7 @@ class LoadingRole:
             if aid in self.store.external:
                 continue
             try:
-                ckpt = await asyncio.to_thread(open_checkpoint, path)
+                ckpt = await asyncio.to_thread(open_checkpoint, path, self.roots)
             except TensorCastError as exc:
                 log.warning("checkpoint %s registered as %s is no longer usable: %s", path, aid, exc)
                 continue

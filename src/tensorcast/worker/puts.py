@@ -9,8 +9,10 @@ storing blobs, the disk copy a durable placement requires before the put returns
 come with its ``PutBegin`` (``inline``: one request, digests computed here); a same-host put's digests may come
 with its ``PutCommit`` (``digests_later``: the caller hashes while it writes; tensors whose digest it left out
 then get a target each, and blobs held already are dropped at the commit; a put that memory cannot take
-without making room is asked for its digests first). Abandoned puts are reclaimed. Does not own: recording at
-the global store or extra replicas (``worker.storage``).
+without making room is asked for its digests first). Dedup never trusts bytes nobody checked: a held blob that a
+same-host caller wrote is checked against its digest before a put counts on it (``worker.trust``), and the
+bytes a same-host caller writes are stored as unchecked ones. Abandoned puts are reclaimed. Does not own:
+recording at the global store or extra replicas (``worker.storage``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from tensorcast.records import Placement, SegmentRef, TensorMeta
 from tensorcast.tensors import artifact_id, digest_bytes, numpy_dtype
 from tensorcast.wire.messages import PutBegin, PutData, PutPlan
 from tensorcast.worker.store import LocalStore
+from tensorcast.worker.trust import BlobTrust
 
 __all__ = ["PendingPut", "PutManager", "validate_tensors"]
 
@@ -75,9 +78,10 @@ class PendingPut:
 
 
 class PutManager:
-    def __init__(self, config: WorkerConfig, store: LocalStore) -> None:
+    def __init__(self, config: WorkerConfig, store: LocalStore, trust: BlobTrust) -> None:
         self.config = config
         self.store = store
+        self.trust = trust
         self.pending: dict[str, PendingPut] = {}
 
     async def begin(self, msg: PutBegin, placement: Placement) -> PutPlan:
@@ -92,6 +96,7 @@ class PutManager:
             check_ttl(msg.ttl)
         # Digests later: the artifact's identity is not known yet, and tensors without a digest need room.
         aid = "" if later else artifact_id(tensors)
+        await self.trust.ensure(t.digest for t in tensors if t.digest and t.nbytes)  # dedup onto checked bytes only
         memory = self.store.memory
         need = _distinct_bytes(t for t in tensors if t.digest and not memory.has_blob(t.digest)) + \
             sum(t.nbytes for t in tensors if not t.digest)
@@ -234,33 +239,32 @@ class PutManager:
         del self.pending[put.put_id]
         memory = self.store.memory
         try:
-            if put.digests_later or digests:
+            later = put.digests_later or bool(digests)
+            if later:
                 _take_digests(put, digests)
+            verified = await self._check_received(put)
+            # Blobs held already are checked before this put counts on them (racing puts may store some until
+            # the last await): from here to the blobs' commit nothing awaits, and blobs stored while the disk
+            # copies are written are checked before the replica is recorded.
+            blobs = tuple(t.digest for t in put.tensors if t.nbytes)
+            await self.trust.settle(blobs)
+            if later:
                 # Now that its identity is known: tiers holding the artifact already are left as they are, as
                 # the placement's decision at PutBegin would have left them (``decide_put``).
                 present = self.store.tiers(put.artifact_id)
                 put.to_memory = put.to_memory and "memory" not in present
                 put.to_disk = put.to_disk and "disk" not in present
-            verify = (put.stream and not put.hashed_here) or self.config.verify_local_puts
-            for i in [*put.memory_targets, *put.disk_targets]:
-                meta = put.tensors[i]
-                if put.stream and put.received.get(i, 0) != meta.nbytes:
-                    raise InvalidArgument(f"tensor {clip(meta.name)}: received {put.received.get(i, 0)} of "
-                                          f"{meta.nbytes} bytes")
-                view = put.target_view(i)
-                assert view is not None
-                if verify and await _digest(view) != meta.digest:
-                    raise InvalidArgument(f"tensor {clip(meta.name)}: content digest mismatch (bytes corrupted or "
-                                          "written incompletely); nothing was stored")
             for i, loc in put.memory_targets.items():
-                memory.commit_blob(put.tensors[i].digest, loc)
+                memory.commit_blob(put.tensors[i].digest, loc, verified)
             put.memory_targets.clear()
+            committed = {d: memory.held(d) for d in blobs}
             disk = self.store.disk
             for i, seg in put.disk_targets.items():
                 assert disk is not None
-                await asyncio.to_thread(disk.commit_upload, put.tensors[i].digest, seg)
+                await asyncio.to_thread(disk.commit_upload, put.tensors[i].digest, seg, verified)
             put.disk_targets.clear()
             if put.to_memory:
+                await self.trust.settle(d for d in blobs if memory.held(d) is not committed[d])  # stored meanwhile
                 missing = [t.name for t in put.tensors if t.nbytes and not memory.has_blob(t.digest)]
                 if missing:  # a blob we counted on for dedup was evicted meanwhile
                     raise Unavailable(f"tensors {missing} were evicted during the put; retry it")
@@ -272,6 +276,22 @@ class PutManager:
             memory.release_unreferenced()
             raise
         return put
+
+    async def _check_received(self, put: PendingPut) -> bool:
+        """Check the bytes a put handed over; True when they were hashed here (streamed ones, inline ones, and a
+        same-host caller's with ``worker.verify_local_puts``), False when they are the same-host caller's word."""
+        verify = (put.stream and not put.hashed_here) or self.config.verify_local_puts
+        for i in [*put.memory_targets, *put.disk_targets]:
+            meta = put.tensors[i]
+            if put.stream and put.received.get(i, 0) != meta.nbytes:
+                raise InvalidArgument(f"tensor {clip(meta.name)}: received {put.received.get(i, 0)} of "
+                                      f"{meta.nbytes} bytes")
+            view = put.target_view(i)
+            assert view is not None
+            if verify and await _digest(view) != meta.digest:
+                raise InvalidArgument(f"tensor {clip(meta.name)}: content digest mismatch (bytes corrupted or "
+                                      "written incompletely); nothing was stored")
+        return verify or put.hashed_here
 
     def abandon(self, put: PendingPut) -> None:
         self.pending.pop(put.put_id, None)

@@ -1,10 +1,11 @@
 """The worker process shell: composes role services, serves them, registers, heartbeats, stops.
 
-Owns: which services each role brings (``ROLE_SERVICES``; ``basic`` is always on), the shared parts
+Owns: which services each role brings (``ROLES``, the table below; ``basic`` is always on), the shared parts
 (one caller, the global-store link, the peer directory, the handler registry), the RPC server, the
 lifecycle (start the data server, register and announce replicas, start the roles and the heartbeat
-loop; stop in reverse), and the ready file ``tensorcast up`` and ``LocalCluster`` wait for. Does not own:
-any request handler (each role registers its own).
+loop; stop in reverse), the ready file ``tensorcast up`` and ``LocalCluster`` wait for, and holding
+``worker.data_dir`` for the life of the process (``worker.datadir``). Does not own: any request handler
+(each role registers its own).
 
 Roles and their services::
 
@@ -27,15 +28,17 @@ from typing import Any
 import msgspec
 
 from tensorcast.config import Config, default_host_id
+from tensorcast.credentials import check_bind
 from tensorcast.errors import InvalidArgument
 from tensorcast.kv.home import ShardHome
 from tensorcast.obs import metrics, tracing
-from tensorcast.obs.http import HttpServer
+from tensorcast.obs.http import HttpServer, Response
 from tensorcast.pool.hugepages import advise_if_small_pages
 from tensorcast.pool.segments import SHM_DIR
 from tensorcast.records import WorkerInfo
 from tensorcast.wire.caller import Caller
 from tensorcast.wire.rpc import HandlerRegistry, RpcServer
+from tensorcast.worker.datadir import claim_data_dir
 from tensorcast.worker.gateway import GatewayRole
 from tensorcast.worker.gauges import worker_samples
 from tensorcast.worker.gs_link import GlobalStoreLink
@@ -62,7 +65,8 @@ class Worker:
         host_id = config.worker.host_id or default_host_id()
         # Several global stores (on one etcd) are equivalent: the caller moves to the next when one is unreachable.
         stores = [a.strip() for a in gs_address.split(",") if a.strip()]
-        caller = Caller(config.wire, token=config.token, peer_id=worker_id, host_id=host_id, address=stores)
+        caller = Caller(config.wire, token=config.token, peer_id=worker_id, host_id=host_id, address=stores,
+                        tls=config.tls)
         gs = GlobalStoreLink(caller, worker_id, config.worker.heartbeat_interval)
         registry = HandlerRegistry()
         self.parts = WorkerParts(config=config, worker_id=worker_id, host_id=host_id, roles=tuple(sorted(roles)),
@@ -91,12 +95,14 @@ class Worker:
                 self.parts.activity.touch()
 
         self.server = RpcServer(registry, config.wire, token=config.token, server_id=worker_id, host_id=host_id,
-                                roles=self.parts.roles, on_request=on_request)
+                                roles=self.parts.roles, on_request=on_request, tls=config.tls)
         self.address = ""
         self._heartbeats: asyncio.Task[None] | None = None
         metrics.set_enabled(config.metrics.enabled)
         tracing.configure(config.tracing, f"tensorcast-worker-{worker_id}", roots=False)
-        self.http = HttpServer(config.token) if config.metrics.enabled else None
+        self.http = HttpServer(config.token, {"/healthz": self._healthz}, tls=config.tls,
+                                 allowed_hosts=config.metrics.allowed_hosts) \
+            if config.metrics.enabled else None
         self.metrics_url = ""
         self._source: int | None = None
 
@@ -110,6 +116,14 @@ class Worker:
 
     def info(self) -> WorkerInfo:
         return msgspec.structs.replace(self.storage.info(self.address), metrics_url=self.metrics_url)
+
+    def problem(self) -> str:
+        """What stops this worker from serving ("" when nothing): its data plane's loop stopped."""
+        return "" if self.storage.data_server.healthy() else "the data-plane server stopped serving"
+
+    async def _healthz(self, query: str) -> Response:
+        problem = self.problem()
+        return Response(f"{problem}\n".encode(), status=503) if problem else Response(b"ok\n")
 
     def _heartbeat_stats(self) -> dict[str, Any]:
         plans = self.gateway.plans.in_flight if self.gateway is not None else 0
@@ -130,18 +144,22 @@ class Worker:
                                                      self.parts.config.metrics.port)
             self._source = metrics.add_source(
                 lambda: worker_samples(self.worker_id, self.storage, self.kv_home, self.gateway))
-        self.storage.start_data_server()
+        self.storage.data_server.start(cfg.host, cfg.data_port)  # worker.data_port: 0 = a free port
         await self._register(_REGISTER_TIMEOUT)
         for service in self.services:
             await service.start()
         self._heartbeats = asyncio.ensure_future(self.parts.gs.heartbeat_loop(
-            self._heartbeat_stats, self.storage.drop, lambda: self._register(5.0)))
+            self._heartbeat_stats, self.storage.drop, lambda: self._register(5.0), self.problem))
         log.info("worker %s serving at %s (data %s) roles=%s memory=%d disk=%s", self.worker_id, self.address,
                  self.storage.data_server.address, ",".join(self.roles), cfg.memory_capacity, cfg.disk_dir or "-")
         advise_if_small_pages(SHM_DIR)
         return self.address
 
-    async def stop(self) -> None:
+    async def stop(self, drain: bool = False) -> None:
+        """Stop serving. ``drain``: first hand this worker's KV shards over to the other shard homes (while
+        it still serves them and heartbeats), so that a graceful stop loses no page."""
+        if drain and self.kv_home is not None:
+            await self.kv_home.drain()
         if self._heartbeats is not None:
             self._heartbeats.cancel()
         await self.server.close()
@@ -155,7 +173,26 @@ class Worker:
 
 
 async def run_worker(config: Config, worker_id: str, gs_address: str, ready_file: Path | None = None,
-                     stop: asyncio.Event | None = None) -> None:
+                     stop: asyncio.Event | None = None, drain: asyncio.Event | None = None) -> None:
+    """Serve a worker until ``stop`` is set; if ``drain`` is set by then, hand its KV shards over first. With
+    ``worker.data_dir``, the directory is locked for the life of this process, and a dead predecessor's shared
+    memory freed, before anything is created (``worker.datadir``). Without a token, it listens on loopback only
+    (its RPC and data ports, its metrics endpoint): refused before anything starts."""
+    check_bind(config.worker.host, config.token, f"worker {worker_id}")
+    if config.metrics.enabled:
+        check_bind(config.metrics.host or config.worker.host, config.token, "the metrics endpoint (metrics.host)")
+    lock = None
+    if config.worker.data_dir:
+        lock = claim_data_dir(config.worker.data_dir, worker_id, f"{config.worker.shm_prefix}-{worker_id}")
+    try:
+        await _serve_worker(config, worker_id, gs_address, ready_file, stop, drain)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+async def _serve_worker(config: Config, worker_id: str, gs_address: str, ready_file: Path | None,
+                        stop: asyncio.Event | None, drain: asyncio.Event | None) -> None:
     worker = Worker(config, worker_id, gs_address)
     try:
         address = await worker.start()
@@ -168,4 +205,4 @@ async def run_worker(config: Config, worker_id: str, gs_address: str, ready_file
             tmp.replace(ready_file)
         await (stop.wait() if stop is not None else asyncio.Event().wait())
     finally:
-        await worker.stop()
+        await worker.stop(drain=drain is not None and drain.is_set())

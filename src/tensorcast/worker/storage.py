@@ -1,10 +1,12 @@
 """The storage role (every worker has it): the worker's pool, its put protocol and its data server.
 
 Owns: the local store (memory and disk tiers), the put handlers (``PutBegin``/``PutData``/``PutCommit``/
-``PutAbort``, recording the artifact at the global store, extra replicas for placements that want them),
+``PutAbort``, recording the artifact at the global store, extra copies for placements that want them and
+their repair after a worker's loss, with ``worker.replication``),
 same-host mappings (``MapTensors``), pins, evictions and drops, the data server that serves this
 worker's bytes over the configured transport, re-announcing replicas after a (re)registration, the usage
-figures heartbeats carry, and housekeeping (abandoned puts, cold TTLs, watermarks, pre-faulted stock).
+figures heartbeats carry, and housekeeping (abandoned puts, cold TTLs, watermarks, pre-faulted stock, checking
+unchecked blobs while idle). Bytes are handed out (mapped, sent) only once checked (``worker.trust``).
 Requests naming another worker (``Unpin``/``Evict`` with its id) are routed there. Does not own: pulling
 replicas in (``worker.loading``, with this role's ``Fetcher``), the put protocol's decisions
 (``worker.puts``, ``pool.placement``).
@@ -25,10 +27,10 @@ from typing import Any
 import msgspec
 
 from tensorcast.context import CallContext
-from tensorcast.errors import NotFound, TensorCastError
+from tensorcast.errors import InvalidArgument, NotFound, TensorCastError
 from tensorcast.obs import metrics
 from tensorcast.pool.device import DeviceTier
-from tensorcast.pool.placement import replica_targets, resolve_placement
+from tensorcast.pool.placement import PRESETS, resolve_placement
 from tensorcast.records import ArtifactInfo, TensorMeta, WorkerInfo
 from tensorcast.transport.base import SourceLease
 from tensorcast.transport.cuda_ipc import export_handle
@@ -41,7 +43,6 @@ from tensorcast.wire.messages import (
     Evict,
     Mapped,
     MapTensors,
-    Prefetch,
     Prefetched,
     PutAbort,
     PutBegin,
@@ -55,8 +56,10 @@ from tensorcast.wire.messages import (
 from tensorcast.wire.rpc import HandlerRegistry, Request
 from tensorcast.worker.fetch import Fetcher
 from tensorcast.worker.puts import PutManager
+from tensorcast.worker.replication import Replicator
 from tensorcast.worker.roles import WorkerParts
 from tensorcast.worker.store import LocalStore
+from tensorcast.worker.trust import BlobTrust
 
 __all__ = ["StorageRole", "nbytes_of"]
 
@@ -75,12 +78,15 @@ class StorageRole:
         config = parts.config
         self.worker_id = parts.worker_id
         self.store = LocalStore(config.worker, parts.worker_id, self._replica_gone)
-        self.puts = PutManager(config.worker, self.store)
+        self.trust = BlobTrust(self.store)
+        self.puts = PutManager(config.worker, self.store, self.trust)
         self.devices = DeviceTier(config.worker.device_capacity)
         self.transport = make_transport(config.transport.kind, config.wire, token=config.token,
-                                        max_streams=config.transport.max_streams * 2, limits=config.transport)
+                                        max_streams=config.transport.max_streams * 2, limits=config.transport,
+                                        tls=config.tls)
         self.data_server = self.transport.serve(self.serve_source, corrupt_chunks=config.worker.fault_corrupt_chunks)
-        self.fetcher = Fetcher(parts.worker_id, self.store, self.transport, config.transport)
+        self.replicator = Replicator(parts)
+        self.fetcher = Fetcher(parts.worker_id, self.store, self.trust, self.transport, config.transport)
         self.bytes_in = 0  # payload and fetched bytes received, for the network-pressure signal
         # Bytes by (transport, direction) for metrics: "rpc" carries put payloads from remote callers, "shm" the
         # bytes same-host callers wrote or mapped, the data-plane transport (tcp) fetches between workers.
@@ -105,7 +111,9 @@ class StorageRole:
         registry.register(DropArtifact, self.drop_artifact)
 
     async def start(self) -> None:
+        self.trust.start(asyncio.get_running_loop())
         self._tasks.append(asyncio.ensure_future(self._housekeeping_loop()))
+        self._tasks.append(asyncio.ensure_future(self.replicator.repair_loop()))
 
     def start_data_server(self) -> str:
         return self.data_server.start(self.parts.config.worker.host, 0)
@@ -113,6 +121,7 @@ class StorageRole:
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
+        await self.replicator.stop()
         self.data_server.close()
         self.transport.close()
         for put in list(self.puts.pending.values()):
@@ -162,7 +171,8 @@ class StorageRole:
                 pass
             tensors = store.tensors(aid)
             policy = store.disk.manifests[aid].policy if "disk" in tiers and store.disk else "cache"
-            info = ArtifactInfo(id=aid, tensors=tensors, nbytes=nbytes_of(tensors), policy=policy)
+            info = ArtifactInfo(id=aid, tensors=tensors, nbytes=nbytes_of(tensors), policy=policy,
+                                replicas_wanted=PRESETS[policy].replicas if policy in PRESETS else 1)
             try:
                 await gs.commit_artifact(info, CallContext(deadline=time.time() + 5), tiers=tiers, restored=True)
             except NotFound as exc:
@@ -182,6 +192,11 @@ class StorageRole:
                 await self.store.housekeeping()
                 if not self.busy():
                     await loop.run_in_executor(self._background, self.store.memory.trim)
+                if not self.busy() and self.parts.config.worker.verify_idle_bytes:
+                    bad = await loop.run_in_executor(self._background, self.trust.verify_idle,
+                                                     self.parts.config.worker.verify_idle_bytes, self.busy)
+                    for blob in bad:
+                        await self.trust.condemn(blob, "idle")
                 last_work = max(self._last_busy, self.store.memory.last_alloc)
                 if not self.busy() and time.monotonic() - last_work >= self.parts.config.worker.prefault_idle_seconds:
                     await loop.run_in_executor(self._background, self.store.memory.stock.refill, self.busy)
@@ -207,14 +222,16 @@ class StorageRole:
         placement = resolve_placement(msg.placement, self.parts.config.worker.cold_memory_ttl)
         if not msg.inline:
             return await self.puts.begin(msg, placement)
-        assert req.payload is None or isinstance(req.payload, memoryview)
+        if req.payload is not None and not isinstance(req.payload, memoryview):
+            raise InvalidArgument("an inline PutBegin carries its bytes as one payload")
         plan = await self.puts.begin_inline(msg, placement, req.payload)  # a small put in one request
         self.moved["rpc", "received"] += req.payload.nbytes if req.payload is not None else 0
         done = await self.put_commit(PutCommit(put_id=plan.put_id), req)
         return msgspec.structs.replace(plan, artifact=done.artifact)
 
     async def put_data(self, msg: PutData, req: Request) -> Ack:
-        assert isinstance(req.payload, memoryview)
+        if not isinstance(req.payload, memoryview):  # a hostile or broken peer: refused, the worker serves on
+            raise InvalidArgument("PutData without its payload (a data frame carries the bytes it writes)")
         self.puts.data_received(msg, req.payload.nbytes)
         self.bytes_in += req.payload.nbytes
         self.moved["rpc", "received"] += req.payload.nbytes
@@ -239,25 +256,15 @@ class StorageRole:
         self.parts.gs.kept(put.artifact_id)
         tiers = self.store.tiers(put.artifact_id)
         info = ArtifactInfo(id=put.artifact_id, tensors=put.tensors, nbytes=nbytes_of(put.tensors),
-                            policy=put.placement.name)
+                            policy=put.placement.name, replicas_wanted=put.placement.replicas)
         done = await self.parts.gs.commit_artifact(info, req.ctx, key=put.key, ttl=put.ttl, tiers=tiers)
         if put.placement.replicas > 1:
-            done = await self._replicate(done, put.placement.replicas - 1, req.ctx)
+            done = await self.replicator.place(done, put.placement.replicas, req.ctx)
         log.debug("stored artifact %s (%d bytes, %s, tiers %s)%s", put.artifact_id, info.nbytes, put.placement.name,
                  ",".join(tiers), f" key={put.key}" if put.key else "")
         self.moved["shm", "received"] += written
         metrics.operation("put", "network" if put.stream else "shm", info.nbytes, time.monotonic() - put.started)
         return PutDone(artifact=done)
-
-    async def _replicate(self, info: ArtifactInfo, extra: int, ctx: CallContext) -> ArtifactInfo:
-        """Copy a fresh artifact to ``extra`` other live workers (other hosts first), worker-to-worker."""
-        p = self.parts
-        for wid in replica_targets(await p.gs.list_workers(ctx), p.worker_id, p.host_id, extra):
-            try:
-                await p.peers.call(wid, Prefetch(artifact_id=info.id, worker_id=wid), Prefetched, ctx)
-            except TensorCastError as exc:
-                log.warning("extra replica of %s on %s failed: %s", info.id, wid, exc)
-        return await p.gs.get_artifact(info.id, ctx)
 
     async def put_abort(self, msg: PutAbort, req: Request) -> Ack:
         put = self.puts.pending.get(msg.put_id)
@@ -269,6 +276,7 @@ class StorageRole:
     async def map_tensors(self, msg: MapTensors, req: Request) -> Mapped:
         started = time.perf_counter()
         names = msg.names or tuple(t.name for t in self.store.tensors(msg.artifact_id))
+        await self.trust.ensure_read(msg.artifact_id, names, msg.tier)
         refs = tuple(self.store.segment_refs(msg.artifact_id, names, msg.tier))
         nbytes = sum(r.size for r in refs if r is not None)
         self.moved["shm", "sent"] += nbytes
@@ -284,6 +292,7 @@ class StorageRole:
         the network, timed from here to its last byte; one the store refuses counts under its error code."""
         started = time.perf_counter()
         try:
+            self.trust.check_read(req)
             lease = self.store.open_source(req)
         except TensorCastError as exc:
             metrics.operation("get", "network", 0, 0.0, exc.code)

@@ -34,6 +34,7 @@ from tensorcast.records import SegmentRef, TensorMeta
 from tensorcast.tensors import raw_dtype
 from tensorcast.transport.base import SourceLease
 from tensorcast.views import apply_slices
+from tensorcast.weights.reader import ReadJob, read_ranges
 from tensorcast.weights.safetensors import CheckpointTensor
 from tensorcast.wire.messages import DataRequest
 
@@ -68,7 +69,9 @@ class LocalStore:
         self.external: dict[str, dict[str, CheckpointTensor]] = {}
         self._external_meta: dict[str, tuple[TensorMeta, ...]] = {}
         self._external_verify: dict[str, bool] = {}
-        self._files: dict[str, Segment] = {}
+        self._stale: list[Segment] = []  # mappings of disk blob files replaced meanwhile, closed once unread
+        if self.disk is not None:
+            self.disk.replaced = self._disk_blob_replaced
 
     # ----------------------------------------------------------------- queries
     def tiers(self, artifact_id: str) -> tuple[str, ...]:
@@ -119,6 +122,10 @@ class LocalStore:
         for aid in artifact_ids:
             await self.evict(aid)
 
+    async def report_gone(self, artifact_id: str, tier: str) -> None:
+        """Tell the global store a replica left this worker without its asking (an eviction, a bad blob)."""
+        await self._on_replica_gone(artifact_id, tier)
+
     async def evict(self, artifact_id: str) -> None:
         used = self.memory.state.used
         if self.memory.remove_replica(artifact_id):
@@ -156,6 +163,8 @@ class LocalStore:
                                                        self.config.memory_low_watermark, now):
             await self.evict(aid)
         self.memory.collect()
+        with self._lock:
+            self._stale = [seg for seg in self._stale if not seg.try_close()]
 
     def drop(self, artifact_id: str) -> bool:
         """Forget every local replica of an artifact (it was deleted)."""
@@ -168,12 +177,25 @@ class LocalStore:
             gone = True
         if self.disk is not None and self.disk.remove_artifact(artifact_id):
             gone = True
-            with self._lock:
-                for d in [d for d in self._disk_segments if not self.disk.has_blob(d)]:
-                    seg = self._disk_segments.pop(d)
-                    seg.unlink()
-                    seg.try_close()
+            self.close_disk_segments()
         return gone
+
+    def close_disk_segments(self) -> None:
+        """Close the read mappings of disk blob files no longer held."""
+        assert self.disk is not None
+        with self._lock:
+            for d in [d for d in self._disk_segments if not self.disk.has_blob(d)]:
+                seg = self._disk_segments.pop(d)
+                seg.unlink()
+                seg.try_close()
+
+    def _disk_blob_replaced(self, digest: str) -> None:
+        """(On a storing thread.) A disk blob file was replaced: its old mapping and checksums are stale."""
+        with self._lock:
+            seg = self._disk_segments.pop(digest, None)
+            if seg is not None and not seg.try_close():
+                self._stale.append(seg)
+        self.forget_checksums(digest)
 
     # ----------------------------------------------------------------- disk replicas
     def copy_to_disk(self, artifact_id: str, tensors: tuple[TensorMeta, ...], policy: str) -> None:
@@ -183,7 +205,7 @@ class LocalStore:
             if t.nbytes and not disk.has_blob(t.digest):
                 loc, release = self.memory.lease(t.digest)
                 try:
-                    disk.write_blob(t.digest, loc.view())
+                    disk.write_blob(t.digest, loc.view(), verified=self.memory.is_verified(t.digest))
                 finally:
                     release()
         disk.add_artifact(Manifest(artifact_id, tensors, policy))
@@ -234,15 +256,6 @@ class LocalStore:
                                           f"{clip(name)}): register it again")
         return found
 
-    def _file(self, path: str) -> Segment:
-        with self._lock:
-            seg = self._files.get(path)
-            if seg is None:
-                seg = Segment.open_existing(path)
-                self._files[path] = seg
-            seg.readers += 1
-            return seg
-
     # ----------------------------------------------------------------- sources
     def _disk_segment(self, digest: str) -> Segment:
         disk = self.require_disk()
@@ -260,14 +273,11 @@ class LocalStore:
         """A tensor's bytes from any local tier, checkpoints in place included, held until released."""
         loc = self.external_location(artifact_id, meta.name) if tier in ("", "disk") else None
         if loc is not None and not (tier == "" and self.memory.has_blob(meta.digest)):
-            seg = self._file(loc.file)
-            seg.populate(loc.offset, loc.nbytes)
-
-            def release_file() -> None:
-                with self._lock:
-                    seg.readers -= 1
-
-            return seg.view()[loc.offset : loc.offset + loc.nbytes], "disk", release_file
+            # Read, not mapped: a registered file truncated under a mapping would kill this worker (SIGBUS).
+            buf = bytearray(loc.nbytes)
+            # One copy; a file changed while it is read is refused (read_ranges).
+            read_ranges([ReadJob(loc.file, loc.offset, memoryview(buf), meta.name)], streams=1)
+            return memoryview(buf), "disk", lambda: None
         return self.lease_blob(meta, tier)
 
     def lease_blob(self, meta: TensorMeta, tier: str) -> tuple[memoryview, str, Callable[[], None]]:
@@ -336,6 +346,12 @@ class LocalStore:
         while len(self._checksums) > _MAX_CHECKSUMS:
             self._checksums.popitem(last=False)
 
+    def forget_checksums(self, digest: str) -> None:
+        """Drop what is known of a blob's chunk checksums (its bytes were replaced)."""
+        with self._lock:
+            self._checksums.pop(digest, None)
+            self._learning.pop(digest, None)
+
     def checksums_of(self, digest: str) -> list[int] | None:
         """The data-plane chunk checksums known for a blob (None: it will be hashed as it is sent)."""
         return self._checksums.get(digest)
@@ -367,8 +383,7 @@ class LocalStore:
     def close(self) -> None:
         self.memory.close()
         with self._lock:
-            for seg in [*self._disk_segments.values(), *self._files.values()]:
+            for seg in self._disk_segments.values():
                 seg.try_close()
             self._disk_segments.clear()
-            self._files.clear()
 
