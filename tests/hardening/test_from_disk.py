@@ -133,3 +133,22 @@ def test_a_truncated_file_is_an_error_not_a_dead_worker(cluster: LocalCluster, r
         with pytest.raises(InvalidArgument, match=r"truncated|short read|changed"):
             art.prefetch(to="w0", tp=TP(0, 2), rules=RULES).result(timeout=60)
         _still_serves(client, cluster)
+
+
+def test_remote_reads_of_a_file_in_place_are_exact(cluster: LocalCluster, roots: tuple[Path, Path]) -> None:
+    """Read by range and by slice out of the file (no mapping): whole tensors over several ranges and streams,
+    a row-parallel slice, a first-dimension slice."""
+    where = roots[0] / "large"
+    where.mkdir()
+    rng = np.random.default_rng(5)
+    tensors = {"big": rng.random((3000, 1100), dtype=np.float32), "small": rng.random(77, dtype=np.float32)}
+    safetensors.numpy.save_file(tensors, str(where / "model.safetensors"))  # "big": 12.6 MiB, chunks of 4 MiB
+    with tc.connect(cluster.address) as client, tc.connect(cluster.address, config=REMOTE) as remote:
+        art = client.from_disk(where)
+        got = remote.artifact(art.id).tensor_dict(like="numpy")
+        assert all(np.array_equal(got[k], v) for k, v in tensors.items())
+        for rank in (0, 1, 2):
+            for rules in ({"big": 1, "*": "replicated"}, {"big": 0, "*": "replicated"}):
+                part = remote.artifact(art.id).view(tp=TP(rank, 3), rules=rules).tensor_dict(like="numpy")
+                want = np.array_split(tensors["big"], 3, next(iter(rules.values())))[rank]
+                assert np.array_equal(part["big"], want) and np.array_equal(part["small"], tensors["small"])

@@ -34,9 +34,9 @@ from tensorcast.records import SegmentRef, TensorMeta
 from tensorcast.tensors import raw_dtype
 from tensorcast.transport.base import SourceLease
 from tensorcast.views import apply_slices
-from tensorcast.weights.reader import ReadJob, read_ranges
 from tensorcast.weights.safetensors import CheckpointTensor
 from tensorcast.wire.messages import DataRequest
+from tensorcast.worker.in_place import in_place_source, read_in_place
 
 __all__ = ["LocalStore"]
 
@@ -271,14 +271,15 @@ class LocalStore:
 
     def lease_tensor(self, artifact_id: str, meta: TensorMeta, tier: str) -> tuple[memoryview, str, Callable[[], None]]:
         """A tensor's bytes from any local tier, checkpoints in place included, held until released."""
-        loc = self.external_location(artifact_id, meta.name) if tier in ("", "disk") else None
-        if loc is not None and not (tier == "" and self.memory.has_blob(meta.digest)):
-            # Read, not mapped: a registered file truncated under a mapping would kill this worker (SIGBUS).
-            buf = bytearray(loc.nbytes)
-            # One copy; a file changed while it is read is refused (read_ranges).
-            read_ranges([ReadJob(loc.file, loc.offset, memoryview(buf), meta.name)], streams=1)
-            return memoryview(buf), "disk", lambda: None
+        loc = self._in_place(artifact_id, meta, tier)
+        if loc is not None:
+            return read_in_place(loc, meta, 0, loc.nbytes), "disk", lambda: None
         return self.lease_blob(meta, tier)
+
+    def _in_place(self, artifact_id: str, meta: TensorMeta, tier: str) -> CheckpointTensor | None:
+        """Where a tensor of a checkpoint registered in place lies, when that is where it is to be read from."""
+        loc = self.external_location(artifact_id, meta.name) if tier in ("", "disk") else None
+        return loc if loc is not None and not (tier == "" and self.memory.has_blob(meta.digest)) else None
 
     def lease_blob(self, meta: TensorMeta, tier: str) -> tuple[memoryview, str, Callable[[], None]]:
         if tier in ("", "memory") and self.memory.has_blob(meta.digest):
@@ -299,6 +300,8 @@ class LocalStore:
         meta = self.meta(req.artifact_id, req.name)
         if meta.nbytes == 0:
             return SourceLease(memoryview(b""), "memory", lambda: None)
+        if (loc := self._in_place(req.artifact_id, meta, req.tier)) is not None:
+            return in_place_source(loc, meta, req)
         view, tier, release = self.lease_tensor(req.artifact_id, meta, req.tier)
         if req.slices:
             try:
@@ -386,4 +389,5 @@ class LocalStore:
             for seg in self._disk_segments.values():
                 seg.try_close()
             self._disk_segments.clear()
+
 
