@@ -30,7 +30,9 @@ from tensorcast.integrations.torch_dcp import (  # noqa: E402
     delete_checkpoint,
     full_state_dict,
     list_checkpoints,
+    publish_weights,
 )
+from tensorcast.integrations.torch_dcp_disk import register_dcp_dir  # noqa: E402
 from tensorcast.integrations.torch_dcp_layout import rank_key  # noqa: E402
 from tensorcast.testing import running_cluster  # noqa: E402
 
@@ -107,6 +109,13 @@ def _save_job(rank: int, world: int, port: int, address: str) -> None:
     dist.barrier()
     if rank == world - 1:  # a trainer rank dies hard after the checkpoint
         os.kill(os.getpid(), signal.SIGKILL)
+    dist.destroy_process_group()
+
+
+def _save_files_job(rank: int, world: int, port: int, path: str) -> None:
+    """DCP's own FileSystemWriter, as a trainer without TensorCast writes a checkpoint."""
+    mesh = _init(rank, world, port)
+    dcp.save(_state_dict(mesh, 0, empty=False), storage_writer=dcp.FileSystemWriter(path))
     dist.destroy_process_group()
 
 
@@ -189,3 +198,53 @@ def test_save_reshard_recover_and_keep_last() -> None:
 
         delete_checkpoint(client, RUN + "step-2")
         assert not client.ls(RUN + "step-2")
+
+
+def test_a_dcp_directory_on_disk_registers_in_place_and_loads_resharded(tmp_path: Any) -> None:
+    path = tmp_path / "step-5"
+    assert _launch(_save_files_job, 2, str(path)) == [0, 0]
+    with running_cluster(workers=2, memory_capacity="256MiB") as cluster, tc.connect(cluster.address) as client:
+        register_dcp_dir(client, path, "run8/step-5")
+        files = client.artifact(rank_key("run8/step-5", 0))
+        assert files.info.meta["format"] == "dcp" and files.info.meta["source"] == str(path)
+        assert {r.tier for r in files.info.replicas} == {"disk"}  # registered, not read
+        assert [e.key for e in list_checkpoints(client, "run8/")] == ["run8/step-5"]
+        # Saved by 2 ranks on dim 0, loaded by 3 on dim 1 (uneven): each reads its ranges from the files.
+        assert _launch(_load_job, 3, cluster.address, "run8/step-5") == [0, 0, 0]
+        full = full_state_dict(client, "run8/step-5")
+        params, _state = _trained()
+        assert full["train"] == {"step": TRAIN_STEP, "lr": 1e-2}
+        for name, p in params.items():
+            assert np.array_equal(full["model"][name].numpy(), p.numpy())
+        delete_checkpoint(client, "run8/step-5")
+        assert not client.ls("run8/")
+    assert (path / ".metadata").exists()  # deleting the registration leaves the user's files
+
+
+def test_a_checkpoint_of_a_hf_model_is_served_as_the_trained_model(tmp_path: Any) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tensorcast.integrations.transformers import load_into
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    model(ids, labels=ids).loss.backward()
+    optim.step()
+    state = {"model": model.state_dict(), "step": 1}
+    with pytest.warns(UserWarning):  # DCP warns that it saves in one process
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "hf")), no_dist=True)
+    with running_cluster(workers=2) as cluster, tc.connect(cluster.address) as client:
+        dcp.save(state, storage_writer=TensorCastWriter(client, "hf-run/step-1"), no_dist=True)
+        register_dcp_dir(client, tmp_path / "hf", "hf-run/from-disk")
+        with torch.no_grad():
+            want = model(ids).logits
+        for key in ("hf-run/step-1", "hf-run/from-disk"):
+            version = publish_weights(client, key, "tiny-llama", prefix="model.")
+            served = LlamaForCausalLM(config)  # initialized differently (another seed's draw)
+            load_into(client, f"tiny-llama@v{version}", served)
+            with torch.no_grad():
+                assert torch.equal(served(ids).logits, want), key

@@ -17,6 +17,7 @@ import io
 import pickle
 import threading
 import uuid
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -378,7 +379,9 @@ def full_state_dict(client: Client, key: str) -> dict[str, Any]:
     reader = TensorCastReader(client, key)
     planner = _EmptyStateDictLoadPlanner()  # type: ignore[no-untyped-call]
     try:
-        dcp_load({}, storage_reader=reader, planner=planner, no_dist=True)
+        with warnings.catch_warnings():  # DCP warns that it loads in one process: what this call is for
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            dcp_load({}, storage_reader=reader, planner=planner, no_dist=True)
     finally:
         reader.close()
     # The planner rebuilt the nested state dict from the metadata and filled it (dcp.load fills a copy of

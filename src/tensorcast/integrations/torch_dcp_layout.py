@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import msgspec
 
 from tensorcast.records import Placement, WorkerInfo
+from tensorcast.weights.dcp_files import chunk_name
 
 __all__ = ["METADATA_TENSOR", "CheckpointEntry", "Stored", "collectable", "is_bundle_member", "item_name",
            "memory_first", "rank_key", "read_rounds", "read_slices", "reading_prefix", "run_prefix",
@@ -67,7 +68,7 @@ def run_prefix(key: str) -> str:
 def item_name(fqn: str, offset: Sequence[int] | None) -> str:
     """A write item's tensor name in its rank's artifact: the fully qualified name, plus the chunk's offset
     for shards (one rank may hold several chunks of one tensor)."""
-    return fqn if offset is None else f"{fqn}@{','.join(str(int(o)) for o in offset)}"
+    return chunk_name(fqn, offset)
 
 
 def read_slices(shape: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> list[tuple[int, slice]]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tensorcast.errors import InvalidArgument, NotFound, clip
+from tensorcast.weights.dcp_files import ITEMSIZE, METADATA_FILE, dcp_chunks, is_dcp_dir
 from tensorcast.weights.files import CheckpointRoots, open_regular
 
 __all__ = ["Checkpoint", "CheckpointTensor", "open_checkpoint", "SAFETENSORS_DTYPES"]
@@ -27,9 +28,6 @@ SAFETENSORS_DTYPES = {
     "I32": "int32", "U64": "uint64", "I64": "int64", "F16": "float16", "BF16": "bfloat16", "F32": "float32",
     "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64",
 }
-_ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "uint16": 2, "int16": 2, "uint32": 4, "int32": 4, "uint64": 8,
-             "int64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1,
-             "float8_e5m2": 1, "complex64": 8}
 _MAX_HEADER = 100 * 1024 * 1024
 
 
@@ -50,6 +48,7 @@ class Checkpoint:
     path: str
     tensors: dict[str, CheckpointTensor]
     config: dict[str, Any]
+    format: str = "safetensors"  # or "dcp": a Distributed Checkpoint directory (``weights.dcp_files``)
 
     @property
     def model_type(self) -> str:
@@ -126,7 +125,7 @@ def _parse_file(path: Path) -> list[CheckpointTensor]:
         numel = 1
         for s in shape:
             numel *= s
-        if end - begin != numel * _ITEMSIZE[dtype] or begin < 0:
+        if end - begin != numel * ITEMSIZE[dtype] or begin < 0:
             raise InvalidArgument(f"{path}: tensor {clip(name)}: {end - begin} bytes do not match its shape of "
                                   f"{st_dtype}")
         if data_start + end > st.st_size:
@@ -153,6 +152,8 @@ def open_checkpoint(path: str | os.PathLike[str], roots: CheckpointRoots | None 
     p = allowed(Path(path))
     if not p.exists():
         raise NotFound(f"checkpoint {p} does not exist")
+    if is_dcp_dir(p):
+        return _open_dcp(p, roots)
     files: list[tuple[str, Path]]  # (the name the index lists, the file)
     index_map: dict[str, str] | None = None
     if p.is_file():
@@ -189,3 +190,20 @@ def open_checkpoint(path: str | os.PathLike[str], roots: CheckpointRoots | None 
         doc = _read_json(allowed(cfg), "config", limit=16 * 1024**2)
         config = doc if isinstance(doc, dict) else {}
     return Checkpoint(str(p.absolute()), tensors, config)
+
+
+def _open_dcp(root: Path, roots: CheckpointRoots | None) -> Checkpoint:
+    """A Distributed Checkpoint directory: its chunks (named by ``dcp_files.chunk_name``) and its
+    ``.metadata`` file as a ``uint8`` tensor of that name, all in place."""
+    raw, chunks = dcp_chunks(root, roots)
+    meta_file = root / METADATA_FILE
+    located = [(METADATA_FILE, "uint8", (len(raw),), meta_file, 0, len(raw)), *chunks]
+    stats = {f: f.stat() for f in {c[3] for c in located}}
+    tensors: dict[str, CheckpointTensor] = {}
+    for name, dtype, shape, f, offset, nbytes in located:
+        if name in tensors:
+            raise InvalidArgument(f"{root}: DCP metadata lists chunk {clip(name)} twice")
+        st = stats[f]
+        tensors[name] = CheckpointTensor(name, dtype, shape, str(f.absolute()), offset, nbytes, st.st_size,
+                                         st.st_mtime_ns)
+    return Checkpoint(str(root.absolute()), tensors, {}, "dcp")

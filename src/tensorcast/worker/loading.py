@@ -145,7 +145,7 @@ class LoadingRole:
         metas = checkpoint_metas(ckpt)
         aid = artifact_id(metas)
         self.store.add_external(aid, metas, dict(ckpt.tensors), msg.verify_checksums, ckpt.path)
-        meta = {"source": ckpt.path, "format": "safetensors", "model_type": ckpt.model_type,
+        meta = {"source": ckpt.path, "format": ckpt.format, "model_type": ckpt.model_type,
                 "config": json.dumps(ckpt.config)}
         info = ArtifactInfo(id=aid, tensors=metas, nbytes=nbytes_of(metas), policy="durable", meta=meta)
         done = await self.parts.gs.commit_artifact(info, req.ctx, key=msg.key, tiers=("disk",))
