@@ -34,6 +34,7 @@ from tensorcast.context import CallContext
 from tensorcast.cuda import cuda_available
 from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, Unavailable, clip
 from tensorcast.pool.segments import SegmentGone, map_private
+from tensorcast.pool.sources import SOURCES, rank_sources
 from tensorcast.records import ArtifactInfo, ReplicaInfo, SegmentRef, SliceSpec, TensorMeta
 from tensorcast.tensors import digest_bytes, import_torch, numpy_dtype, raw_dtype, wrap_bytes
 from tensorcast.transport.base import Transport, stream_count
@@ -55,7 +56,6 @@ __all__ = ["SOURCES", "Diagnostics", "Reader"]
 
 log = logging.getLogger("tensorcast.client")
 
-SOURCES = ("auto", "local_only", "prefer_p2p", "prefer_disk")
 
 
 @dataclass
@@ -88,23 +88,7 @@ class Reader:
         self._closed = False
 
     def order(self, info: ArtifactInfo, source: str) -> list[ReplicaInfo]:
-        if source not in SOURCES:
-            raise InvalidArgument(f"source must be one of {SOURCES}, got {clip(source)}")
-        local_host = self.locality.host_id
-        live = [r for r in info.replicas if r.alive and r.address]
-        if source == "local_only":
-            live = [r for r in live if r.host_id == local_host]
-
-        def rank(r: ReplicaInfo) -> tuple[int, ...]:
-            remote = r.host_id != local_host
-            disk = r.tier == "disk"
-            if source == "prefer_p2p":
-                return (disk, remote)
-            if source == "prefer_disk":
-                return (not disk, remote)
-            return (remote, disk)
-
-        ordered = sorted(live, key=rank)
+        ordered = rank_sources((r for r in info.replicas if r.alive and r.address), self.locality.host_id, source)
         if not ordered:
             where = "on this host" if source == "local_only" else "that is alive"
             raise Unavailable(f"artifact {info.id} has no replica {where}")

@@ -27,6 +27,7 @@ from tensorcast.config import TransportConfig
 from tensorcast.errors import NotFound, TensorCastError, Unavailable, clip
 from tensorcast.pool.memory import BlobLoc
 from tensorcast.pool.placement import PRESETS
+from tensorcast.pool.sources import rank_sources
 from tensorcast.records import ArtifactInfo, ReplicaInfo, SliceSpec, TensorMeta
 from tensorcast.tensors import numpy_dtype, raw_dtype
 from tensorcast.transport.base import Transport, stream_count
@@ -60,8 +61,9 @@ _ENC = msgspec.msgpack.Encoder()
 
 class Fetcher:
     def __init__(self, worker_id: str, store: LocalStore, trust: BlobTrust, transport: Transport,
-                 config: TransportConfig) -> None:
+                 config: TransportConfig, host_id: str = "") -> None:
         self.worker_id = worker_id
+        self.host_id = host_id
         self.store = store
         self.trust = trust
         self.transport = transport
@@ -243,8 +245,9 @@ class Fetcher:
         return list(await asyncio.gather(*(one(c) for c in coros)))
 
     def _sources(self, info: ArtifactInfo) -> list[ReplicaInfo]:
-        peers = [r for r in info.replicas if r.worker_id != self.worker_id and r.alive and r.data_address]
-        return sorted(peers, key=lambda r: r.tier != "memory")
+        """Peers' memory before any disk (a peer's memory beats a disk read), this host's first."""
+        peers = (r for r in info.replicas if r.worker_id != self.worker_id and r.alive and r.data_address)
+        return rank_sources(peers, self.host_id, "prefer_p2p")
 
     async def _fill(self, info: ArtifactInfo, meta: TensorMeta, loc: BlobLoc, deadline: float | None,
                     trace_id: str, streams: int) -> tuple[str, str, int]:

@@ -86,7 +86,8 @@ class StorageRole:
                                         tls=config.tls)
         self.data_server = self.transport.serve(self.serve_source, corrupt_chunks=config.worker.fault_corrupt_chunks)
         self.replicator = Replicator(parts)
-        self.fetcher = Fetcher(parts.worker_id, self.store, self.trust, self.transport, config.transport)
+        self.fetcher = Fetcher(parts.worker_id, self.store, self.trust, self.transport, config.transport,
+                               parts.host_id)
         self.bytes_in = 0  # payload and fetched bytes received, for the network-pressure signal
         # Bytes by (transport, direction) for metrics: "rpc" carries put payloads from remote callers, "shm" the
         # bytes same-host callers wrote or mapped, the data-plane transport (tcp) fetches between workers.
