@@ -29,7 +29,7 @@ from tensorcast.records import ShardLease
 from tensorcast.wire.caller import Caller
 from tensorcast.wire.kv_messages import ListShards, ShardTable
 
-__all__ = ["KVRouter", "Op", "Routes"]
+__all__ = ["Attempt", "KVRouter", "Op", "Routes", "next_attempt"]
 
 _RETRYABLE = (StaleFencingToken, Unavailable, DeadlineExceeded)
 
@@ -45,6 +45,35 @@ class Routes:
 
     addr: list[str | None]
     tok: np.ndarray[Any, Any]  # uint64 [num_shards]
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """What a batch does after one round of requests: the key indexes still without an answer, whether the
+    table was read again for orphans, and how long to back off before the next round (None: stop here)."""
+
+    todo: list[int]
+    orphans_refreshed: bool
+    backoff: float | None
+
+
+def next_attempt(groups: Sequence[list[int]], results: Sequence[Any], orphans: Sequence[int], *, need_all: bool,
+                 orphans_refreshed: bool, attempt: int, left: float) -> Attempt:
+    """Decide the next round (pure). ``groups``: each request's key indexes, ``results`` its outcome (a
+    retryable error, another error, or an answer); ``orphans``: keys whose shard had no holder; ``left``:
+    seconds until ``kv.handover_timeout`` runs out. A retryable error (a stale token, an unreachable or slow
+    home) retries its keys; another error is raised; orphans are retried by writes (``need_all``) and, once
+    the table was read again, are misses for reads. Backoff doubles from 20 ms up to 250 ms."""
+    failed: list[int] = list(orphans) if need_all or not orphans_refreshed else []
+    for idx, res in zip(groups, results, strict=True):
+        if isinstance(res, _RETRYABLE):
+            failed.extend(idx)
+        elif isinstance(res, BaseException):
+            raise res
+    todo = sorted(failed)
+    refreshed = orphans_refreshed or bool(orphans)
+    done = not todo or left <= 0
+    return Attempt(todo, refreshed, None if done else min(0.02 * 2**attempt, 0.25))
 
 
 class KVRouter:
@@ -150,17 +179,13 @@ class KVRouter:
             else:
                 results = await asyncio.gather(*(op(a, idx, tok) for a, (idx, tok) in groups.items()),
                                                return_exceptions=True)
-            failed: list[int] = list(orphans) if need_all or not orphans_refreshed else []
-            orphans_refreshed = orphans_refreshed or bool(orphans)
-            for (idx, _), res in zip(groups.values(), results, strict=True):
-                if isinstance(res, _RETRYABLE):
-                    failed.extend(idx)
-                elif isinstance(res, BaseException):
-                    raise res
-            todo = sorted(failed)
-            if not todo or clock.monotonic() >= give_up:
-                return todo
-            await asyncio.sleep(min(0.02 * 2**attempt, 0.25))
+            step = next_attempt([idx for idx, _ in groups.values()], results, orphans, need_all=need_all,
+                                orphans_refreshed=orphans_refreshed, attempt=attempt,
+                                left=give_up - clock.monotonic())
+            if step.backoff is None:
+                return step.todo
+            todo, orphans_refreshed = step.todo, step.orphans_refreshed
+            await asyncio.sleep(step.backoff)
             attempt += 1
             left = give_up - clock.monotonic()
             # Bounded like a request to a home, and by what is left: a refresh that hangs (a lost request, a
