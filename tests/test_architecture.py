@@ -184,3 +184,16 @@ def test_no_module_uses_another_modules_private_members() -> None:
                     and node.attr not in mine and not (isinstance(node.value, ast.Name) and node.value.id == "self"):
                 offenders.append(f"{name}:{node.lineno}: .{node.attr}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_the_where_is_x_table_matches_the_tree() -> None:
+    """Every folder and file the "Where is X" table of ``docs/architecture.md`` names exists."""
+    import re
+
+    doc = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    table = doc.split("<!-- where-is-x -->", 1)[1].split("<!-- /where-is-x -->", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("|") and not line.startswith("|---")][1:]
+    assert len(rows) >= 20
+    named = {p for row in rows for cell in row.split("|")[2:4] for p in re.findall(r"`([\w/]+(?:\.py|/))`", cell)}
+    missing = sorted(p for p in named if not (SRC / p).exists())
+    assert not missing, f"the table names paths that do not exist: {missing}"
