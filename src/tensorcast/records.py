@@ -19,7 +19,7 @@ from tensorcast.errors import InvalidArgument, clip
 
 __all__ = ["ArtifactInfo", "CudaIpcHandle", "InstanceInfo", "Need", "Overflow", "Placement", "ReplicaInfo",
            "SegmentRef", "ShardLease", "SliceSpec", "SlotList", "StepResult", "StepSpec", "TensorMeta",
-           "WorkerInfo"]
+           "WorkerInfo", "WorkerLoad"]
 
 
 class _Rec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -68,20 +68,13 @@ class ArtifactInfo(_Rec):
         return len({r.worker_id for r in self.replicas if r.alive})
 
 
-class WorkerInfo(_Rec):
-    worker_id: str
-    address: str
-    host_id: str
-    roles: tuple[str, ...]
-    pid: int = 0
-    incarnation: int = 0
+class WorkerLoad(_Rec):
+    """A worker's load as its heartbeat reports it (the global store keeps the latest; ``WorkerInfo`` carries
+    it): the one declaration of these fields, from the worker's gauges to the store's columns."""
+
     memory_used: int = 0
     memory_capacity: int = 0
     artifacts: int = 0
-    alive: bool = True
-    last_heartbeat: float = 0.0
-    registered_at: float = 0.0
-    data_address: str = ""
     disk_used: int = 0
     disk_capacity: int = 0
     # Network pressure, averaged over the last heartbeat interval.
@@ -90,10 +83,29 @@ class WorkerInfo(_Rec):
     transfers_in_flight: int = 0
     # Pre-faulted shared memory ready for fills (beyond memory_capacity; config worker.prefault_bytes).
     memory_prefaulted: int = 0
-    # Where this worker serves Prometheus metrics ("" when metrics are off).
-    metrics_url: str = ""
     # Plans this worker's gateway role is running now.
     plans_in_flight: int = 0
+
+
+class WorkerInfo(WorkerLoad, kw_only=True):
+    """A worker as the global store knows it: identity, liveness and its latest load (``WorkerLoad``)."""
+
+    worker_id: str
+    address: str
+    host_id: str
+    roles: tuple[str, ...]
+    pid: int = 0
+    incarnation: int = 0
+    alive: bool = True
+    last_heartbeat: float = 0.0
+    registered_at: float = 0.0
+    data_address: str = ""
+    # Where this worker serves Prometheus metrics ("" when metrics are off).
+    metrics_url: str = ""
+
+    @property
+    def load(self) -> WorkerLoad:
+        return WorkerLoad(**{f: getattr(self, f) for f in WorkerLoad.__struct_fields__})
 
 
 class InstanceInfo(_Rec):

@@ -16,7 +16,7 @@ from tensorcast.gs.etcd import EtcdBackend
 from tensorcast.gs.refs import References
 from tensorcast.gs.sqlite import SqliteBackend
 from tensorcast.kv.leases import LeaseRecord
-from tensorcast.records import ArtifactInfo, InstanceInfo, TensorMeta, WorkerInfo
+from tensorcast.records import ArtifactInfo, InstanceInfo, TensorMeta, WorkerInfo, WorkerLoad
 
 # name -> factory(directory, etcd endpoints) of a backend (not opened); two factories on one directory see the
 # same data.
@@ -24,7 +24,9 @@ BACKENDS: dict[str, Callable[[Path, str], MetadataBackend]] = {
     "sqlite": lambda d, _: SqliteBackend(d / "gs.sqlite3", "FULL"),
     "etcd": lambda d, endpoints: EtcdBackend(endpoints, prefix=f"/contract/{d.name}/"),
 }
-STATS = {"memory_used": 1, "memory_capacity": 2, "artifacts": 3}
+# Every field distinct, so that a column mixed up with another shows.
+STATS = WorkerLoad(memory_used=1, memory_capacity=2, artifacts=3, disk_used=4, disk_capacity=5, net_in_bps=6.5,
+                   net_out_bps=7.5, transfers_in_flight=8, memory_prefaulted=9, plans_in_flight=10)
 
 
 # One event loop for the whole module: a backend with an asyncio client stays on the loop it opened on.
@@ -83,6 +85,7 @@ def test_heartbeats_need_the_current_incarnation(make: Callable[[], MetadataBack
     inc, _ = run(b.register_worker(worker("w0"), 1.0))
     assert run(b.heartbeat("w0", inc, STATS, 5.0, ())) == (True, ())
     assert run(b.get_worker("w0")).last_heartbeat == 5.0
+    assert run(b.get_worker("w0")).load == STATS  # every field of the load, each in its own place
     assert run(b.heartbeat("w0", inc + 1, STATS, 6.0, ()))[0] is False  # a stale or future incarnation
     assert run(b.heartbeat("ghost", 1, STATS, 6.0, ()))[0] is False
 

@@ -22,7 +22,7 @@ import tensorcast as tc
 from tensorcast.checksums import CHUNK_BYTES
 from tensorcast.cluster import LocalCluster
 from tensorcast.errors import PermissionDenied
-from tensorcast.records import WorkerInfo
+from tensorcast.records import WorkerInfo, WorkerLoad
 from tensorcast.testing import RawPeer, running_cluster
 from tensorcast.wire.frames import CHECKSUMS, HEADER
 from tensorcast.wire.kv_messages import AcquireShards, KVReplicate
@@ -83,8 +83,8 @@ def test_a_client_credential_cannot_do_what_only_workers_do(cluster: LocalCluste
         assert isinstance(gs.hello(client)[1], Welcome)
         assert _denied(gs, RegisterWorker(worker=fake), 3) == "PERMISSION_DENIED"
         assert _denied(gs, AcquireShards(worker_id="fake", shards=(0, 1), ttl=3.0), 4) == "PERMISSION_DENIED"
-        assert _denied(gs, Heartbeat(worker_id="w0", incarnation=1, memory_used=0, memory_capacity=1,
-                                     artifacts=0), 5) == "PERMISSION_DENIED"
+        assert _denied(gs, Heartbeat(worker_id="w0", incarnation=1, load=WorkerLoad(memory_capacity=1)),
+                       5) == "PERMISSION_DENIED"
         assert isinstance(worker.hello(client)[1], Welcome)
         copy = KVReplicate(worker_id="fake", tokens={0: 1 << 40}, keys=("k",), sizes=(4,), ttls=(60.0,))
         assert _denied(worker, copy, 6, payload=b"abcd") == "PERMISSION_DENIED"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from tensorcast.gs.refs import References, merge_lease
 from tensorcast.kv.leases import LeaseRecord
-from tensorcast.records import ArtifactInfo, InstanceInfo, WorkerInfo
+from tensorcast.records import ArtifactInfo, InstanceInfo, WorkerInfo, WorkerLoad
 
 __all__ = ["ArtifactRow", "GoalRow", "MetadataBackend", "Unbound", "merge_lease"]
 
@@ -60,7 +60,7 @@ class MetadataBackend(abc.ABC):
         survive a restart. Its pending drops stay (it still holds the disk copies it must drop)."""
 
     @abc.abstractmethod
-    async def heartbeat(self, worker_id: str, incarnation: int, stats: dict[str, float], now: float,
+    async def heartbeat(self, worker_id: str, incarnation: int, load: WorkerLoad, now: float,
                         dropped: tuple[str, ...]) -> tuple[bool, tuple[str, ...]]:
         """Record liveness and usage; acknowledge dropped artifacts. Returns (known, to_drop)."""
 

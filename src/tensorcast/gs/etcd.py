@@ -40,7 +40,7 @@ from tensorcast.gs import etcd_records as codec
 from tensorcast.gs.etcd_artifacts import EtcdArtifacts
 from tensorcast.gs.etcd_client import EtcdClient, PrefixMirror, Txn
 from tensorcast.kv.leases import LeaseRecord
-from tensorcast.records import InstanceInfo, WorkerInfo
+from tensorcast.records import InstanceInfo, WorkerInfo, WorkerLoad
 
 __all__ = ["EtcdBackend"]
 
@@ -108,7 +108,7 @@ class EtcdBackend(EtcdArtifacts):
                 orphans.append(aid)
         return incarnation, orphans
 
-    async def heartbeat(self, worker_id: str, incarnation: int, stats: dict[str, float], now: float,
+    async def heartbeat(self, worker_id: str, incarnation: int, load: WorkerLoad, now: float,
                         dropped: tuple[str, ...]) -> tuple[bool, tuple[str, ...]]:
         raw = await self.etcd.get(self._k("w", worker_id))
         if raw is None:
@@ -129,7 +129,7 @@ class EtcdBackend(EtcdArtifacts):
 
             if not await self.etcd.atomically(relink):
                 return False, ()
-        beat = codec.ENC.encode({**stats, "last_heartbeat": now})
+        beat = codec.ENC.encode({**msgspec.structs.asdict(load), "last_heartbeat": now})
         self._noted(await self.etcd.put(self._k("hb", worker_id), beat, lease), {("hb", worker_id): beat})
         for aid in dropped:
             await self._acknowledge_drop(aid, worker_id)

@@ -148,13 +148,8 @@ class GlobalStore:
         return Registered(incarnation=incarnation)
 
     async def heartbeat(self, msg: Heartbeat, req: Request) -> HeartbeatReply:
-        known, drop = await self.backend.heartbeat(
-            msg.worker_id, msg.incarnation,
-            {"memory_used": msg.memory_used, "memory_capacity": msg.memory_capacity, "artifacts": msg.artifacts,
-             "disk_used": msg.disk_used, "disk_capacity": msg.disk_capacity, "net_in_bps": msg.net_in_bps,
-             "net_out_bps": msg.net_out_bps, "transfers_in_flight": msg.transfers_in_flight,
-             "memory_prefaulted": msg.memory_prefaulted, "plans_in_flight": msg.plans_in_flight},
-            clock.time(), msg.dropped)
+        known, drop = await self.backend.heartbeat(msg.worker_id, msg.incarnation, msg.load, clock.time(),
+                                                   msg.dropped)
         return HeartbeatReply(drop=drop, reregister=not known)
 
     async def list_workers(self, msg: ListWorkers, req: Request) -> WorkerList:

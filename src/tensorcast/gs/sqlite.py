@@ -24,11 +24,17 @@ from tensorcast.gs.backend import ArtifactRow, GoalRow, MetadataBackend, Unbound
 from tensorcast.gs.refs import References, list_cursor, merge_lease, parse_cursor, unbind_outcome
 from tensorcast.gs.sqlite_schema import SCHEMA, migrate
 from tensorcast.kv.leases import LeaseRecord
-from tensorcast.records import ArtifactInfo, InstanceInfo, TensorMeta, WorkerInfo
+from tensorcast.records import ArtifactInfo, InstanceInfo, TensorMeta, WorkerInfo, WorkerLoad
 
 __all__ = ["SqliteBackend"]
 
 
+# The workers table: identity columns, then one per WorkerLoad field (same names).
+_WORKER_COLUMNS = ("worker_id", "address", "host_id", "roles", "pid", "incarnation", "registered_at", "last_heartbeat",
+                   "data_address", "metrics_url", *WorkerLoad.__struct_fields__)
+_WORKER_SELECT = ", ".join(_WORKER_COLUMNS)
+_HEARTBEAT_SQL = (f"UPDATE workers SET last_heartbeat=?, {', '.join(f'{f}=?' for f in WorkerLoad.__struct_fields__)} "
+                  "WHERE worker_id=? AND incarnation=?")
 _TENSORS = msgspec.msgpack.Encoder()
 _TENSORS_DEC = msgspec.msgpack.Decoder(tuple[TensorMeta, ...])
 _ENC = msgspec.msgpack.Encoder()
@@ -110,10 +116,10 @@ class SqliteBackend(MetadataBackend):
             row = db.execute("SELECT incarnation FROM workers WHERE worker_id=?", (worker.worker_id,)).fetchone()
             incarnation = (row[0] if row else 0) + 1
             db.execute(
-                "INSERT OR REPLACE INTO workers VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,0,0,0,0,?,0)",
+                f"INSERT OR REPLACE INTO workers ({_WORKER_SELECT}) VALUES ({', '.join('?' * len(_WORKER_COLUMNS))})",
                 (worker.worker_id, worker.address, worker.host_id, json.dumps(list(worker.roles)), worker.pid,
-                 incarnation, now, now, worker.memory_used, worker.memory_capacity, worker.artifacts,
-                 worker.data_address, worker.disk_used, worker.disk_capacity, worker.metrics_url),
+                 incarnation, now, now, worker.data_address, worker.metrics_url,
+                 *msgspec.structs.astuple(worker.load)),
             )
             lost = [r[0] for r in db.execute(
                 "SELECT artifact_id FROM replicas WHERE worker_id=? AND tier='memory'", (worker.worker_id,))]
@@ -128,18 +134,10 @@ class SqliteBackend(MetadataBackend):
         return db.execute("SELECT 1 FROM artifacts WHERE artifact_id=?", (artifact_id,)).fetchone() is not None \
             and db.execute("SELECT 1 FROM replicas WHERE artifact_id=? LIMIT 1", (artifact_id,)).fetchone() is None
 
-    async def heartbeat(self, worker_id: str, incarnation: int, stats: dict[str, float], now: float,
+    async def heartbeat(self, worker_id: str, incarnation: int, load: WorkerLoad, now: float,
                         dropped: tuple[str, ...]) -> tuple[bool, tuple[str, ...]]:
         with self._tx(durable=False) as db:
-            cur = db.execute(
-                "UPDATE workers SET last_heartbeat=?, memory_used=?, memory_capacity=?, artifacts=?, disk_used=?, "
-                "disk_capacity=?, net_in_bps=?, net_out_bps=?, transfers_in_flight=?, memory_prefaulted=?, "
-                "plans_in_flight=? WHERE worker_id=? AND incarnation=?",
-                (now, stats["memory_used"], stats["memory_capacity"], stats["artifacts"], stats.get("disk_used", 0),
-                 stats.get("disk_capacity", 0), stats.get("net_in_bps", 0.0), stats.get("net_out_bps", 0.0),
-                 stats.get("transfers_in_flight", 0), stats.get("memory_prefaulted", 0),
-                 stats.get("plans_in_flight", 0), worker_id, incarnation),
-            )
+            cur = db.execute(_HEARTBEAT_SQL, (now, *msgspec.structs.astuple(load), worker_id, incarnation))
             if cur.rowcount == 0:
                 return False, ()
             for aid in dropped:
@@ -152,21 +150,14 @@ class SqliteBackend(MetadataBackend):
 
     @staticmethod
     def _worker(row: tuple[Any, ...]) -> WorkerInfo:
-        (wid, address, host_id, roles, pid, inc, reg, hb, used, cap, arts, data_address, disk_used,
-         disk_cap, net_in, net_out, in_flight, prefaulted, metrics_url, plans) = row
-        return WorkerInfo(
-            worker_id=wid, address=address, host_id=host_id, roles=tuple(json.loads(roles)), pid=pid,
-            incarnation=inc, registered_at=reg, last_heartbeat=hb, memory_used=used, memory_capacity=cap,
-            artifacts=arts, data_address=data_address, disk_used=disk_used, disk_capacity=disk_cap,
-            net_in_bps=net_in, net_out_bps=net_out, transfers_in_flight=in_flight, memory_prefaulted=prefaulted,
-            metrics_url=metrics_url, plans_in_flight=plans,
-        )
+        fields = dict(zip(_WORKER_COLUMNS, row, strict=True))
+        return WorkerInfo(**{**fields, "roles": tuple(json.loads(fields["roles"]))})
 
     async def list_workers(self) -> list[WorkerInfo]:
-        return [self._worker(r) for r in self.db.execute("SELECT * FROM workers ORDER BY worker_id")]
+        return [self._worker(r) for r in self.db.execute(f"SELECT {_WORKER_SELECT} FROM workers ORDER BY worker_id")]
 
     async def get_worker(self, worker_id: str) -> WorkerInfo | None:
-        row = self.db.execute("SELECT * FROM workers WHERE worker_id=?", (worker_id,)).fetchone()
+        row = self.db.execute(f"SELECT {_WORKER_SELECT} FROM workers WHERE worker_id=?", (worker_id,)).fetchone()
         return None if row is None else self._worker(row)
 
     # ----------------------------------------------------------------- instances

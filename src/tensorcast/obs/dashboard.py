@@ -17,6 +17,8 @@ from collections.abc import Iterable, Sequence
 from importlib import resources
 from typing import Any
 
+import msgspec
+
 from tensorcast.records import InstanceInfo, ShardLease, WorkerInfo
 
 __all__ = ["cluster_view", "key_prefix", "page", "page_csp"]
@@ -35,12 +37,9 @@ def key_prefix(key: str) -> str:
 def _worker(w: WorkerInfo) -> dict[str, Any]:
     return {
         "id": w.worker_id, "host": w.host_id, "address": w.address, "roles": list(w.roles), "alive": w.alive,
-        "memory_used": w.memory_used, "memory_capacity": w.memory_capacity,
-        "memory_prefaulted": w.memory_prefaulted, "memory_pressure": w.memory_used / w.memory_capacity
-        if w.memory_capacity else 0.0, "disk_used": w.disk_used, "disk_capacity": w.disk_capacity,
-        "net_in_bps": w.net_in_bps, "net_out_bps": w.net_out_bps, "transfers_in_flight": w.transfers_in_flight,
-        "plans_in_flight": w.plans_in_flight, "artifacts": w.artifacts, "metrics_url": w.metrics_url,
-        "last_heartbeat": w.last_heartbeat,
+        **msgspec.structs.asdict(w.load),
+        "memory_pressure": w.memory_used / w.memory_capacity if w.memory_capacity else 0.0,
+        "metrics_url": w.metrics_url, "last_heartbeat": w.last_heartbeat,
     }
 
 

@@ -28,12 +28,14 @@ from tensorcast.records import (
     StepSpec,
     TensorMeta,
     WorkerInfo,
+    WorkerLoad,
 )
 
 # 2: records moved out of messages; ArtifactInfo travels inside ArtifactReply; payload checksums.
 # 3: small puts in one request (PutBegin.inline with the bytes as its payload; PutPlan.artifact).
 # 5: keys are independent references. 6: challenge-response handshake (Challenge, Proof); credentials carry roles.
-PROTOCOL_VERSION = 6
+# 7: Heartbeat carries the worker's load as one record (WorkerLoad).
+PROTOCOL_VERSION = 7
 
 
 class Msg(msgspec.Struct, frozen=True, tag=True, kw_only=True, omit_defaults=True):
@@ -409,16 +411,7 @@ class Registered(Msg):
 class Heartbeat(Msg):
     worker_id: str
     incarnation: int
-    memory_used: int
-    memory_capacity: int
-    artifacts: int
-    disk_used: int = 0
-    disk_capacity: int = 0
-    net_in_bps: float = 0.0
-    net_out_bps: float = 0.0
-    transfers_in_flight: int = 0
-    memory_prefaulted: int = 0
-    plans_in_flight: int = 0
+    load: WorkerLoad
     # Artifact ids this worker dropped since the last heartbeat (acknowledges HeartbeatReply.drop).
     dropped: tuple[str, ...] = ()
 

@@ -18,7 +18,7 @@ from typing import Any
 from tensorcast import clock
 from tensorcast.context import CallContext
 from tensorcast.errors import TensorCastError, Unavailable
-from tensorcast.records import ArtifactInfo, InstanceInfo, WorkerInfo
+from tensorcast.records import ArtifactInfo, InstanceInfo, WorkerInfo, WorkerLoad
 from tensorcast.wire.caller import Caller
 from tensorcast.wire.messages import (
     Ack,
@@ -86,10 +86,10 @@ class GlobalStoreLink:
         """The artifact was put here again: nothing to acknowledge."""
         self._dropped.discard(artifact_id)
 
-    async def heartbeat_loop(self, stats: Callable[[], dict[str, Any]], drop: Callable[[str], None],
+    async def heartbeat_loop(self, load: Callable[[], WorkerLoad], drop: Callable[[str], None],
                              reregister: Callable[[], Awaitable[None]],
                              healthy: Callable[[], str] = lambda: "") -> None:
-        """Every ``heartbeat_interval``: report ``stats()``, ``drop`` what the store says was deleted, and
+        """Every ``heartbeat_interval``: report ``load()``, ``drop`` what the store says was deleted, and
         ``reregister`` when the store does not know this worker (its database was replaced). While
         ``healthy()`` names a problem (its data plane stopped serving), no heartbeat is sent: the cluster
         takes the worker for dead instead of sending readers to it."""
@@ -101,7 +101,7 @@ class GlobalStoreLink:
                 log.error("not heartbeating: %s", problem)
                 continue
             dropped = tuple(self._dropped)
-            beat = Heartbeat(worker_id=self.worker_id, incarnation=self.incarnation, dropped=dropped, **stats())
+            beat = Heartbeat(worker_id=self.worker_id, incarnation=self.incarnation, dropped=dropped, load=load())
             try:
                 reply = await self.caller.call(beat, HeartbeatReply, self._ctx(max(interval * 3, 2.0)))
             except TensorCastError as exc:

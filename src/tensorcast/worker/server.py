@@ -23,7 +23,6 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
@@ -35,7 +34,7 @@ from tensorcast.obs import metrics, tracing
 from tensorcast.obs.http import HttpServer, Response
 from tensorcast.pool.hugepages import advise_if_small_pages
 from tensorcast.pool.segments import SHM_DIR
-from tensorcast.records import WorkerInfo
+from tensorcast.records import WorkerInfo, WorkerLoad
 from tensorcast.wire.caller import Caller
 from tensorcast.wire.rpc import HandlerRegistry, RpcServer
 from tensorcast.worker.datadir import claim_data_dir
@@ -125,9 +124,8 @@ class Worker:
         problem = self.problem()
         return Response(f"{problem}\n".encode(), status=503) if problem else Response(b"ok\n")
 
-    def _heartbeat_stats(self) -> dict[str, Any]:
-        plans = self.gateway.plans.in_flight if self.gateway is not None else 0
-        return {**self.storage.heartbeat_stats(), "plans_in_flight": plans}
+    def _heartbeat_load(self) -> WorkerLoad:
+        return self.storage.heartbeat_load(self.gateway.plans.in_flight if self.gateway is not None else 0)
 
     async def _register(self, timeout: float) -> None:
         async def announce() -> None:
@@ -149,7 +147,7 @@ class Worker:
         for service in self.services:
             await service.start()
         self._heartbeats = asyncio.ensure_future(self.parts.gs.heartbeat_loop(
-            self._heartbeat_stats, self.storage.drop, lambda: self._register(5.0), self.problem))
+            self._heartbeat_load, self.storage.drop, lambda: self._register(5.0), self.problem))
         log.info("worker %s serving at %s (data %s) roles=%s memory=%d disk=%s", self.worker_id, self.address,
                  self.storage.data_server.address, ",".join(self.roles), cfg.memory_capacity, cfg.disk_dir or "-")
         advise_if_small_pages(SHM_DIR)

@@ -22,7 +22,6 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import msgspec
 
@@ -31,7 +30,7 @@ from tensorcast.errors import InvalidArgument, NotFound, TensorCastError
 from tensorcast.obs import metrics
 from tensorcast.pool.device import DeviceTier
 from tensorcast.pool.placement import PRESETS, resolve_placement
-from tensorcast.records import ArtifactInfo, TensorMeta, WorkerInfo
+from tensorcast.records import ArtifactInfo, TensorMeta, WorkerInfo, WorkerLoad
 from tensorcast.transport.base import SourceLease
 from tensorcast.transport.cuda_ipc import export_handle
 from tensorcast.transport.registry import make_transport
@@ -132,13 +131,11 @@ class StorageRole:
 
     # ----------------------------------------------------------------- registration and heartbeats
     def info(self, address: str) -> WorkerInfo:
-        s = self.store.stats()
         p = self.parts
         return WorkerInfo(
             worker_id=p.worker_id, address=address, host_id=p.host_id, roles=p.roles, pid=os.getpid(),
-            incarnation=p.gs.incarnation, data_address=self.data_server.address, memory_used=s["memory_used"],
-            memory_capacity=s["memory_capacity"], artifacts=s["artifacts"], disk_used=s["disk_used"],
-            disk_capacity=s["disk_capacity"])
+            incarnation=p.gs.incarnation, data_address=self.data_server.address,
+            **msgspec.structs.asdict(self.store.stats()))
 
     def fetched(self, kind: str, result: Prefetched) -> None:
         """Account for a prefetch (``kind`` fetch) or view materialization done by this worker."""
@@ -148,13 +145,14 @@ class StorageRole:
             result.bytes_moved
         metrics.operation("transfer", kind, result.bytes_moved, result.seconds)
 
-    def heartbeat_stats(self) -> dict[str, Any]:
+    def heartbeat_load(self, plans_in_flight: int = 0) -> WorkerLoad:
         now, b_in, b_out = time.time(), self.bytes_in, self.data_server.bytes_sent
         t0, in0, out0 = self._net_mark
         self._net_mark = (now, b_in, b_out)
         elapsed = max(now - t0, 1e-3)
-        return {**self.store.stats(), "net_in_bps": (b_in - in0) / elapsed, "net_out_bps": (b_out - out0) / elapsed,
-                "transfers_in_flight": self.fetcher.in_flight + self.data_server.active}
+        return msgspec.structs.replace(self.store.stats(), net_in_bps=(b_in - in0) / elapsed,
+                                       net_out_bps=(b_out - out0) / elapsed, plans_in_flight=plans_in_flight,
+                                       transfers_in_flight=self.fetcher.in_flight + self.data_server.active)
 
     async def announce(self) -> None:
         """Tell the global store which replicas this worker holds (disk replicas survive restarts). A copy

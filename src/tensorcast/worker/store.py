@@ -30,7 +30,7 @@ from tensorcast.pool.memory import BlobLoc, MemoryTier
 from tensorcast.pool.placement import Placement
 from tensorcast.pool.segments import Segment
 from tensorcast.pool.state import MemoryReplica
-from tensorcast.records import SegmentRef, TensorMeta
+from tensorcast.records import SegmentRef, TensorMeta, WorkerLoad
 from tensorcast.tensors import raw_dtype
 from tensorcast.transport.base import SourceLease
 from tensorcast.views import apply_slices
@@ -102,15 +102,13 @@ class LocalStore:
             raise InvalidArgument("this worker has no disk tier (worker.disk_dir is not set)")
         return self.disk
 
-    def stats(self) -> dict[str, int]:
-        return {
-            "memory_used": self.memory.state.used,
-            "memory_capacity": self.memory.state.capacity,
-            "artifacts": len(set(self.memory.replica_ids()) | set(self.disk.manifests if self.disk else ())),
-            "disk_used": self.disk.used if self.disk else 0,
-            "disk_capacity": self.disk.capacity if self.disk else 0,
-            "memory_prefaulted": self.memory.stock.ready_bytes,
-        }
+    def stats(self) -> WorkerLoad:
+        """The tiers' part of the worker's load (the network and plan figures are the roles')."""
+        return WorkerLoad(
+            memory_used=self.memory.state.used, memory_capacity=self.memory.state.capacity,
+            artifacts=len(set(self.memory.replica_ids()) | set(self.disk.manifests if self.disk else ())),
+            disk_used=self.disk.used if self.disk else 0, disk_capacity=self.disk.capacity if self.disk else 0,
+            memory_prefaulted=self.memory.stock.ready_bytes)
 
     # ----------------------------------------------------------------- room and memory replicas
     async def make_room(self, nbytes: int, exclude: frozenset[str] = frozenset()) -> None:

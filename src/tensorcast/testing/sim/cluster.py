@@ -26,7 +26,7 @@ from tensorcast.gs.service import GlobalStore
 from tensorcast.gs.sqlite import SqliteBackend
 from tensorcast.kv.home import ShardHome
 from tensorcast.pool.segments import remove_stale_segments
-from tensorcast.records import WorkerInfo
+from tensorcast.records import WorkerInfo, WorkerLoad
 from tensorcast.testing.sim.net import PROCESS, SimCaller, SimNetwork
 from tensorcast.wire.rpc import HandlerRegistry
 from tensorcast.worker.gs_link import GlobalStoreLink
@@ -84,9 +84,9 @@ class SimWorker:
         try:
             await self.link.register(self.info, announce, deadline=clock.time() + 60)
             await self.home.start()
-            stats = {"memory_used": 0, "memory_capacity": 1 << 30, "artifacts": 0}
+            load = WorkerLoad(memory_capacity=1 << 30)
             self._tasks.append(asyncio.ensure_future(self.link.heartbeat_loop(
-                lambda: stats, lambda aid: None, lambda: self.link.register(self.info, announce, clock.time() + 5))))
+                lambda: load, lambda aid: None, lambda: self.link.register(self.info, announce, clock.time() + 5))))
         finally:
             PROCESS.reset(token)
 
