@@ -138,7 +138,7 @@ def load_over_tcp(url: str, files: list[str], bound: dict[str, Any], rank: int, 
                 assert start == pos and meta["dtype"] == "BF16", (name, start, pos, meta["dtype"])
                 if buf.numel() < stop - start:
                     buf = torch.empty(stop - start, dtype=torch.uint8)
-                _read_exact(resp, memoryview(buf.numpy())[: stop - start])
+                _read_exact(resp, memoryview(buf.numpy().data)[: stop - start])
                 full = buf[: stop - start].view(torch.bfloat16).view(meta["shape"])
                 part = shard_of(name, full, rank, world)
                 bound[name].copy_(part)

@@ -124,7 +124,7 @@ def bench_tensorcast(workers: int, page: int, n: int, reps: int, locations: str,
         # Lookups as an engine makes them (the sync client), through the asyncio client, and all asked.
         asked = AsyncKV(client.aio.caller, client.aio.locality,
                         msgspec.structs.replace(client.aio.config.kv, same_host_exists=False))
-        t_exists = timed(lambda: KV(client, kv).exists(probe), reps * 4)
+        t_exists = timed(lambda: KV(run, kv).exists(probe), reps * 4)
         t_exists_async = timed(lambda: run(kv.exists(probe)), reps * 4)
         t_exists_asked = timed(lambda: run(asked.exists(probe)), reps * 4)
         one = keys[:1]

@@ -110,10 +110,10 @@ class Prompts:
 
     def prefix(self, length: int, rnd: int, use: str) -> list[int]:
         seed = [length, rnd, zlib.crc32(use.encode())]
-        return np.random.default_rng(seed).integers(1, self.vocab - 1, length - PAGE).tolist()
+        return [int(t) for t in np.random.default_rng(seed).integers(1, self.vocab - 1, length - PAGE)]
 
     def question(self, i: int) -> list[int]:
-        return np.random.default_rng([7, i]).integers(1, self.vocab - 1, PAGE).tolist()
+        return [int(t) for t in np.random.default_rng([7, i]).integers(1, self.vocab - 1, PAGE)]
 
 
 def at_once(engines: list[EngineProcess], prompts: list[list[int]],
@@ -375,7 +375,8 @@ def goals(summary: list[dict[str, Any]], instances: list[int], lengths: list[int
     out: dict[str, Any] = {}
     for n in instances:
         rows = [s.get(which, {}) for s in summary if s["n"] == n]
-        longest = next((s.get(which, {}) for s in summary if s["n"] == n and s["length"] == max(lengths)), {})
+        longest: dict[str, Any] = next(
+            (s.get(which, {}) for s in summary if s["n"] == n and s["length"] == max(lengths)), {})
         red = longest.get("reduction_vs_recompute")
         mc = [s.get("tensorcast_over_mooncake") for s in rows]
         lh = [s.get("tensorcast_over_local_hit") for s in rows]
@@ -536,8 +537,8 @@ def main() -> None:
                   f"{r['reuse_ttft'][0][0]:.3f}s ({r['reuse_cached'][0][0]} tokens from its store)")
     met = {which: goals(summary, instances, lengths, which) for which in ("best", "median")}
     print("\nGoals (TensorCast; from the best-of values, then from the medians):")
-    for n, g in [(f"{n} {w}", g) for w in met for n, g in met[w].items()]:
-        print(f"  {n}: reduction at {max(lengths)} tokens {_pct(g['reduction_at_longest'])} vs recompute at the "
+    for label, g in [(f"{n} {w}", g) for w in met for n, g in met[w].items()]:
+        print(f"  {label}: reduction at {max(lengths)} tokens {_pct(g['reduction_at_longest'])} vs recompute at the "
               f"same concurrency ({_pct(g['reduction_at_longest_vs_alone'])} vs alone; goal >= 87.5%): "
               f"{_met(g['reduction_at_longest_ge_87.5pct'])}; no worse than Mooncake at every length (worst "
               f"{_x(g['worst_over_mooncake'])}): {_met(g['no_worse_than_mooncake_every_length'])}; within 1.5x of the "

@@ -27,7 +27,7 @@ import tensorcast as tc
 from benchlib import write_json
 from tensorcast.config import Config
 from tensorcast.kv.hrw import assignment
-from tensorcast.records import ArtifactInfo, TensorMeta, WorkerInfo
+from tensorcast.records import ArtifactInfo, TensorMeta, WorkerInfo, WorkerLoad
 from tensorcast.testing.etcd import EtcdCluster, etcd_binary
 from tensorcast.wire.caller import Caller
 from tensorcast.wire.kv_messages import AcquireShards, RenewShards, ShardGrants
@@ -64,8 +64,8 @@ async def _metadata_ops(address: str, n: int) -> dict[str, float]:
         "commit": lambda: caller.call(CommitArtifact(artifact=artifact(), worker_id="bench-w",
                                                      key=f"bench/{next(seq)}"), ArtifactReply),
         "get": lambda: caller.call(GetArtifact(key_or_id="bench/1"), ArtifactReply),
-        "heartbeat": lambda: caller.call(Heartbeat(worker_id="bench-w", incarnation=inc, memory_used=0,
-                                                   memory_capacity=1, artifacts=0), HeartbeatReply),
+        "heartbeat": lambda: caller.call(Heartbeat(worker_id="bench-w", incarnation=inc,
+                                                   load=WorkerLoad(memory_capacity=1)), HeartbeatReply),
         "renew 64 shards": lambda: caller.call(RenewShards(worker_id="bench-w", shards=shards, tokens=tokens,
                                                            ttl=60.0), ShardGrants),
     }

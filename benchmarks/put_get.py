@@ -36,6 +36,7 @@ Usage: python benchmarks/put_get.py [--quick] [--tls] [--json PATH] [--metrics o
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import statistics
 import time
@@ -62,7 +63,7 @@ def count(size: int, reps: int) -> int:
         if size <= 64 << 20 else 3
 
 
-def times(fn: Callable[[], object], reps: int, after: Callable[[object], object] = lambda _: None) -> list[float]:
+def times(fn: Callable[[], Any], reps: int, after: Callable[[Any], object] = lambda _: None) -> list[float]:
     """Wall times of ``reps`` calls of ``fn``; ``after`` gets each result, untimed (e.g. to delete it)."""
     out = []
     for _ in range(reps):
@@ -240,6 +241,10 @@ def show(rows: list[dict[str, float]], ray: dict[str, Any] | None, small: dict[s
         print("ray: not installed, no Ray columns (pip install .[bench])")
 
 
+def _read_one(client: Any, artifact_id: str) -> Any:
+    return client.artifact(artifact_id).tensor(like="numpy")
+
+
 def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     t0 = time.perf_counter()
     out = fn()
@@ -263,10 +268,9 @@ def measure_tls(sizes: list[int], reps: int) -> list[dict[str, float]]:
                     for name, c in clients.items():
                         for where, client in c.items():
                             new = fresh(data, next(counter))  # new content: nothing deduplicated
-                            t_put, art = _timed(lambda client=client: client.put(new))  # noqa: B023
+                            t_put, art = _timed(functools.partial(client.put, new))
                             client.delete(art.id)
-                            t_get, _ = _timed(lambda client=client, name=name: client.artifact(
-                                kept[name].id).tensor(like="numpy"))  # noqa: B023
+                            t_get, _ = _timed(functools.partial(_read_one, client, kept[name].id))
                             if i:  # the first: connections opened, mappings made
                                 got[(name, f"put_{where}")].append(t_put)
                                 got[(name, f"get_{where}")].append(t_get)

@@ -326,6 +326,7 @@ def compare(rows: list[dict[str, Any]], counts: tuple[int, ...]) -> list[str]:
         line = f"{n} sessions: lowest median TTFT {best['policy']} ({best['median_ttft_s'] * 1e3:.1f} ms)"
         ours = [r for r in at if r["policy"].startswith("tensorcast")]
         for r in ours if base is not None else []:
+            assert base is not None
             cut = 100 * (1 - r["median_ttft_s"] / base["median_ttft_s"])
             line += (f"; {r['policy']} vs load-aware+shared: median TTFT {r['median_ttft_s'] * 1e3:.1f} vs "
                      f"{base['median_ttft_s'] * 1e3:.1f} ms (cut {cut:+.1f}%; negative = slower), hit rate "

@@ -36,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import numpy as np
 
@@ -79,7 +80,7 @@ class RawStream:
         def one(lo: int, hi: int) -> None:
             s = socket.create_connection(("127.0.0.1", self.port))
             s.sendall(f"{lo} {hi}".encode().ljust(64))
-            view = memoryview(self.dest)[lo:hi]
+            view = memoryview(self.dest.data)[lo:hi]
             pos = 0
             while pos < len(view):
                 n = s.recv_into(view[pos:])
@@ -121,7 +122,7 @@ def raw_latencies(size: int, n: int) -> list[float]:
         assert proc.stdout is not None
         sock = socket.create_connection(("127.0.0.1", int(proc.stdout.readline())))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        view = memoryview(np.ones(size, np.uint8))
+        view = memoryview(np.ones(size, np.uint8).data)
         out = []
         for _ in range(n):
             t0 = time.perf_counter()
@@ -358,7 +359,7 @@ def main() -> None:
         print(f"\n{'read (other host), 64 MiB fp32':<36} {'ms':>8} {'vs whole':>9}")
         t_whole = best_of(lambda: remote.artifact(art.id).tensor("w", like="numpy")[:1024], reps)
         for dim in (0, 1):
-            def view(dim: int = dim) -> object:
+            def view(dim: int = dim) -> Any:
                 return remote.artifact(art.id).view(tp=tc.TP(0, 4), rules={"w": dim}).tensor("w", like="numpy")
 
             got = view()

@@ -202,7 +202,7 @@ class TensorCastSide:
         return out
 
     def engine(self, rank: str, command: str) -> dict[str, Any]:
-        return self.ctl.call_instance(rank, "engine", args={"command": command}, timeout=300).result
+        return dict(self.ctl.call_instance(rank, "engine", args={"command": command}, timeout=300).result)
 
     def active(self) -> int:
         versions = {self.engine(r, "weights.status")["active_version"] or 0 for r in self.ranks}
@@ -510,7 +510,7 @@ def main() -> None:
         default_updater([], "127.0.0.1")
 
     # ------------------------------------------------------------------ summary
-    summary = []
+    summary: list[dict[str, Any]] = []
     print(f"\nTime per update, from publish/save until every rank holds the new version; {model_desc}; "
           f"median [range] of {reps}. Speed-up = the default updater's time / this one's (above 1: faster).")
     print(f"{'TP':>3}  {'system':<44} {'seconds per update':>26} {'vs default (whole)':>22} "

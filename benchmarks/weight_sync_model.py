@@ -53,7 +53,7 @@ def layers_for(dims: dict[str, Any], target: int) -> int:
     """The fewest layers (at most the real model's) that make the model at least ``target`` bytes."""
     fixed = sum(math.prod(s) for s in qwen2_shapes(dims, 0).values()) * 2
     per = sum(math.prod(s) for s in qwen2_shapes(dims, 1).values()) * 2 - fixed
-    return max(1, min(dims["layers"], -(-(target - fixed) // per)))
+    return max(1, min(int(dims["layers"]), -(-(target - fixed) // per)))
 
 
 def nbytes_of(shape: tuple[int, ...]) -> int:
