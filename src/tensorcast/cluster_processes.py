@@ -188,17 +188,17 @@ def wait_settled(address: str, token: str | None, lease_ttl: float, timeout: flo
 
 async def _settle(caller: Caller, lease_ttl: float, timeout: float, gone: frozenset[str]) -> None:
     from tensorcast.kv.settle import live_homes, unsettled
-    from tensorcast.wire.kv_messages import ListShards, ShardTable
-    from tensorcast.wire.messages import ListWorkers, WorkerList
+    from tensorcast.wire.kv_messages import ListShards
+    from tensorcast.wire.messages import ListWorkers
 
     deadline = time.monotonic() + timeout
     while True:
         untraced = CallContext(trace_id="", deadline=time.time() + 10.0)
-        listed = await caller.call(ListWorkers(), WorkerList, untraced)
+        listed = await caller.call(ListWorkers(), untraced)
         workers = [w for w in listed.workers if w.worker_id not in gone]
         if not any("shard-home" in w.roles for w in workers):
             return
-        table = await caller.call(ListShards(), ShardTable, untraced)
+        table = await caller.call(ListShards(), untraced)
         homes = live_homes(workers, table.now, lease_ttl)
         left = unsettled(table.num_shards, table.leases, homes, table.now)
         if not left:

@@ -22,7 +22,7 @@ import numpy as np
 
 import tensorcast as tc
 from tensorcast.testing.etcd import EtcdCluster
-from tensorcast.wire.messages import ArtifactReply, GetArtifact
+from tensorcast.wire.messages import GetArtifact
 
 
 def _alive(pid: int) -> bool:
@@ -170,7 +170,7 @@ def test_up_runs_two_global_stores_on_etcd(tmp_path: Path, etcd_cluster: EtcdClu
             assert np.array_equal(client.artifact("up/etcd").tensor("x", like="numpy"), data)
             # The metadata is on etcd, not in one process: each global store answers for the key.
             for address in stores:
-                reply = client._run(client.aio.caller.call(GetArtifact(key_or_id="up/etcd"), ArtifactReply,
+                reply = client._run(client.aio.caller.call(GetArtifact(key_or_id="up/etcd"),
                                                            address=address))
                 assert reply.artifact.id == art.id, address
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -200,10 +201,10 @@ def spy_put_begins(monkeypatch: pytest.MonkeyPatch) -> list[PutBegin]:
     begun: list[PutBegin] = []
     call = client_puts._Put._call
 
-    async def spy(self: client_puts._Put, msg: object, expect: type) -> object:
+    async def spy(self: client_puts._Put, msg: Any) -> object:
         if isinstance(msg, PutBegin):
             begun.append(msg)
-        return await call(self, msg, expect)
+        return await call(self, msg)
 
     monkeypatch.setattr(client_puts._Put, "_call", spy)
     return begun

@@ -23,7 +23,7 @@ from tensorcast.kv.keys import KVLayout, page_keys, shard_of
 from tensorcast.testing import running_cluster, wait_shards_settled
 from tensorcast.testing.etcd import EtcdCluster
 from tensorcast.testing.tools import require_tool
-from tensorcast.wire.kv_messages import KVPut, KVPutReply, RenewShards, ShardGrants
+from tensorcast.wire.kv_messages import KVPut, RenewShards
 
 LAYOUT = KVLayout("etcd-model", layers=1, kv_heads=2, head_dim=32, dtype="float16", page_size=16)
 TTL, RENEW, HEARTBEAT = 2.0, 0.5, 0.5
@@ -190,11 +190,11 @@ def test_stale_fencing_tokens_rejected_after_etcd_leader_changes(etcd: EtcdClust
         page = page_for(key)
         with pytest.raises(StaleFencingToken):  # the old token, at the new holder
             c._run(c.aio.caller.call(KVPut(keys=(key,), sizes=(page.nbytes,), tokens={shard: old[shard].token}),
-                                     KVPutReply, address=now[shard].address, payload=memoryview(page)))
+                                     address=now[shard].address, payload=memoryview(page)))
         gs = tc.connect(cluster.gs_addresses[1])
         try:  # nor does any global store renew it
             reply = gs._run(gs.aio.caller.call(RenewShards(worker_id=paused, shards=(shard,),
-                                                            tokens=(old[shard].token,), ttl=TTL), ShardGrants))
+                                                            tokens=(old[shard].token,), ttl=TTL)))
             assert reply.leases == ()
         finally:
             gs.close()

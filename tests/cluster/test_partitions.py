@@ -21,7 +21,7 @@ from tensorcast.kv.keys import KVLayout, page_keys, shard_of
 from tensorcast.netns import ROOT, Hosts, netns_available
 from tensorcast.testing import running_cluster, wait_shards_settled
 from tensorcast.testing.tools import require_tool
-from tensorcast.wire.kv_messages import KVGet, KVGetReply, KVPut, KVPutReply
+from tensorcast.wire.kv_messages import KVGet, KVGetReply, KVPut
 
 LAYOUT = KVLayout("netns-model", layers=1, kv_heads=2, head_dim=32, dtype="float16", page_size=16)
 TTL, RENEW, DEAD_PEER = 3.0, 0.5, 3.0
@@ -64,7 +64,7 @@ def test_shard_home_cut_from_global_store_steps_down_first(cluster: LocalCluster
         home = mine[shard_of(keys[0], table.num_shards)].address
 
         def ask_w1() -> KVGetReply:
-            return c._run(c.aio.caller.call(KVGet(keys=tuple(keys), tokens=tokens), KVGetReply, address=home))
+            return c._run(c.aio.caller.call(KVGet(keys=tuple(keys), tokens=tokens), address=home))
 
         assert all(s >= 0 for s in ask_w1().sizes)
         cluster.net.partition(cluster.host_of("w1"), cluster.gs_host)  # type: ignore[union-attr]
@@ -87,7 +87,7 @@ def test_shard_home_cut_from_global_store_steps_down_first(cluster: LocalCluster
         # A write sent to it now is refused: nothing it took after stepping down can be read.
         page = page_for(keys[0], 1)
         with pytest.raises(StaleFencingToken):
-            c._run(c.aio.caller.call(KVPut(keys=(keys[0],), sizes=(page.nbytes,), tokens=tokens), KVPutReply,
+            c._run(c.aio.caller.call(KVPut(keys=(keys[0],), sizes=(page.nbytes,), tokens=tokens),
                                      address=home, payload=memoryview(page)))
         # Its shards move to w0 once they expire at the store, and so do their pages: w1, cut off from the store
         # but not from w0, hands them over (it stopped serving them; it still keeps them).

@@ -12,8 +12,7 @@ import pytest
 import tensorcast as tc
 from tensorcast.errors import InvalidArgument, ResourceExhausted
 from tensorcast.testing import running_cluster
-from tensorcast.wire.kv_messages import PageIndexGet, PageIndexPut, PageIndexReply
-from tensorcast.wire.messages import Ack
+from tensorcast.wire.kv_messages import PageIndexGet, PageIndexPut
 
 LIVENESS = 2.0  # gs.worker_liveness_timeout here
 BOUNDS = {"gs.page_index": "true", "gs.page_index_max_keys": 4096, "gs.page_index_max_entries": 2000,
@@ -21,11 +20,11 @@ BOUNDS = {"gs.page_index": "true", "gs.page_index_max_keys": 4096, "gs.page_inde
 
 
 def index_put(client: tc.Client, keys: list[str]) -> None:
-    client._run(client.aio.caller.call(PageIndexPut(keys=tuple(keys), worker_id="w0"), Ack))
+    client._run(client.aio.caller.call(PageIndexPut(keys=tuple(keys), worker_id="w0")))
 
 
 def index_get(client: tc.Client, keys: list[str]) -> list[str]:
-    reply = client._run(client.aio.caller.call(PageIndexGet(keys=tuple(keys)), PageIndexReply))
+    reply = client._run(client.aio.caller.call(PageIndexGet(keys=tuple(keys))))
     return list(reply.holders)
 
 

@@ -29,7 +29,7 @@ class _Caller:
     def __init__(self) -> None:
         self.beats = 0
 
-    async def call(self, msg: Any, expect: type, ctx: Any = None, **kw: Any) -> Any:
+    async def call(self, msg: Any, ctx: Any = None, **kw: Any) -> Any:
         assert isinstance(msg, Heartbeat)
         self.beats += 1
         return HeartbeatReply(drop=(), reregister=False)

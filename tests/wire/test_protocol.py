@@ -103,3 +103,24 @@ def test_unsolicited_payload_is_consumed_and_rejected(secured: LocalCluster) -> 
     env, msg = peer.recv()
     assert isinstance(msg, WorkerList)
     peer.close()
+
+
+def test_each_request_declares_its_reply_once_and_the_tables_derive_from_it() -> None:
+    from tensorcast.wire import messages
+    from tensorcast.wire.protocol import IDEMPOTENT, MESSAGE_TYPES, REPLY_TO, REQUESTS
+
+    assert REQUESTS and set(REPLY_TO) == set(REQUESTS)
+    assert all(reply in MESSAGE_TYPES and not issubclass(reply, messages.Request) for reply in REPLY_TO.values())
+    assert REPLY_TO[messages.GetArtifact] is messages.ArtifactReply  # a forward reference, resolved
+    assert messages.GetArtifact in IDEMPOTENT and messages.PutBegin not in IDEMPOTENT
+    assert messages.Request not in MESSAGE_TYPES and messages.Msg not in MESSAGE_TYPES
+
+    class Undeclared(messages.Msg):
+        pass
+
+    class NoReply(messages.Request):  # type: ignore[type-arg]
+        pass
+
+    assert Undeclared not in MESSAGE_TYPES  # defined elsewhere: not on the wire
+    with pytest.raises(TypeError, match="declares no reply type"):
+        NoReply.reply_type()

@@ -42,23 +42,18 @@ from tensorcast.transport.registry import make_transport
 from tensorcast.views import TP, TPRules
 from tensorcast.wire.caller import Caller
 from tensorcast.wire.connection import ConnectionLost, NotSent
-from tensorcast.wire.kv_messages import GSStats, GSStatsReply, ListShards, ShardTable
+from tensorcast.wire.kv_messages import GSStats, ListShards, ShardTable
 from tensorcast.wire.messages import (
-    ArtifactList,
-    ArtifactReply,
     DeleteArtifact,
     GetArtifact,
     InstanceCall,
-    InstanceList,
     InstanceReply,
     ListArtifacts,
     ListInstances,
     ListWorkers,
-    PlanResult,
     Prefetched,
     RegisterCheckpoint,
     RunPlan,
-    WorkerList,
 )
 
 __all__ = ["AsyncArtifact", "AsyncClient", "AsyncView", "connect"]
@@ -175,7 +170,7 @@ class AsyncClient:
         gateway cannot be reached."""
         address = None if on is None else await self.workers.address(on)
         msg = RegisterCheckpoint(path=str(Path(path).absolute()), key=key, verify_checksums=verify_checksums)
-        reply = await self.caller.call(msg, ArtifactReply, self.caller.context(timeout), address=address)
+        reply = await self.caller.call(msg, self.caller.context(timeout), address=address)
         return AsyncArtifact(self, reply.artifact, key)
 
     async def prefetch(self, key_or_id: str, to: str, **options: Unpack[PrefetchOptions]) -> Prefetched:
@@ -185,13 +180,13 @@ class AsyncClient:
         asked for."""
         if ARTIFACT_ID_RE.match(key_or_id) and not wants_view(options):
             msg = prefetch_request(key_or_id, to, options)
-            return await self.workers.send(to, msg, Prefetched, self.caller.context(options.get("timeout")))
+            return await self.workers.send(to, msg, self.caller.context(options.get("timeout")))
         art = await self.artifact(key_or_id, timeout=options.get("timeout"))
         return await art.prefetch(to, **options)
 
     async def artifact(self, key_or_id: str, *, timeout: float | None = None) -> AsyncArtifact:
         """The artifact a key points at (a handle of that key), or with this id; ``NotFound`` otherwise."""
-        reply = await self.caller.call(GetArtifact(key_or_id=key_or_id), ArtifactReply, self.caller.context(timeout))
+        reply = await self.caller.call(GetArtifact(key_or_id=key_or_id), self.caller.context(timeout))
         return AsyncArtifact(self, reply.artifact, None if ARTIFACT_ID_RE.match(key_or_id) else key_or_id)
 
     async def ls(self, prefix: str = "", *, limit: int | None = None) -> list[AsyncArtifact]:
@@ -204,7 +199,7 @@ class AsyncClient:
         after = ""
         while limit is None or len(out) < limit:
             page = min(_LS_PAGE, _LS_PAGE if limit is None else limit - len(out))
-            reply = await self.caller.call(ListArtifacts(prefix=prefix, limit=page, after=after), ArtifactList)
+            reply = await self.caller.call(ListArtifacts(prefix=prefix, limit=page, after=after))
             entries = zip(reply.artifacts, reply.entry_keys, strict=True)
             out += [AsyncArtifact(self, info, key or None) for info, key in entries][:page]
             if not reply.next:
@@ -219,11 +214,11 @@ class AsyncClient:
 
     async def list_workers(self) -> list[WorkerInfo]:
         """Signal: every worker's roles, memory/disk use, network pressure and liveness (one GS read)."""
-        return list((await self.caller.call(ListWorkers(), WorkerList)).workers)
+        return list((await self.caller.call(ListWorkers())).workers)
 
     async def list_instances(self) -> list[InstanceInfo]:
         """Signal: every instance's home worker, load (running/waiting, KV tokens) and liveness."""
-        return list((await self.caller.call(ListInstances(), InstanceList)).instances)
+        return list((await self.caller.call(ListInstances())).instances)
 
     async def call_instance(self, instance_id: str, op: str, *, request_id: str = "",
                             artifacts: Sequence[str] = (), args: Mapping[str, Any] | None = None,
@@ -231,16 +226,16 @@ class AsyncClient:
         """Run one instance operation (publish, hydrate, transform_into, or an engine command) now."""
         msg = InstanceCall(instance_id=instance_id, op=op, request_id=request_id, artifacts=tuple(artifacts),
                            args=dict(args or {}))
-        return await self.caller.call(msg, InstanceReply, self.caller.context(timeout))
+        return await self.caller.call(msg, self.caller.context(timeout))
 
     async def list_shards(self) -> ShardTable:
         """Signal: the KV shard leases (holder, fencing token, expiry; ``now`` is the store's clock)."""
-        return await self.caller.call(ListShards(), ShardTable)
+        return await self.caller.call(ListShards())
 
     async def metrics_urls(self) -> dict[str, str]:
         """Where every process serves Prometheus metrics: "gs" (whose root is also the dashboard), each worker
         and each instance, by id. Processes with metrics off are left out."""
-        stats, workers, instances = await asyncio.gather(self.caller.call(GSStats(), GSStatsReply),
+        stats, workers, instances = await asyncio.gather(self.caller.call(GSStats()),
                                                          self.list_workers(), self.list_instances())
         # The answering global store is "gs"; any others (on one etcd) are "gs@ADDRESS".
         others = {f"gs@{a}": url for a, url in stats.stores.items() if url != stats.metrics_url}
@@ -284,7 +279,7 @@ class AsyncClient:
 
     async def run_plan(self, spec: RunPlan, ctx: CallContext | None = None) -> PlanOutcome:
         """Run a built plan (``plan.spec()``) on the gateway and wait for its outcome."""
-        return PlanOutcome(await self.caller.call(spec, PlanResult, self.caller.context(None, ctx)))
+        return PlanOutcome(await self.caller.call(spec, self.caller.context(None, ctx)))
 
 
 async def connect(address: str | Sequence[str], token: str | None = None, *,

@@ -47,7 +47,7 @@ from tensorcast.weights.group import FETCH_MODES
 from tensorcast.weights.rules import rules_for
 from tensorcast.weights.swap_state import NOOP, READY, Staged, SwapState
 from tensorcast.weights.versions import VERSION_TENSOR, check_holder, check_model, check_version, version_key
-from tensorcast.wire.messages import ArtifactReply, GetArtifact
+from tensorcast.wire.messages import GetArtifact
 
 __all__ = ["STAGING", "AsyncBinding", "SwapReport", "resolve_rules"]
 
@@ -229,7 +229,7 @@ class AsyncBinding:
         t0 = time.perf_counter()
         await self.uses.hold(version, ctx)  # before resolving: collection keeps it from now on
         key = version_key(self.model, version)
-        info = (await self.client.caller.call(GetArtifact(key_or_id=key), ArtifactReply, ctx)).artifact
+        info = (await self.client.caller.call(GetArtifact(key_or_id=key), ctx)).artifact
         jobs, held, regions = self._plan(info, version)
         report = SwapReport(version, swap_id, "prepared", changed=len(jobs), unchanged=len(held) - len(jobs))
         tensors: dict[Key, Any] = {}

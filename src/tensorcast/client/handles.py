@@ -32,10 +32,7 @@ from tensorcast.records import ArtifactInfo, SliceSpec
 from tensorcast.views import TP, TPRules, sliced_shape, view_artifact_id
 from tensorcast.wire.caller import Caller
 from tensorcast.wire.messages import (
-    Ack,
-    ArtifactReply,
     DeleteArtifact,
-    Deleted,
     Evict,
     GetArtifact,
     Prefetched,
@@ -57,7 +54,7 @@ class HandleClient(Protocol):
 
 async def deleted(client: HandleClient, msg: DeleteArtifact | ReleaseLease) -> Deletion:
     """Send a delete or a lease release; when the content went, forget the places this client kept for it."""
-    done = await client.caller.call(msg, Deleted)
+    done = await client.caller.call(msg)
     if done.removed:
         client.reader.kept.forget(done.artifact_id)
     return Deletion(done.artifact_id, done.removed, done.keys)
@@ -78,7 +75,7 @@ class AsyncView:
         Cold: slice the parent where its replica lives."""
         client = self.artifact.client
         try:
-            info = (await client.caller.call(GetArtifact(key_or_id=self.view_id), ArtifactReply)).artifact
+            info = (await client.caller.call(GetArtifact(key_or_id=self.view_id))).artifact
             if any(r.alive for r in info.replicas):
                 out, self.last_diagnostics = await client.reader.materialize(info, names, like, None, source, device)
                 self.artifact._view_sources[self.view_id] = info, None
@@ -210,14 +207,14 @@ class AsyncArtifact(ArtifactBase):
         elif rules is not None:
             raise InvalidArgument("rules= takes effect with tp=TP(rank, world_size)")
         ctx = self.client.caller.context(options.get("timeout"))
-        done = await self.client.workers.send(to, msg, Prefetched, ctx)
+        done = await self.client.workers.send(to, msg, ctx)
         if msg.view is None and done.artifact is not None:
             self.info = done.artifact  # reads through this handle see the new replica
         return done
 
     async def evict(self, on: str) -> None:
         """Drop worker ``on``'s memory replica (a cache decision; its disk copy, if any, stays)."""
-        await self.client.caller.call(Evict(artifact_id=self.id, worker_id=on), Ack)
+        await self.client.caller.call(Evict(artifact_id=self.id, worker_id=on))
         self.client.reader.kept.forget(self.id, on)
 
     async def pin(self, on: str, ttl: float | None = None) -> Prefetched:
@@ -225,14 +222,14 @@ class AsyncArtifact(ArtifactBase):
         return await self.prefetch(on, pin=True, pin_ttl=ttl)
 
     async def unpin(self, on: str) -> None:
-        await self.client.caller.call(Unpin(artifact_id=self.id, worker_id=on), Ack)
+        await self.client.caller.call(Unpin(artifact_id=self.id, worker_id=on))
 
     async def renew(self, ttl: float) -> AsyncArtifact:
         """Extend this handle's lease (its key's; without a key, that of puts without one) to ``ttl`` seconds
         from now. ``InvalidArgument`` if that reference is permanent (put without a ttl)."""
         check_ttl(ttl)
         msg = RenewLease(artifact_id=self.id, ttl=ttl, key=self.own_key)
-        self.info = (await self.client.caller.call(msg, ArtifactReply)).artifact
+        self.info = (await self.client.caller.call(msg)).artifact
         return self
 
     async def release(self) -> Deletion:
@@ -241,5 +238,5 @@ class AsyncArtifact(ArtifactBase):
         return await deleted(self.client, ReleaseLease(artifact_id=self.id, key=self.own_key))
 
     async def refresh(self) -> AsyncArtifact:
-        self.info = (await self.client.caller.call(GetArtifact(key_or_id=self.id), ArtifactReply)).artifact
+        self.info = (await self.client.caller.call(GetArtifact(key_or_id=self.id))).artifact
         return self

@@ -33,18 +33,14 @@ from tensorcast.wire.caller import Caller
 from tensorcast.wire.kv_messages import (
     KVCommit,
     KVExists,
-    KVExistsReply,
     KVGet,
     KVGetReply,
     KVPut,
-    KVPutReply,
     KVRelease,
     PageIndexGet,
     PageIndexPut,
-    PageIndexReply,
     ShardTable,
 )
-from tensorcast.wire.messages import Ack
 
 __all__ = ["AsyncKV"]
 
@@ -141,7 +137,7 @@ class AsyncKV:
         leases = self._take_leases(address)
         if leases:
             with contextlib.suppress(TensorCastError):
-                await self.caller.call(KVRelease(leases=leases), Ack, address=address)
+                await self.caller.call(KVRelease(leases=leases), address=address)
 
     async def aclose(self) -> None:
         """Hand back the read leases still held, then unmap the homes' arenas."""
@@ -151,7 +147,7 @@ class AsyncKV:
             leases = self._take_leases(address)
             if leases:
                 with contextlib.suppress(TensorCastError, OSError):
-                    await self.caller.call(KVRelease(leases=leases), Ack, address=address)
+                    await self.caller.call(KVRelease(leases=leases), address=address)
         self.close()
 
     def close(self) -> None:
@@ -197,7 +193,7 @@ class AsyncKV:
         if self._local(address):
             msg = KVPut(keys=tuple(keys), sizes=tuple(v.nbytes for v in views), tokens=tokens, ttl=ttl,
                         same_host=True)
-            reserved = await self.caller.call(msg, KVPutReply, self._ctx(), address=address)
+            reserved = await self.caller.call(msg, self._ctx(), address=address)
             slots = self._arenas.views(reserved.slots, address)
             await copy_pairs([(slot, v) for slot, v in zip(slots, views, strict=True) if slot is not None])
             return await self._commit(address, reserved.reservation, msg)
@@ -206,7 +202,7 @@ class AsyncKV:
             if i == len(keys) or (i > start and size + views[i].nbytes > self.config.max_batch_bytes):
                 msg = KVPut(keys=tuple(keys[start:i]), sizes=tuple(v.nbytes for v in views[start:i]),
                             tokens=tokens, ttl=ttl)
-                reply = await self.caller.call(msg, KVPutReply, self._ctx(), address=address,
+                reply = await self.caller.call(msg, self._ctx(), address=address,
                                                payload=views[start:i])
                 stored += reply.stored
                 start, size = i, 0
@@ -216,7 +212,7 @@ class AsyncKV:
 
     async def _commit(self, address: str, reservation: str, msg: KVPut) -> int:
         reply = await self.caller.call(KVCommit(reservation=reservation, keys=msg.keys, tokens=msg.tokens),
-                                       KVPutReply, self._ctx(), address=address)
+                                       self._ctx(), address=address)
         return reply.stored
 
     async def put_blocks(self, keys: Sequence[str], blocks: Any, regions: BlockRegions, *,
@@ -242,7 +238,7 @@ class AsyncKV:
                 return
             msg = KVPut(keys=tuple(ks), sizes=(regions.page_bytes,) * len(ks), tokens=tokens, ttl=ttl,
                         same_host=True)
-            reserved = await self.caller.call(msg, KVPutReply, self._ctx(), address=address)
+            reserved = await self.caller.call(msg, self._ctx(), address=address)
             self._arenas.from_blocks(reserved.slots, address, regions, ids[idx])
             n = await self._commit(address, reserved.reservation, msg)
             stored += n
@@ -359,7 +355,7 @@ class AsyncKV:
                     got.append(pos)
             return [memoryview(staging[pos]) for pos in got]
 
-        await self.caller.call(KVGet(keys=keys, tokens=tokens), KVGetReply, self._ctx(), address=address, sink=sink)
+        await self.caller.call(KVGet(keys=keys, tokens=tokens), self._ctx(), address=address, sink=sink)
         if got:
             regions.scatter(ids[got], staging if len(got) == len(keys) else staging[got])
         return got
@@ -368,7 +364,7 @@ class AsyncKV:
         """A same-host KVGet: the reply names the slots of the hits, held under a read lease that the caller
         hands back (``_lease_done``) once it has copied them. Leases done with earlier go back with it."""
         msg = KVGet(keys=keys, tokens=tokens, same_host=True, release=self._take_leases(address))
-        return await self.caller.call(msg, KVGetReply, self._ctx(), address=address)
+        return await self.caller.call(msg, self._ctx(), address=address)
 
     async def _get(self, address: str, keys: list[str], tokens: dict[int, int],
                    sink: Callable[[Any], list[memoryview]]) -> None:
@@ -376,7 +372,7 @@ class AsyncKV:
         the reply names the slots and this process copies from them, then hands the read lease back."""
         ks = tuple(keys)
         if not self._local(address):
-            await self.caller.call(KVGet(keys=ks, tokens=tokens), KVGetReply, self._ctx(), address=address,
+            await self.caller.call(KVGet(keys=ks, tokens=tokens), self._ctx(), address=address,
                                    sink=sink)
             return
         reply = await self._get_local(address, ks, tokens)
@@ -427,7 +423,7 @@ class AsyncKV:
         async def probe(address: str, idx: list[int], tokens: dict[int, int]) -> None:
             ks = tuple(sub) if len(idx) == len(sub) else tuple(sub[j] for j in idx)
             self.exists_requests += 1
-            reply = await self.caller.call(KVExists(keys=ks, tokens=tokens), KVExistsReply, self._ctx(),
+            reply = await self.caller.call(KVExists(keys=ks, tokens=tokens), self._ctx(),
                                            address=address)
             if len(reply.present) != len(idx):
                 raise InvalidArgument(f"{address} answered {len(reply.present)} flags for {len(idx)} keys")
@@ -443,7 +439,7 @@ class AsyncKV:
 
     # ----------------------------------------------------------------- benchmark switch
     async def _index_put(self, keys: Sequence[str]) -> None:
-        await self.caller.call(PageIndexPut(keys=tuple(keys), worker_id="kv"), Ack)
+        await self.caller.call(PageIndexPut(keys=tuple(keys), worker_id="kv"))
 
     async def _index_get(self, keys: Sequence[str]) -> None:
-        await self.caller.call(PageIndexGet(keys=tuple(keys)), PageIndexReply)
+        await self.caller.call(PageIndexGet(keys=tuple(keys)))

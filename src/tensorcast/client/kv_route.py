@@ -94,7 +94,7 @@ class KVRouter:
         """Catch up with the lease table: the changes since the last refresh (the whole table the first time,
         or when the answering global store is another one)."""
         since, epoch = (self._table.revision, self._table.epoch) if self._table is not None else (0, "")
-        table = await self.caller.call(ListShards(since=since, epoch=epoch), ShardTable, ctx)
+        table = await self.caller.call(ListShards(since=since, epoch=epoch), ctx)
         self._table = table
         if table.full:
             self._by_shard = {}

@@ -50,7 +50,7 @@ from tensorcast.weights.versions import (
 )
 from tensorcast.wire.caller import Caller
 from tensorcast.wire.connection import ConnectionLost, NotSent
-from tensorcast.wire.messages import ArtifactList, DeleteArtifact, Deleted, ListArtifacts
+from tensorcast.wire.messages import DeleteArtifact, ListArtifacts
 
 __all__ = ["AsyncWeightPublisher", "ClientPort", "Published", "list_keys", "list_versions", "wait_newer"]
 
@@ -96,7 +96,7 @@ async def list_keys(caller: Caller, prefix: str, ctx: CallContext | None = None)
     out: dict[str, ArtifactInfo] = {}
     after = ""
     while True:
-        reply = await caller.call(ListArtifacts(prefix=prefix, limit=_PAGE, after=after), ArtifactList, ctx)
+        reply = await caller.call(ListArtifacts(prefix=prefix, limit=_PAGE, after=after), ctx)
         out.update({k: info for info, k in zip(reply.artifacts, reply.entry_keys, strict=True) if k})
         if not reply.next:
             return out
@@ -252,7 +252,7 @@ class AsyncWeightPublisher:
             # By key: a version's bytes go only when no other key (another version or model, a user's alias)
             # or lease still refers to them.
             with contextlib.suppress(NotFound):  # deleted meanwhile (another publisher's GC)
-                await self.client.caller.call(DeleteArtifact(key_or_id=version_key(self.model, n)), Deleted, ctx)
+                await self.client.caller.call(DeleteArtifact(key_or_id=version_key(self.model, n)), ctx)
         return doomed
 
     async def gc(self, *, timeout: float | None = None) -> tuple[int, ...]:

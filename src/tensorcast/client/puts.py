@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from tensorcast.checksums import ChunkCorrupted
 from tensorcast.client.locality import Locality
@@ -31,7 +31,7 @@ from tensorcast.pool.segments import SegmentGone, write_at
 from tensorcast.records import ArtifactInfo, Placement
 from tensorcast.tensors import TensorInput, digest_bytes
 from tensorcast.wire.caller import Caller
-from tensorcast.wire.messages import Ack, PutAbort, PutBegin, PutCommit, PutData, PutDone, PutPlan
+from tensorcast.wire.messages import PutAbort, PutBegin, PutCommit, PutData, PutPlan, Request
 
 __all__ = ["PUT_DATA_ATTEMPTS", "put_tensors"]
 
@@ -46,7 +46,7 @@ _INLINE_PUT_BYTES = 256 << 10
 # Same-host puts with at least this many bytes not hashed yet hash them while they write them (PutBegin's
 # digests_later); below this, both run on the event loop one after the other (a thread hop costs more).
 _HASH_WHILE_WRITING_BYTES = _INLINE_WRITE_BYTES
-T = TypeVar("T")
+R = TypeVar("R")
 log = logging.getLogger("tensorcast.client")
 _LATE_ABORTS: set[asyncio.Task[None]] = set()
 
@@ -87,14 +87,14 @@ class _Put:
         self.caller, self.writer, self.address, self.inputs, self.ctx = caller, writer, address, inputs, ctx
         self.key, self.ttl, self.policy = key, ttl, policy
 
-    async def _call(self, msg: Any, expect: type[T]) -> T:
-        return await self.caller.call(msg, expect, self.ctx, address=self.address)
+    async def _call(self, msg: Request[R]) -> R:
+        return await self.caller.call(msg, self.ctx, address=self.address)
 
     async def _begin_put(self, msg: PutBegin) -> PutPlan:
         """``PutBegin``, whose answer reserves room on the worker. A caller cancelled before the answer came
         does not leave that room reserved until the worker reclaims the put (``worker.put_timeout``,
         minutes): the answer is still awaited, off the caller's path, and the put aborted."""
-        answer = asyncio.ensure_future(self._call(msg, PutPlan))
+        answer = asyncio.ensure_future(self._call(msg))
         try:
             return await asyncio.shield(answer)
         except asyncio.CancelledError:
@@ -118,7 +118,7 @@ class _Put:
         msg = PutBegin(tensors=tuple(t.meta_without_digest(t.digest) for t in self.inputs), key=self.key,
                        ttl=self.ttl, same_host=same_host, placement=self.policy, inline=True)
         payload = [memoryview(t.data) for t in self.inputs if t.nbytes]  # type: ignore[arg-type]
-        plan = await self.caller.call(msg, PutPlan, self.ctx, address=self.address, payload=payload or None)
+        plan = await self.caller.call(msg, self.ctx, address=self.address, payload=payload or None)
         if plan.artifact is None:
             raise InternalError(f"{self.address} answered an inline put without its record")
         return plan.artifact
@@ -181,7 +181,7 @@ class _Put:
         try:
             if not plan.exists:
                 await transfer()
-            done = await self._call(PutCommit(put_id=plan.put_id, digests=digests()), PutDone)
+            done = await self._call(PutCommit(put_id=plan.put_id, digests=digests()))
         except BaseException:
             await _abort(self.caller, plan.put_id, self.address)
             raise
@@ -192,7 +192,7 @@ async def _send(caller: Caller, address: str, msg: PutData, data: memoryview, ct
     """One tensor's bytes as a checksummed payload; sent again (same offset) while chunks arrive corrupted."""
     for attempt in range(PUT_DATA_ATTEMPTS):
         try:
-            await caller.call(msg, Ack, ctx, address=address, payload=data)
+            await caller.call(msg, ctx, address=address, payload=data)
             return
         except ChunkCorrupted:
             if attempt == PUT_DATA_ATTEMPTS - 1:
@@ -202,7 +202,7 @@ async def _send(caller: Caller, address: str, msg: PutData, data: memoryview, ct
 async def _abort(caller: Caller, put_id: str, address: str) -> None:
     # Best effort: the worker reclaims abandoned puts after worker.put_timeout anyway.
     with contextlib.suppress(TensorCastError, asyncio.CancelledError):
-        await caller.call(PutAbort(put_id=put_id), Ack, CallContext().with_timeout(5.0), address=address)
+        await caller.call(PutAbort(put_id=put_id), CallContext().with_timeout(5.0), address=address)
 
 
 async def _hash(inputs: list[TensorInput]) -> None:

@@ -44,9 +44,7 @@ from tensorcast.views import apply_slices, byte_range, sliced_shape
 from tensorcast.wire.caller import Caller
 from tensorcast.wire.messages import (
     MAX_REPORTED_READS,
-    Ack,
     DataRequest,
-    Mapped,
     MapTensors,
     ReadCount,
     ReportReads,
@@ -206,7 +204,7 @@ class Reader:
             diag.transport = "shared-memory"
             return out
         msg = MapTensors(artifact_id=info.id, names=names, tier=replica.tier, device=device if want_ipc else "")
-        mapped = await self.caller.call(msg, Mapped, ctx, address=replica.address)
+        mapped = await self.caller.call(msg, ctx, address=replica.address)
         if want_ipc and len(mapped.cuda_ipc) == len(names):
             diag.transport = "cuda-ipc"
             return {n: import_handle(h) for n, h in zip(names, mapped.cuda_ipc, strict=True)}
@@ -269,7 +267,7 @@ class Reader:
             msg = ReportReads(reads=tuple(ReadCount(artifact_id=a, reads=n, nbytes=b)
                                           for a, n, b in reads[at : at + MAX_REPORTED_READS]))
             try:
-                await self.caller.call(msg, Ack, ctx, address=address)
+                await self.caller.call(msg, ctx, address=address)
             except TensorCastError as exc:  # advisory: a lost report costs the worker uses and metrics, no bytes
                 log.debug("read report to %s failed: %s", address, exc)
                 return

@@ -25,7 +25,7 @@ from tensorcast.context import CallContext
 from tensorcast.records import ArtifactInfo, SliceSpec, WorkerInfo
 from tensorcast.views import view_artifact_id
 from tensorcast.wire.caller import Caller
-from tensorcast.wire.messages import ArtifactReply, GetArtifact, Prefetch, Prefetched
+from tensorcast.wire.messages import GetArtifact, Prefetch
 
 __all__ = ["GROUP_MIN_BYTES", "MAX_GROUPS", "Job", "StageStats", "groups_of", "stage"]
 
@@ -82,7 +82,7 @@ class _Fetch:
         """Have ``via`` hold the whole version (a no-op where it does); from then on this host has it."""
         assert self.via is not None
         msg = Prefetch(artifact_id=self.info.id, worker_id=self.via.worker_id)
-        done = await self.client.caller.call(msg, Prefetched, self.ctx, address=self.via.address)
+        done = await self.client.caller.call(msg, self.ctx, address=self.via.address)
         self.stats.fetched_bytes += done.bytes_moved
         if done.artifact is not None:
             self.info = done.artifact
@@ -103,9 +103,9 @@ class _Fetch:
         view_id = view_artifact_id(self.info.id, slices)
         msg = Prefetch(artifact_id=self.info.id, worker_id=self.via.worker_id, view=slices, view_id=view_id,
                        view_meta=self.meta)
-        done = await caller.call(msg, Prefetched, self.ctx, address=self.via.address)
+        done = await caller.call(msg, self.ctx, address=self.via.address)
         self.stats.fetched_bytes += done.bytes_moved
-        view = (await caller.call(GetArtifact(key_or_id=view_id), ArtifactReply, self.ctx)).artifact
+        view = (await caller.call(GetArtifact(key_or_id=view_id), self.ctx)).artifact
         out, _ = await reader.materialize(view, names, self.like, None, "local_only", ctx=self.ctx)
         return dict(out)
 

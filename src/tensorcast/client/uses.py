@@ -19,7 +19,7 @@ from tensorcast.client.publisher import ClientPort
 from tensorcast.context import CallContext
 from tensorcast.errors import NotFound, TensorCastError
 from tensorcast.weights.versions import use_key, use_tag
-from tensorcast.wire.messages import ArtifactReply, Deleted, ReleaseLease, RenewLease
+from tensorcast.wire.messages import ReleaseLease, RenewLease
 
 __all__ = ["UseRecords"]
 
@@ -52,7 +52,7 @@ class UseRecords:
             aid = self.ids.pop(version)
             with contextlib.suppress(TensorCastError):
                 await self.client.caller.call(
-                    ReleaseLease(artifact_id=aid, key=use_key(self.model, version, self.holder)), Deleted,
+                    ReleaseLease(artifact_id=aid, key=use_key(self.model, version, self.holder)),
                     CallContext().with_timeout(10.0))
 
     async def renew(self) -> None:
@@ -61,7 +61,7 @@ class UseRecords:
             try:
                 await self.client.caller.call(
                     RenewLease(artifact_id=aid, ttl=self.ttl, key=use_key(self.model, version, self.holder)),
-                    ArtifactReply, CallContext().with_timeout(max(1.0, self.ttl / 3)))
+                    CallContext().with_timeout(max(1.0, self.ttl / 3)))
             except NotFound:
                 log.warning("use record of %s version %d for %s was lost: recording it again", self.model,
                             version, self.holder)

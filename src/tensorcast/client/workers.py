@@ -9,17 +9,17 @@ listing as a signal (``AsyncClient.list_workers``).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from tensorcast.context import CallContext
 from tensorcast.errors import NotFound, Unavailable, clip
 from tensorcast.records import WorkerInfo
 from tensorcast.wire.caller import Caller
-from tensorcast.wire.messages import ListWorkers, WorkerList
+from tensorcast.wire.messages import ListWorkers, Request
 
 __all__ = ["WorkerDirectory"]
 
-T = TypeVar("T")
+R = TypeVar("R")
 
 
 class WorkerDirectory:
@@ -33,20 +33,20 @@ class WorkerDirectory:
     async def address(self, worker_id: str) -> str:
         """Worker ``worker_id``'s address (listed again if it is not known); ``NotFound`` if there is none."""
         if worker_id not in self.known:
-            self.learn((await self.caller.call(ListWorkers(), WorkerList)).workers)
+            self.learn((await self.caller.call(ListWorkers())).workers)
         try:
             return self.known[worker_id].address
         except KeyError:
             raise NotFound(f"no worker {clip(worker_id)}") from None
 
-    async def send(self, worker_id: str, msg: Any, expect: type[T], ctx: CallContext) -> T:
+    async def send(self, worker_id: str, msg: Request[R], ctx: CallContext) -> R:
         """A request about worker ``worker_id``, sent to it directly when its address is known (one hop fewer
         than through the gateway, which routes it there too); else, or if it moved, through the gateway."""
         address = self.known[worker_id].address if worker_id in self.known else ""
         if address and address != self.caller.address:
             try:
-                return await self.caller.call(msg, expect, ctx, address=address)
+                return await self.caller.call(msg, ctx, address=address)
             except Unavailable:
                 self.known.pop(worker_id, None)
                 await self.caller.drop(address)
-        return await self.caller.call(msg, expect, ctx)
+        return await self.caller.call(msg, ctx)

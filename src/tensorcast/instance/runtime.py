@@ -32,7 +32,7 @@ from tensorcast.obs import metrics, tracing
 from tensorcast.obs.http import HttpServer
 from tensorcast.obs.metrics import Sample
 from tensorcast.records import InstanceInfo
-from tensorcast.wire.messages import Ack, InstanceCall, InstanceHeartbeat, InstanceReply, RegisterInstance
+from tensorcast.wire.messages import InstanceCall, InstanceHeartbeat, InstanceReply, RegisterInstance
 from tensorcast.wire.rpc import HandlerRegistry, Request, RpcServer
 
 __all__ = ["EngineKV", "InstanceRuntime", "serve"]
@@ -123,7 +123,7 @@ class InstanceRuntime:
                             running=load.running, waiting=load.waiting, kv_tokens_used=load.kv_tokens_used,
                             kv_tokens_capacity=load.kv_tokens_capacity, engine=self.adaptor.engine,
                             metrics_url=self.metrics_url)
-        await self._client.caller.call(RegisterInstance(instance=info), Ack, CallContext().with_timeout(10))
+        await self._client.caller.call(RegisterInstance(instance=info), CallContext().with_timeout(10))
 
     async def _heartbeat_loop(self) -> None:
         assert self._client is not None
@@ -133,7 +133,7 @@ class InstanceRuntime:
             try:
                 await self._client.caller.call(InstanceHeartbeat(
                     instance_id=self.instance_id, running=load.running, waiting=load.waiting,
-                    kv_tokens_used=load.kv_tokens_used, kv_tokens_capacity=load.kv_tokens_capacity), Ack,
+                    kv_tokens_used=load.kv_tokens_used, kv_tokens_capacity=load.kv_tokens_capacity),
                     CallContext().with_timeout(max(2.0, 3 * self.heartbeat_interval)))
             except NotFound:
                 with contextlib.suppress(TensorCastError):

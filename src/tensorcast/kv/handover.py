@@ -201,7 +201,7 @@ class Handover:
         """Tell a probed home that this one has taken what it needed of ``tokens``' shards."""
         ctx = CallContext(deadline=max(deadline, clock.time() + 0.5))
         with contextlib.suppress(TensorCastError):
-            await self.caller.call(KVHandoff(worker_id=self.worker_id, tokens=tokens, done=True), KVPages, ctx,
+            await self.caller.call(KVHandoff(worker_id=self.worker_id, tokens=tokens, done=True), ctx,
                                    address=address)
 
     async def _probe(self, address: str, tokens: dict[int, int], deadline: float) -> dict[int, int] | None:
@@ -211,7 +211,7 @@ class Handover:
             now = clock.time()
             ctx = CallContext(deadline=min(deadline, now + max(0.25, (deadline - now) / 3)))
             try:
-                reply = await self.caller.call(KVHandoff(worker_id=self.worker_id, tokens=tokens), KVPages, ctx,
+                reply = await self.caller.call(KVHandoff(worker_id=self.worker_id, tokens=tokens), ctx,
                                                address=address)
                 return reply.tenures
             except (NotSent, StaleFencingToken):
@@ -238,7 +238,7 @@ class Handover:
                             after_key=after_key, max_bytes=self.batch_bytes)
             landing: list[Received] = []
             try:
-                reply = await self.caller.call(msg, KVPages, ctx, address=address, sink=self._sink(landing))
+                reply = await self.caller.call(msg, ctx, address=address, sink=self._sink(landing))
             except (NotSent, StaleFencingToken):
                 for received in landing:
                     self.abandon(received)
@@ -300,7 +300,7 @@ class Handover:
                 msg = KVReplicate(worker_id=self.worker_id, tokens={s: tokens[s] for s in shards if s in tokens},
                                   keys=tuple(k for k, _ in batch), sizes=tuple(p.nbytes for _, p in batch),
                                   ttls=tuple(self.store.ttl_left(p, now) for _, p in batch))
-                await self.caller.call(msg, KVPutReply, ctx, address=address,
+                await self.caller.call(msg, ctx, address=address,
                                        payload=[self.store.view(p) for _, p in batch])
             finally:
                 release()

@@ -42,10 +42,9 @@ from tensorcast.wire.kv_messages import (
     ListShards,
     ReleaseShards,
     RenewShards,
-    ShardGrants,
     ShardTable,
 )
-from tensorcast.wire.messages import Ack, ListWorkers, WorkerList
+from tensorcast.wire.messages import Ack, ListWorkers
 from tensorcast.wire.rpc import HandlerRegistry, Request
 
 __all__ = ["ShardHome"]
@@ -138,8 +137,8 @@ class ShardHome:
     async def _read_table(self, ctx: CallContext) -> tuple[ShardTable, list[str]]:
         """Catch up with the lease table and the live shard homes (this one included, sorted)."""
         mirror = self._mirror
-        table = await self.gs.call(ListShards(since=mirror.revision, epoch=mirror.epoch), ShardTable, ctx)
-        workers = await self.gs.call(ListWorkers(), WorkerList, ctx)
+        table = await self.gs.call(ListShards(since=mirror.revision, epoch=mirror.epoch), ctx)
+        workers = await self.gs.call(ListWorkers(), ctx)
         self.num_shards = table.num_shards
         # Deltas after the first read (the whole table again only from another global store).
         mirror.apply(table.full, (LeaseRecord(s.shard, s.holder, s.token, s.expiry, s.acquired_at)
@@ -192,8 +191,7 @@ class ShardHome:
         tokens = tuple(self.leases.held[s].token for s in shards)
         for s in shards:
             self._step_down(s, "this home is stopping" if leaving else OUTRANKED)
-        await self.gs.call(ReleaseShards(worker_id=self.worker_id, shards=tuple(shards), tokens=tokens),
-                           ShardGrants, ctx)
+        await self.gs.call(ReleaseShards(worker_id=self.worker_id, shards=tuple(shards), tokens=tokens), ctx)
         others = [h for h in homes if h != self.worker_id]
         nxt: dict[str, list[int]] = {}
         for s in shards:
@@ -207,7 +205,7 @@ class ShardHome:
         address = self._homes.get(home, "")
         if address:
             with contextlib.suppress(TensorCastError, OSError):
-                await self.gs.call(KVShardsReleased(worker_id=self.worker_id, shards=shards, leaving=leaving), Ack,
+                await self.gs.call(KVShardsReleased(worker_id=self.worker_id, shards=shards, leaving=leaving),
                                    ctx, address=address)
 
     async def _renew(self, ctx: CallContext) -> None:
@@ -218,8 +216,7 @@ class ShardHome:
         ttl = self.config.lease_ttl
         sent = clock.monotonic()
         reply = await self.gs.call(RenewShards(worker_id=self.worker_id, shards=tuple(mine),
-                                               tokens=tuple(self.leases.held[s].token for s in mine), ttl=ttl),
-                                   ShardGrants, ctx)
+                                               tokens=tuple(self.leases.held[s].token for s in mine), ttl=ttl), ctx)
         renewed = {g.shard: g.token for g in reply.leases}
         if self._last_renewal:
             metrics.shard_renewal(sent - self._last_renewal - self.config.renew_interval / 2)
@@ -234,8 +231,7 @@ class ShardHome:
     async def _acquire(self, shards: list[int], ctx: CallContext) -> None:
         ttl = self.config.lease_ttl
         sent = clock.monotonic()
-        reply = await self.gs.call(AcquireShards(worker_id=self.worker_id, shards=tuple(shards), ttl=ttl),
-                                   ShardGrants, ctx)
+        reply = await self.gs.call(AcquireShards(worker_id=self.worker_id, shards=tuple(shards), ttl=ttl), ctx)
         pull: dict[int, int] = {}
         own: dict[int, int] = {}  # the tenure of the pages this home kept of each shard to pull
         for g in reply.leases:

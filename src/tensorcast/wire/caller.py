@@ -1,7 +1,7 @@
 """The one typed call path every TensorCast process uses to talk to another.
 
 Owns: ``Caller`` — a connection per peer address (opened on first use, re-opened after a loss), the
-default deadline of a call, checking each reply against the type the request expects (``REPLY_TO``), so
+default deadline of a call, checking each reply against the type the request declares (``Request[Reply]``), so
 that no caller inspects frames or asserts reply types itself, and fail-over between the equivalent
 peers a call goes to by default (a client's gateways, the global-store processes): when the current one
 cannot be reached, the call moves to the next and is sent again — any request that was never sent, and a
@@ -15,22 +15,22 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from tensorcast.config import TLSConfig, WireConfig
 from tensorcast.context import CallContext
 from tensorcast.errors import InternalError, InvalidArgument
 from tensorcast.wire.channel import RpcChannel
 from tensorcast.wire.connection import Sink
-from tensorcast.wire.messages import Welcome
-from tensorcast.wire.protocol import REPLY_TO, retry_safe
+from tensorcast.wire.messages import Request, Welcome
+from tensorcast.wire.protocol import retry_safe
 from tensorcast.wire.rpc import ConnectionLost, NotSent, ReplySink
 from tensorcast.wire.shared import WireState
 
 __all__ = ["Caller"]
 
 log = logging.getLogger("tensorcast.rpc")
-T = TypeVar("T")
+R = TypeVar("R")
 
 
 class Caller:
@@ -83,25 +83,26 @@ class Caller:
         welcome: Welcome = await self._to_defaults(lambda a: self._channel(a).connect(), None)
         return welcome
 
-    async def call(self, msg: Any, expect: type[T], ctx: CallContext | None = None, *, address: str | None = None,
-                   payload: Sink | None = None, sink: ReplySink | None = None) -> T:
-        """Send ``msg`` and return its reply, which must be an ``expect``. Raises the typed error the peer
+    async def call(self, msg: Request[R], ctx: CallContext | None = None, *, address: str | None = None,
+                   payload: Sink | None = None, sink: ReplySink | None = None) -> R:
+        """Send ``msg`` and return its reply, of the type the request declares. Raises the typed error the peer
         reported, ``DeadlineExceeded`` past the context's deadline, ``Unavailable`` if no peer that could
         take it can be reached, and ``InternalError`` for a reply of the wrong type. With ``address`` the
         call goes there and nowhere else."""
         ctx = ctx or self.context()
+        expect = type(msg).reply_type()
 
-        async def send(target: str) -> T:
+        async def send(target: str) -> R:
             frame = await self._channel(target).call(msg, ctx, payload=payload, sink=sink)
             reply = frame.message
             if not isinstance(reply, expect):
                 raise InternalError(f"{target} answered {type(msg).__name__} with {type(reply).__name__}, "
                                     f"expected {expect.__name__}", trace_id=frame.envelope.trace_id)
-            return reply
+            return cast(R, reply)
 
         if address is not None:
             return await send(address)
-        reply: T = await self._to_defaults(send, msg)
+        reply: R = await self._to_defaults(send, msg)
         return reply
 
     async def _to_defaults(self, send: Any, msg: Any) -> Any:
@@ -135,12 +136,11 @@ class Caller:
         return True
 
     async def forward(self, msg: Any, ctx: CallContext, *, address: str | None = None) -> Any:
-        """Send a request of any type and return its reply, checked against ``REPLY_TO`` (a gateway relaying
-        a caller's metadata request)."""
-        expect = REPLY_TO.get(type(msg))
-        if expect is None:
+        """Send a request of any type and return its reply, checked against its declared type (a gateway
+        relaying a caller's metadata request)."""
+        if not isinstance(msg, Request):
             raise InvalidArgument(f"{type(msg).__name__} is not a request")
-        return await self.call(msg, expect, ctx, address=address)
+        return await self.call(msg, ctx, address=address)
 
     async def drop(self, address: str) -> None:
         """Close the connection to ``address`` (a peer that left)."""

@@ -7,15 +7,18 @@ the union or the reply table (``wire.protocol``), or their handlers (``kv.home``
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import msgspec
 
 from tensorcast.records import ShardLease, SlotList
-from tensorcast.wire.messages import Msg
+from tensorcast.wire.messages import Ack, Msg, Request
 
 
-class ListShards(Msg):
+class ListShards(Request["ShardTable"]):
     """The lease table; with ``since``/``epoch`` from an earlier reply of the same global store, only the
     leases changed since (a shard home following the table every half second reads deltas, not the table)."""
+    idempotent: ClassVar[bool] = True
 
     since: int = 0
     epoch: str = ""
@@ -30,20 +33,23 @@ class ShardTable(Msg):
     full: bool = True  # False: ``leases`` holds only those changed since ``since``
 
 
-class AcquireShards(Msg):
+class AcquireShards(Request["ShardGrants"]):
+    idempotent: ClassVar[bool] = True
     worker_id: str
     shards: tuple[int, ...]
     ttl: float
 
 
-class RenewShards(Msg):
+class RenewShards(Request["ShardGrants"]):
+    idempotent: ClassVar[bool] = True
     worker_id: str
     shards: tuple[int, ...]
     tokens: tuple[int, ...]
     ttl: float
 
 
-class ReleaseShards(Msg):
+class ReleaseShards(Request["ShardGrants"]):
+    idempotent: ClassVar[bool] = True
     worker_id: str
     shards: tuple[int, ...]
     tokens: tuple[int, ...]
@@ -55,7 +61,7 @@ class ShardGrants(Msg):
     leases: tuple[ShardLease, ...]
 
 
-class KVPut(Msg):
+class KVPut(Request["KVPutReply"]):
     """Store pages (payload: their bytes back to back, ``sizes`` each). ``tokens``: fencing token per shard."""
 
     keys: tuple[str, ...]
@@ -72,7 +78,7 @@ class KVPutReply(Msg):
     reservation: str = ""
 
 
-class KVCommit(Msg):
+class KVCommit(Request[KVPutReply]):
     """Same host: the caller wrote the reserved slots; make the pages visible (fencing checked again)."""
 
     reservation: str
@@ -80,7 +86,8 @@ class KVCommit(Msg):
     tokens: dict[int, int]
 
 
-class KVGet(Msg):
+class KVGet(Request["KVGetReply"]):
+    idempotent: ClassVar[bool] = True
     keys: tuple[str, ...]
     tokens: dict[int, int]
     # Same host: no payload; the reply names the slots (held under a read lease until released).
@@ -97,11 +104,12 @@ class KVGetReply(Msg):
     lease: str = ""
 
 
-class KVRelease(Msg):
+class KVRelease(Request[Ack]):
     leases: tuple[str, ...]
 
 
-class KVExists(Msg):
+class KVExists(Request["KVExistsReply"]):
+    idempotent: ClassVar[bool] = True
     keys: tuple[str, ...]
     tokens: dict[int, int]
 
@@ -112,12 +120,13 @@ class KVExistsReply(Msg):
     presence: str = ""
 
 
-class KVHandoff(Msg):
+class KVHandoff(Request["KVPages"]):
     """A home granted ``tokens``' shards asks another home for the pages it kept of them. Without ``tenures``,
     a probe: the reply names, per shard, the tenure (fencing token) of the pages kept there. With them, one
     batch (at most ``max_bytes``) of each shard's pages of that tenure, after the cursor ``(after_shard,
     after_key)``; the cursor also acknowledges every page up to it: the asked home drops those once the global
     store's table confirms the grant."""
+    idempotent: ClassVar[bool] = True
 
     worker_id: str
     tokens: dict[int, int]
@@ -141,9 +150,10 @@ class KVPages(Msg):
     tenures: dict[int, int] = msgspec.field(default_factory=dict)  # a probe's answer: shard -> tenure (0: none)
 
 
-class KVReplicate(Msg):
+class KVReplicate(Request[KVPutReply]):
     """The holder of ``tokens``' shards copies pages it stored to one of their backup homes (``kv.replicas``);
     the bytes follow in the payload."""
+    idempotent: ClassVar[bool] = True
 
     worker_id: str
     tokens: dict[int, int]
@@ -152,16 +162,18 @@ class KVReplicate(Msg):
     ttls: tuple[float, ...]
 
 
-class KVShardsReleased(Msg):
+class KVShardsReleased(Request[Ack]):
     """A home gave ``shards`` back (``leaving``: all of its shards, it is stopping): the home told reads the
     lease table now instead of at its next tick, and while ``leaving`` counts the sender out of the homes."""
+    idempotent: ClassVar[bool] = True
 
     worker_id: str
     shards: tuple[int, ...]
     leaving: bool = False
 
 
-class GSStats(Msg):
+class GSStats(Request["GSStatsReply"]):
+    idempotent: ClassVar[bool] = True
     pass
 
 
@@ -171,14 +183,16 @@ class GSStatsReply(Msg):
     stores: dict[str, str] = msgspec.field(default_factory=dict)  # every live global store: address -> URL
 
 
-class PageIndexPut(Msg):
+class PageIndexPut(Request[Ack]):
     """Benchmark switch only: record page locations in the global store (what shard homes avoid)."""
+    idempotent: ClassVar[bool] = True
 
     keys: tuple[str, ...]
     worker_id: str
 
 
-class PageIndexGet(Msg):
+class PageIndexGet(Request["PageIndexReply"]):
+    idempotent: ClassVar[bool] = True
     keys: tuple[str, ...]
 
 

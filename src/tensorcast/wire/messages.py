@@ -6,13 +6,17 @@ instances, plans and the worker's calls to the global store. Does not own: the e
 all messages or the reply table (``wire.protocol``), framing and connections (``wire.frames``,
 ``wire.rpc``), or what a handler does.
 
-Adding a message: define a ``Msg`` subclass here (or in ``wire.kv_messages``), add it to
-``wire.protocol.Message`` and, for a request, to ``REPLY_TO``; register a handler.
+Adding a message: define it here (or in ``wire.kv_messages``): a request as a ``Request[ItsReply]`` (with
+``idempotent = True`` where a repeat is harmless), anything else as a ``Msg``; then give a request its role in
+``wire.protocol.REQUIRED_ROLE`` and register a handler. The union of all messages, the reply table and the
+idempotent set are derived from these declarations.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+import typing
+from typing import Any, ClassVar, Generic, TypeVar
 
 import msgspec
 
@@ -42,10 +46,46 @@ class Msg(msgspec.Struct, frozen=True, tag=True, kw_only=True, omit_defaults=Tru
     pass
 
 
+R_co = TypeVar("R_co", covariant=True)
+_REPLIES: dict[type, type] = {}
+
+
+class Request(Msg, Generic[R_co]):
+    """A request whose reply is an ``R_co``, declared once with it: ``class GetArtifact(Request[ArtifactReply])``
+    (``wire.protocol`` derives its tables from these declarations; ``Caller.call`` returns an ``R_co``).
+    ``idempotent``: its effect is the same when it arrives twice, so a caller may send it again (to another
+    gateway) when the connection was lost before the reply came."""
+
+    idempotent: ClassVar[bool] = False
+
+    @classmethod
+    def reply_type(cls) -> type[Any]:
+        """The type this request's reply must have (resolving a forward reference once)."""
+        found = _REPLIES.get(cls)
+        if found is None:
+            found = _declared_reply(cls)
+            _REPLIES[cls] = found
+        return found
+
+
+def _declared_reply(cls: type) -> type:
+    for klass in cls.__mro__:
+        for base in getattr(klass, "__orig_bases__", ()):
+            if typing.get_origin(base) is Request:
+                (arg,) = typing.get_args(base)
+                if isinstance(arg, typing.ForwardRef):
+                    arg = arg.__forward_arg__
+                if isinstance(arg, str):
+                    arg = vars(sys.modules[klass.__module__])[arg]
+                assert isinstance(arg, type)
+                return arg
+    raise TypeError(f"{cls.__name__} declares no reply type (subclass Request[Reply])")
+
+
 # --------------------------------------------------------------------------- connection set-up
 
 
-class Hello(Msg):
+class Hello(Request["Welcome"]):
     """Opens a connection. ``role``: the credential's role ("" without one), ``nonce`` the caller's fresh
     random bytes; the credential itself never travels (``wire.handshake``)."""
 
@@ -65,7 +105,7 @@ class Challenge(Msg):
     proof: bytes = b""
 
 
-class Proof(Msg):
+class Proof(Request["Welcome"]):
     """Caller -> server, answering a ``Challenge``: the HMAC of the role's key over this connection's nonces and
     context. The reply is ``Welcome`` (``DataReply`` on the data plane) or an error."""
 
@@ -95,7 +135,7 @@ class ErrorReply(Msg):
 # --------------------------------------------------------------------------- caller <-> worker
 
 
-class PutBegin(Msg):
+class PutBegin(Request["PutPlan"]):
     """Start storing an artifact. The worker answers with a ``PutPlan``."""
 
     tensors: tuple[TensorMeta, ...]
@@ -131,7 +171,7 @@ class PutPlan(Msg):
     digests_first: bool = False
 
 
-class PutData(Msg):
+class PutData(Request[Ack]):
     """Payload frame: bytes ``[offset, offset + len(payload))`` of tensor ``index`` of a put."""
 
     put_id: str
@@ -139,14 +179,14 @@ class PutData(Msg):
     offset: int
 
 
-class PutCommit(Msg):
+class PutCommit(Request["PutDone"]):
     put_id: str
     # A put begun with digests_later: every tensor's digest, in the order of PutBegin's tensors sorted by name
     # (the order of PutPlan.segments; otherwise empty).
     digests: tuple[str, ...] = ()
 
 
-class PutAbort(Msg):
+class PutAbort(Request[Ack]):
     put_id: str
 
 
@@ -160,9 +200,10 @@ class ArtifactReply(Msg):
     artifact: ArtifactInfo
 
 
-class MapTensors(Msg):
+class MapTensors(Request["Mapped"]):
     """Same host: name the files holding an artifact's tensors so the caller maps them. Objects that may
     not be mapped (slab-arena slots, whose memory is reused) come back as None: read them instead."""
+    idempotent: ClassVar[bool] = True
 
     artifact_id: str
     names: tuple[str, ...] = ()
@@ -181,7 +222,7 @@ class ReadCount(msgspec.Struct, frozen=True, kw_only=True):
 MAX_REPORTED_READS = 4096
 
 
-class ReportReads(Msg):
+class ReportReads(Request[Ack]):
     """Same host: reads a caller served from places this worker named before (``client.read_maps``), without
     asking again. The worker counts them as gets and as uses for its least-recently-used order."""
 
@@ -194,8 +235,9 @@ class Mapped(Msg):
     cuda_ipc: tuple[CudaIpcHandle, ...] = ()
 
 
-class Prefetch(Msg):
+class Prefetch(Request["Prefetched"]):
     """Make sure ``worker_id`` holds a memory replica (pulled worker-to-worker); any worker routes it."""
+    idempotent: ClassVar[bool] = True
 
     artifact_id: str
     worker_id: str
@@ -223,27 +265,30 @@ class Prefetched(Msg):
     artifact: ArtifactInfo | None = None
 
 
-class RegisterCheckpoint(Msg):
+class RegisterCheckpoint(Request[ArtifactReply]):
     """Register a safetensors checkpoint (file or directory, readable by the worker) without reading it."""
+    idempotent: ClassVar[bool] = True
 
     path: str
     key: str | None = None
     verify_checksums: bool = True
 
 
-class Unpin(Msg):
+class Unpin(Request[Ack]):
+    idempotent: ClassVar[bool] = True
     artifact_id: str
     worker_id: str
 
 
-class Evict(Msg):
+class Evict(Request[Ack]):
     """Drop ``worker_id``'s memory replica now (its disk copy, if any, stays). Pinned copies are unpinned."""
+    idempotent: ClassVar[bool] = True
 
     artifact_id: str
     worker_id: str
 
 
-class DropArtifact(Msg):
+class DropArtifact(Request[Ack]):
     """Gateway -> holder: forget this artifact's replica now (it was deleted)."""
 
     artifact_id: str
@@ -252,7 +297,7 @@ class DropArtifact(Msg):
 # --------------------------------------------------------------------------- data plane (transport.tcp)
 
 
-class DataHello(Msg):
+class DataHello(Request["DataReply"]):
     """Opens a data-plane connection, as ``Hello`` does a control connection."""
 
     protocol_version: int
@@ -261,9 +306,10 @@ class DataHello(Msg):
     peer_id: str = ""
 
 
-class DataRequest(Msg):
+class DataRequest(Request["DataReply"]):
     """Send bytes ``[offset, offset + length)`` of a tensor (after applying ``slices``, if any), in chunks
     each preceded by its 8-byte xxh3-64 checksum."""
+    idempotent: ClassVar[bool] = True
 
     artifact_id: str
     name: str
@@ -283,13 +329,15 @@ class DataReply(Msg):
 # --------------------------------------------------------------------------- metadata (GS; gateways forward)
 
 
-class GetArtifact(Msg):
+class GetArtifact(Request[ArtifactReply]):
+    idempotent: ClassVar[bool] = True
     key_or_id: str
 
 
-class ListArtifacts(Msg):
+class ListArtifacts(Request["ArtifactList"]):
     """One page of listing entries after the cursor: one per key under ``prefix``; with no prefix, one per
     key and then one per artifact bound to no key."""
+    idempotent: ClassVar[bool] = True
 
     prefix: str = ""
     limit: int = 1000
@@ -303,7 +351,7 @@ class ArtifactList(Msg):
     entry_keys: tuple[str, ...] = ()
 
 
-class DeleteArtifact(Msg):
+class DeleteArtifact(Request["Deleted"]):
     """By key: unbind that key (the content goes only when nothing else refers to it). By id: delete the
     content outright, with every key."""
 
@@ -317,22 +365,24 @@ class Deleted(Msg):
     keys: tuple[str, ...] = ()  # when kept: the keys still naming it
 
 
-class RenewLease(Msg):
+class RenewLease(Request[ArtifactReply]):
     """Extend one leased reference: the binding of ``key``, or (None) the lease of puts without a key."""
+    idempotent: ClassVar[bool] = True
 
     artifact_id: str
     ttl: float
     key: str | None = None
 
 
-class ReleaseLease(Msg):
+class ReleaseLease(Request[Deleted]):
     """End one leased reference (``key`` as in ``RenewLease``); the artifact goes if nothing else keeps it."""
 
     artifact_id: str
     key: str | None = None
 
 
-class ListWorkers(Msg):
+class ListWorkers(Request["WorkerList"]):
+    idempotent: ClassVar[bool] = True
     pass
 
 
@@ -343,11 +393,13 @@ class WorkerList(Msg):
 # --------------------------------------------------------------------------- instances
 
 
-class RegisterInstance(Msg):
+class RegisterInstance(Request[Ack]):
+    idempotent: ClassVar[bool] = True
     instance: InstanceInfo
 
 
-class InstanceHeartbeat(Msg):
+class InstanceHeartbeat(Request[Ack]):
+    idempotent: ClassVar[bool] = True
     instance_id: str
     running: int = 0
     waiting: int = 0
@@ -355,7 +407,8 @@ class InstanceHeartbeat(Msg):
     kv_tokens_capacity: int = 0
 
 
-class ListInstances(Msg):
+class ListInstances(Request["InstanceList"]):
+    idempotent: ClassVar[bool] = True
     pass
 
 
@@ -363,7 +416,7 @@ class InstanceList(Msg):
     instances: tuple[InstanceInfo, ...]
 
 
-class InstanceCall(Msg):
+class InstanceCall(Request["InstanceReply"]):
     """Gateway -> instance runtime: run one instance operation through the adaptor.
 
     ``op``: publish | hydrate | transform_into | engine (an engine-specific command in ``args``)."""
@@ -383,7 +436,7 @@ class InstanceReply(Msg):
 # --------------------------------------------------------------------------- plans
 
 
-class RunPlan(Msg):
+class RunPlan(Request["PlanResult"]):
     steps: tuple[StepSpec, ...]
     concurrency: int = 4
     idempotency_key: str | None = None
@@ -400,7 +453,8 @@ class PlanResult(Msg):
 # --------------------------------------------------------------------------- worker <-> GS
 
 
-class RegisterWorker(Msg):
+class RegisterWorker(Request["Registered"]):
+    idempotent: ClassVar[bool] = True
     worker: WorkerInfo
 
 
@@ -408,7 +462,8 @@ class Registered(Msg):
     incarnation: int
 
 
-class Heartbeat(Msg):
+class Heartbeat(Request["HeartbeatReply"]):
+    idempotent: ClassVar[bool] = True
     worker_id: str
     incarnation: int
     load: WorkerLoad
@@ -423,8 +478,9 @@ class HeartbeatReply(Msg):
     reregister: bool = False
 
 
-class CommitArtifact(Msg):
+class CommitArtifact(Request[ArtifactReply]):
     """A worker holds a complete replica: record the artifact (if new), its key and the replica."""
+    idempotent: ClassVar[bool] = True
 
     artifact: ArtifactInfo
     worker_id: str
@@ -435,8 +491,9 @@ class CommitArtifact(Msg):
     restored: bool = False
 
 
-class AddReplica(Msg):
+class AddReplica(Request[Ack]):
     """A worker holds (another tier of) an existing artifact; ownership and keys are untouched."""
+    idempotent: ClassVar[bool] = True
 
     artifact_id: str
     worker_id: str
@@ -444,15 +501,17 @@ class AddReplica(Msg):
     restored: bool = False  # announced after a restart: refused if this worker owes a drop of it
 
 
-class RemoveReplica(Msg):
+class RemoveReplica(Request[Ack]):
+    idempotent: ClassVar[bool] = True
     artifact_id: str
     worker_id: str
     tier: str = "memory"
 
 
-class ListUnderReplicated(Msg):
+class ListUnderReplicated(Request["UnderReplicated"]):
     """The artifacts with fewer copies on live workers than their placement wants (``ArtifactInfo.copies`` <
     ``replicas_wanted``): only those with a replica on ``holder`` when it is given, at most ``limit``."""
+    idempotent: ClassVar[bool] = True
 
     holder: str = ""
     limit: int = 100

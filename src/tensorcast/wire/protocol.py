@@ -9,167 +9,81 @@ which every server checks in one place). Does not own: the message types (``wire
 
 from __future__ import annotations
 
+from typing import Any, Union
+
 import msgspec
 
 from tensorcast.credentials import CLIENT, READ_ONLY, WORKER
+from tensorcast.wire import kv_messages, messages
 from tensorcast.wire.kv_messages import (
     AcquireShards,
     GSStats,
-    GSStatsReply,
     KVCommit,
     KVExists,
-    KVExistsReply,
     KVGet,
-    KVGetReply,
     KVHandoff,
-    KVPages,
     KVPut,
-    KVPutReply,
     KVRelease,
     KVReplicate,
     KVShardsReleased,
     ListShards,
     PageIndexGet,
     PageIndexPut,
-    PageIndexReply,
     ReleaseShards,
     RenewShards,
-    ShardGrants,
-    ShardTable,
 )
 from tensorcast.wire.messages import (
-    Ack,
     AddReplica,
-    ArtifactList,
-    ArtifactReply,
-    Challenge,
     CommitArtifact,
     DataHello,
-    DataReply,
     DataRequest,
     DeleteArtifact,
-    Deleted,
     DropArtifact,
-    ErrorReply,
     Evict,
     GetArtifact,
     Heartbeat,
-    HeartbeatReply,
     Hello,
     InstanceCall,
     InstanceHeartbeat,
-    InstanceList,
-    InstanceReply,
     ListArtifacts,
     ListInstances,
     ListUnderReplicated,
     ListWorkers,
-    Mapped,
     MapTensors,
-    PlanResult,
+    Msg,
     Prefetch,
-    Prefetched,
     Proof,
     PutAbort,
     PutBegin,
     PutCommit,
     PutData,
-    PutDone,
-    PutPlan,
     RegisterCheckpoint,
-    Registered,
     RegisterInstance,
     RegisterWorker,
     ReleaseLease,
     RemoveReplica,
     RenewLease,
     ReportReads,
+    Request,
     RunPlan,
-    UnderReplicated,
     Unpin,
-    Welcome,
-    WorkerList,
 )
 
-__all__ = ["ERROR", "HANDSHAKE", "IDEMPOTENT", "REPLY_TO", "REQUEST", "REQUIRED_ROLE", "RESPONSE", "Envelope",
-           "Message", "required_role", "retry_safe"]
+__all__ = ["ERROR", "HANDSHAKE", "IDEMPOTENT", "MESSAGE_TYPES", "REPLY_TO", "REQUEST", "REQUESTS", "REQUIRED_ROLE",
+           "RESPONSE", "Envelope", "Message", "required_role", "retry_safe"]
 
-Message = (
-    Hello
-    | Challenge
-    | Proof
-    | Welcome
-    | Ack
-    | ErrorReply
-    | PutBegin
-    | PutPlan
-    | PutData
-    | PutCommit
-    | PutAbort
-    | PutDone
-    | ArtifactReply
-    | DataHello
-    | DataRequest
-    | DataReply
-    | MapTensors
-    | ReportReads
-    | Mapped
-    | DropArtifact
-    | Prefetch
-    | Prefetched
-    | Unpin
-    | RegisterCheckpoint
-    | Evict
-    | GetArtifact
-    | ListArtifacts
-    | ArtifactList
-    | DeleteArtifact
-    | Deleted
-    | RenewLease
-    | ReleaseLease
-    | ListWorkers
-    | WorkerList
-    | RegisterWorker
-    | Registered
-    | Heartbeat
-    | HeartbeatReply
-    | CommitArtifact
-    | RemoveReplica
-    | AddReplica
-    | RegisterInstance
-    | InstanceHeartbeat
-    | ListInstances
-    | InstanceList
-    | InstanceCall
-    | InstanceReply
-    | RunPlan
-    | PlanResult
-    | ListShards
-    | ShardTable
-    | AcquireShards
-    | RenewShards
-    | ReleaseShards
-    | ShardGrants
-    | KVPut
-    | KVPutReply
-    | KVGet
-    | KVGetReply
-    | KVCommit
-    | KVRelease
-    | KVExists
-    | KVHandoff
-    | KVPages
-    | KVReplicate
-    | KVShardsReleased
-    | KVExistsReply
-    | GSStats
-    | GSStatsReply
-    | PageIndexPut
-    | PageIndexGet
-    | PageIndexReply
-    | ListUnderReplicated
-    | UnderReplicated
-)
+
+def _message_types() -> tuple[type, ...]:
+    """Every message type: the ``Msg`` subclasses the two message modules define."""
+    return tuple(obj for mod in (messages, kv_messages) for obj in vars(mod).values()
+                 if isinstance(obj, type) and issubclass(obj, Msg) and obj not in (Msg, Request)
+                 and obj.__module__ == mod.__name__)
+
+
+MESSAGE_TYPES: tuple[type, ...] = _message_types()
+# The union a frame body decodes into (by tag: an unknown one fails cleanly).
+Message: Any = Union[MESSAGE_TYPES]  # noqa: UP007 (a union built at run time)
+REQUESTS: tuple[type[Request[Any]], ...] = tuple(t for t in MESSAGE_TYPES if issubclass(t, Request))
 
 REQUEST, RESPONSE, ERROR = 0, 1, 2
 
@@ -186,56 +100,9 @@ class Envelope(msgspec.Struct, frozen=True, array_like=True):
     span_id: int = 0
 
 
-# The reply type of every request: a call checks the reply against it in one place (``wire.caller``).
-REPLY_TO: dict[type, type] = {
-    Hello: Welcome,  # or a Challenge, answered by a Proof (``wire.handshake``)
-    Proof: Welcome,
-    PutBegin: PutPlan,
-    PutData: Ack,
-    PutCommit: PutDone,
-    PutAbort: Ack,
-    MapTensors: Mapped,
-    ReportReads: Ack,
-    Prefetch: Prefetched,
-    RegisterCheckpoint: ArtifactReply,
-    Unpin: Ack,
-    Evict: Ack,
-    DropArtifact: Ack,
-    DataHello: DataReply,
-    DataRequest: DataReply,
-    GetArtifact: ArtifactReply,
-    ListArtifacts: ArtifactList,
-    DeleteArtifact: Deleted,
-    RenewLease: ArtifactReply,
-    ReleaseLease: Deleted,
-    ListWorkers: WorkerList,
-    RegisterInstance: Ack,
-    InstanceHeartbeat: Ack,
-    ListInstances: InstanceList,
-    InstanceCall: InstanceReply,
-    ListShards: ShardTable,
-    AcquireShards: ShardGrants,
-    RenewShards: ShardGrants,
-    ReleaseShards: ShardGrants,
-    KVPut: KVPutReply,
-    KVCommit: KVPutReply,
-    KVGet: KVGetReply,
-    KVRelease: Ack,
-    KVExists: KVExistsReply,
-    KVHandoff: KVPages,
-    KVReplicate: KVPutReply,
-    KVShardsReleased: Ack,
-    GSStats: GSStatsReply,
-    PageIndexPut: Ack,
-    PageIndexGet: PageIndexReply,
-    RunPlan: PlanResult,
-    RegisterWorker: Registered,
-    Heartbeat: HeartbeatReply,
-    CommitArtifact: ArtifactReply,
-    AddReplica: Ack,
-    RemoveReplica: Ack,
-    ListUnderReplicated: UnderReplicated,
-}
+# The reply type of every request, as declared (``class GetArtifact(Request[ArtifactReply])``): a call checks
+# the reply against it in one place (``wire.caller``). Hello's reply may be a Challenge, answered by a Proof.
+REPLY_TO: dict[type, type] = {t: t.reply_type() for t in REQUESTS}
 
 
 # What opens a connection (before any role is known).
@@ -269,21 +136,9 @@ def required_role(message: object) -> str:
     return REQUIRED_ROLE.get(type(message), WORKER)
 
 
-# Requests whose effect is the same when they arrive twice: a caller may send one again (to another
-# gateway) when the connection was lost before the reply came.
-IDEMPOTENT: frozenset[type] = frozenset({
-    GetArtifact, ListArtifacts, ListWorkers, ListInstances, ListShards, GSStats, PageIndexGet, Prefetch, Unpin,
-    Evict, RenewLease, RegisterCheckpoint, RegisterInstance, InstanceHeartbeat, MapTensors, KVGet, KVExists,
-    DataRequest, ListUnderReplicated,
-    # Between shard homes: a hand-over batch is asked for again from the same cursor, a copy to a backup stored
-    # again is kept once, a release is read again.
-    KVHandoff, KVReplicate, KVShardsReleased,
-    # Global-store writes whose repetition leaves the same state (a key pointed at the same artifact, a replica
-    # or lease recorded again, a drop acknowledged twice): when a global store dies mid-request, the worker
-    # sends them to another one. A second registration only bumps the incarnation the worker then uses.
-    CommitArtifact, AddReplica, RemoveReplica, Heartbeat, RegisterWorker, AcquireShards, RenewShards,
-    ReleaseShards, PageIndexPut,
-})
+# Requests whose effect is the same when they arrive twice (declared ``idempotent = True``): a caller may send
+# one again (to another gateway) when the connection was lost before the reply came.
+IDEMPOTENT: frozenset[type] = frozenset(t for t in REQUESTS if t.idempotent)
 
 
 def retry_safe(message: object) -> bool:

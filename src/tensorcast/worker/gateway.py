@@ -58,7 +58,7 @@ class GatewayRole:
         return None
 
     async def delete(self, msg: DeleteArtifact | ReleaseLease, req: Request) -> Deleted:
-        reply = await self.parts.gs.caller.call(msg, Deleted, req.ctx)
+        reply = await self.parts.gs.caller.call(msg, req.ctx)
         if reply.removed:  # free our copy now; other holders at their next heartbeat
             self.storage.drop(reply.artifact_id)
         return reply

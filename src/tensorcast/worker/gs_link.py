@@ -21,22 +21,16 @@ from tensorcast.errors import TensorCastError, Unavailable
 from tensorcast.records import ArtifactInfo, InstanceInfo, WorkerInfo, WorkerLoad
 from tensorcast.wire.caller import Caller
 from tensorcast.wire.messages import (
-    Ack,
     AddReplica,
-    ArtifactReply,
     CommitArtifact,
     GetArtifact,
     Heartbeat,
-    HeartbeatReply,
-    InstanceList,
     ListInstances,
     ListUnderReplicated,
     ListWorkers,
-    Registered,
     RegisterWorker,
     RemoveReplica,
     UnderReplicated,
-    WorkerList,
 )
 from tensorcast.wire.rpc import Request
 
@@ -69,7 +63,7 @@ class GlobalStoreLink:
         replicas held here. Retries until ``deadline``; then ``Unavailable``."""
         while True:
             try:
-                reply = await self.caller.call(RegisterWorker(worker=info()), Registered, self._ctx())
+                reply = await self.caller.call(RegisterWorker(worker=info()), self._ctx())
                 self.incarnation = reply.incarnation
                 await announce()
                 return
@@ -103,7 +97,7 @@ class GlobalStoreLink:
             dropped = tuple(self._dropped)
             beat = Heartbeat(worker_id=self.worker_id, incarnation=self.incarnation, dropped=dropped, load=load())
             try:
-                reply = await self.caller.call(beat, HeartbeatReply, self._ctx(max(interval * 3, 2.0)))
+                reply = await self.caller.call(beat, self._ctx(max(interval * 3, 2.0)))
             except TensorCastError as exc:
                 log.warning("heartbeat to the global store failed: %s", exc)
                 continue
@@ -118,38 +112,38 @@ class GlobalStoreLink:
 
     # ----------------------------------------------------------------- artifacts and replicas
     async def get_artifact(self, key_or_id: str, ctx: CallContext) -> ArtifactInfo:
-        return (await self.caller.call(GetArtifact(key_or_id=key_or_id), ArtifactReply, ctx)).artifact
+        return (await self.caller.call(GetArtifact(key_or_id=key_or_id), ctx)).artifact
 
     async def commit_artifact(self, info: ArtifactInfo, ctx: CallContext, *, key: str | None = None,
                               ttl: float | None = None, tiers: tuple[str, ...] = ("memory",),
                               restored: bool = False) -> ArtifactInfo:
         msg = CommitArtifact(artifact=info, worker_id=self.worker_id, key=key, ttl=ttl, tiers=tiers,
                              restored=restored)
-        return (await self.caller.call(msg, ArtifactReply, ctx)).artifact
+        return (await self.caller.call(msg, ctx)).artifact
 
     async def add_replica(self, artifact_id: str, tiers: tuple[str, ...], ctx: CallContext | None = None, *,
                           restored: bool = False) -> None:
         """Record another tier/replica of an artifact the store knows (``NotFound`` if it does not, or if
         ``restored`` and the copy was to be dropped)."""
         msg = AddReplica(artifact_id=artifact_id, worker_id=self.worker_id, tiers=tiers, restored=restored)
-        await self.caller.call(msg, Ack, ctx or self._ctx())
+        await self.caller.call(msg, ctx or self._ctx())
 
     async def remove_replica(self, artifact_id: str, tier: str) -> None:
         """Best effort: a replica that went without the store asking (eviction, a cold TTL)."""
         with contextlib.suppress(TensorCastError):
-            await self.caller.call(RemoveReplica(artifact_id=artifact_id, worker_id=self.worker_id, tier=tier), Ack,
+            await self.caller.call(RemoveReplica(artifact_id=artifact_id, worker_id=self.worker_id, tier=tier),
                                    self._ctx())
 
     async def under_replicated(self, ctx: CallContext, limit: int = 100) -> UnderReplicated:
         """The artifacts this worker holds a replica of that have fewer copies on live workers than wanted."""
-        return await self.caller.call(ListUnderReplicated(holder=self.worker_id, limit=limit), UnderReplicated, ctx)
+        return await self.caller.call(ListUnderReplicated(holder=self.worker_id, limit=limit), ctx)
 
     # ----------------------------------------------------------------- signals
     async def list_workers(self, ctx: CallContext) -> list[WorkerInfo]:
-        return list((await self.caller.call(ListWorkers(), WorkerList, ctx)).workers)
+        return list((await self.caller.call(ListWorkers(), ctx)).workers)
 
     async def list_instances(self, ctx: CallContext) -> list[InstanceInfo]:
-        return list((await self.caller.call(ListInstances(), InstanceList, ctx)).instances)
+        return list((await self.caller.call(ListInstances(), ctx)).instances)
 
     async def forward(self, msg: Any, ctx: CallContext) -> Any:
         """Relay a caller's metadata request and return the store's reply (checked against its type)."""

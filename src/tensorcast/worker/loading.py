@@ -59,7 +59,7 @@ class LoadingRole:
     # ----------------------------------------------------------------- prefetch
     async def prefetch(self, msg: Prefetch, req: Request) -> Prefetched:
         if msg.worker_id not in ("", self.parts.worker_id):
-            return await self.parts.peers.call(msg.worker_id, msg, Prefetched, req.ctx)
+            return await self.parts.peers.call(msg.worker_id, msg, req.ctx)
         device = check_device(msg.device) if msg.device else ""  # refused before any work
         if msg.pin_ttl is not None:
             check_ttl(msg.pin_ttl, "pin_ttl")

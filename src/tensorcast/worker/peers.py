@@ -9,19 +9,18 @@ not own: what the requests mean.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from tensorcast.context import CallContext
 from tensorcast.errors import InternalError, NotFound, Unavailable, clip
 from tensorcast.wire.caller import Caller
-from tensorcast.wire.messages import InstanceCall, InstanceReply
-from tensorcast.wire.protocol import REPLY_TO
+from tensorcast.wire.messages import InstanceCall, InstanceReply, Request
 from tensorcast.wire.rpc import HandlerRegistry
 from tensorcast.worker.gs_link import GlobalStoreLink
 
 __all__ = ["Peers"]
 
-T = TypeVar("T")
+R = TypeVar("R")
 
 
 class Peers:
@@ -47,19 +46,20 @@ class Peers:
                 raise NotFound(f"no worker {clip(worker_id)}")
         return address
 
-    async def call(self, worker_id: str, msg: Any, expect: type[T], ctx: CallContext) -> T:
+    async def call(self, worker_id: str, msg: Request[R], ctx: CallContext) -> R:
         """Run ``msg`` on worker ``worker_id`` (this one included) and return its reply."""
         if worker_id == self.worker_id:
             reply = await self.local.dispatch(msg, ctx)
+            expect = type(msg).reply_type()
             if not isinstance(reply, expect):
                 raise InternalError(f"{type(msg).__name__} answered with {type(reply).__name__} here, expected "
                                     f"{expect.__name__}")
-            return reply
-        return await self.caller.call(msg, expect, ctx, address=await self.address(worker_id, ctx))
+            return cast(R, reply)
+        return await self.caller.call(msg, ctx, address=await self.address(worker_id, ctx))
 
     async def route(self, worker_id: str, msg: Any, ctx: CallContext) -> Any:
         """``call`` with the reply type the request implies (plans route any worker operation)."""
-        return await self.call(worker_id, msg, REPLY_TO[type(msg)], ctx)
+        return await self.call(worker_id, msg, ctx)
 
     async def call_instance(self, msg: InstanceCall, ctx: CallContext) -> InstanceReply:
         """Run one instance operation on the instance's runtime (``Unavailable`` if it stopped heartbeating)."""
@@ -68,4 +68,4 @@ class Peers:
             raise NotFound(f"no instance {clip(msg.instance_id)}")
         if not info.alive:
             raise Unavailable(f"instance {clip(msg.instance_id)} is not alive (no heartbeat)")
-        return await self.caller.call(msg, InstanceReply, ctx, address=info.address)
+        return await self.caller.call(msg, ctx, address=info.address)

@@ -21,7 +21,7 @@ from tensorcast.context import CallContext
 from tensorcast.errors import TensorCastError
 from tensorcast.pool.placement import Repair, plan_repairs, replica_candidates
 from tensorcast.records import ArtifactInfo
-from tensorcast.wire.messages import Prefetch, Prefetched
+from tensorcast.wire.messages import Prefetch
 from tensorcast.worker.roles import WorkerParts
 
 __all__ = ["Replicator"]
@@ -103,7 +103,7 @@ class Replicator:
 
     async def _pull(self, artifact_id: str, target: str, stop: float) -> None:
         try:
-            await self.parts.peers.call(target, Prefetch(artifact_id=artifact_id, worker_id=target), Prefetched,
+            await self.parts.peers.call(target, Prefetch(artifact_id=artifact_id, worker_id=target),
                                         CallContext(deadline=stop))
         except TensorCastError as exc:
             log.warning("a copy of %s on %s failed: %s", artifact_id, target, exc)

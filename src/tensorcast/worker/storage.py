@@ -312,13 +312,13 @@ class StorageRole:
 
     async def unpin(self, msg: Unpin, req: Request) -> Ack:
         if msg.worker_id not in ("", self.worker_id):
-            return await self.parts.peers.call(msg.worker_id, msg, Ack, req.ctx)
+            return await self.parts.peers.call(msg.worker_id, msg, req.ctx)
         self.store.unpin(msg.artifact_id)
         return Ack()
 
     async def evict(self, msg: Evict, req: Request) -> Ack:
         if msg.worker_id not in ("", self.worker_id):
-            return await self.parts.peers.call(msg.worker_id, msg, Ack, req.ctx)
+            return await self.parts.peers.call(msg.worker_id, msg, req.ctx)
         self.store.unpin(msg.artifact_id)
         await self.store.evict(msg.artifact_id)
         return Ack()

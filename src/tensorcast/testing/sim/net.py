@@ -26,7 +26,8 @@ from tensorcast.context import CallContext
 from tensorcast.errors import DeadlineExceeded, InternalError, TensorCastError
 from tensorcast.wire.caller import Caller
 from tensorcast.wire.connection import ConnectionLost, Landing, NotSent, payload_views
-from tensorcast.wire.protocol import REPLY_TO, Message
+from tensorcast.wire.messages import Request as Call
+from tensorcast.wire.protocol import Message
 from tensorcast.wire.rpc import HandlerRegistry, Reply, Request
 
 __all__ = ["PROCESS", "Delivery", "SimCaller", "SimNetwork", "SimProcess"]
@@ -34,7 +35,7 @@ __all__ = ["PROCESS", "Delivery", "SimCaller", "SimNetwork", "SimProcess"]
 # The simulated process a task runs for (its log records say which); set for its loops and its handlers.
 PROCESS: contextvars.ContextVar[str] = contextvars.ContextVar("sim_process", default="-")
 
-T = TypeVar("T")
+R = TypeVar("R")
 _ENC = msgspec.msgpack.Encoder()
 _DEC = msgspec.msgpack.Decoder(Message)
 _LONGEST = 60.0  # a call with no deadline waits at most this long for a partitioned or paused peer
@@ -209,9 +210,10 @@ class SimCaller(Caller):
         self.net = net
         self.owner = owner
 
-    async def call(self, msg: Any, expect: type[T], ctx: CallContext | None = None, *, address: str | None = None,
-                   payload: Any = None, sink: Any = None) -> T:
+    async def call(self, msg: Call[R], ctx: CallContext | None = None, *, address: str | None = None,
+                   payload: Any = None, sink: Any = None) -> R:
         ctx = ctx or self.context()
+        expect = type(msg).reply_type()
         targets = [address] if address is not None else [self.address, *(a for a in self.defaults
                                                                          if a != self.address)]
         last: Exception | None = None
@@ -221,7 +223,7 @@ class SimCaller(Caller):
             except NotSent as exc:  # another default peer may answer (a client's gateways, the global stores)
                 last = exc
                 continue
-            if REPLY_TO.get(type(msg)) is not None and not isinstance(reply, expect):
+            if not isinstance(reply, expect):
                 raise InternalError(f"{target} answered {type(msg).__name__} with {type(reply).__name__}")
             if address is None:
                 self.address = target
