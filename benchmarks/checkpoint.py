@@ -7,7 +7,11 @@ sharded on dim 0) of ``--mib`` MiB in all. Each row is the slowest rank's time (
   ``TensorCastWriter`` (memory replicas first, disk copy in the background) and ``FileSystemWriter``;
 - durable: TensorCast's disk copies written (``wait_durable``), from the start of the sync save;
 - load / reshard-load: ``dcp.load`` into the same layout, and into dim-1 shards, from TensorCast and from the
-  files (warm page cache: dropping it needs root, so the disk figures here are a lower bound).
+  files with a warm page cache;
+- cold load: the same from the files with their pages dropped from the page cache (``POSIX_FADV_DONTNEED``
+  after ``fsync``, which needs no root), against TensorCast's load from memory;
+- recovery: after SIGKILL of a worker holding one of the two memory replicas (a lost host), ``dcp.load`` from
+  the surviving replica, against the cold load from the files (what a job without peer copies reads).
 Ratios: FileSystemWriter time / TensorCast time (above 1: TensorCast is faster), and stall / memcpy.
 
 Usage: python benchmarks/checkpoint.py [--quick] [--json PATH] [--mib N] [--ranks 2,4]
@@ -47,8 +51,8 @@ def _state(mesh: Any, mib: int, dim: int, fill: bool) -> dict[str, Any]:
             local_shape = list(full_shape)
             local_shape[dim] //= world
             local = torch.full(local_shape, float(i + rank) if fill else 0.0)
-            out[f"{part}.{i}"] = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=full_shape,
-                                                    stride=(1024, 1))
+            out[f"{part}.{i}"] = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False,
+                                                    shape=torch.Size(full_shape), stride=(1024, 1))
     out["step"] = 1200
     return out
 
@@ -62,7 +66,25 @@ def _timed(fn: Any) -> float:
     return float(dt.item())
 
 
-def _rank(rank: int, world: int, port: int, address: str, mib: int, root: str, out: Any) -> None:
+def _drop_page_cache(root: str) -> None:
+    """Evict the files' pages from the page cache (clean pages: written back first), as a cold start sees."""
+    for folder, _dirs, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _cold(rank: int, root: str) -> None:
+    if rank == 0:
+        _drop_page_cache(root)
+    dist.barrier()
+
+
+def _rank(rank: int, world: int, port: int, address: str, mib: int, root: str, out: Any, killed: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
@@ -93,8 +115,21 @@ def _rank(rank: int, world: int, port: int, address: str, mib: int, root: str, o
                 t, storage_reader=TensorCastReader(client, f"bench/w{world}/step-1")))
             target = _state(mesh, mib, dim, False)
             r[f"fs_{name}"] = _timed(lambda t=target: dcp.load(t, storage_reader=dcp.FileSystemReader(f"{root}/fs1")))
+        target = _state(mesh, mib, 0, False)
+        _cold(rank, root)
+        r["fs_cold_load"] = _timed(lambda: dcp.load(target, storage_reader=dcp.FileSystemReader(f"{root}/fs1")))
+        if rank == 0:  # the parent kills a worker holding replicas, then says so
+            out.put(("kill", None))
+            killed.wait(120)
+        dist.barrier()
+        target = _state(mesh, mib, 0, False)
+        r["tc_recovery"] = _timed(lambda: dcp.load(
+            target, storage_reader=TensorCastReader(client, f"bench/w{world}/step-1")))
+        if not all(bool((v.to_local() == float(int(k.split(".")[1]) + rank)).all())
+                   for k, v in target.items() if isinstance(v, DTensor)):
+            raise RuntimeError("recovered checkpoint differs from what was saved")
     if rank == 0:
-        out.put(r)
+        out.put(("result", r))
     dist.destroy_process_group()
 
 
@@ -104,20 +139,24 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-def run(world: int, mib: int, address: str) -> dict[str, float]:
+def run(world: int, mib: int, cluster: tc.LocalCluster) -> dict[str, float]:
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    out, killed = ctx.Queue(), ctx.Event()
+    address, victim = cluster.address, ""
     root = tempfile.mkdtemp(prefix="dcp-bench-", dir=os.environ.get("BENCH_DISK_DIR", "."))
     try:
-        procs = [ctx.Process(target=_rank, args=(r, world, port, address, mib, root, out))
+        procs = [ctx.Process(target=_rank, args=(r, world, port, address, mib, root, out, killed))
                  for port in [_port()] for r in range(world)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + 600
         while True:  # a rank that failed ends the run at once, not after the deadline
             try:
-                result: dict[str, float] = out.get(timeout=1)
-                break
+                what, result = out.get(timeout=1)
+                if what == "result":
+                    break
+                victim = _lose_a_host(cluster)
+                killed.set()
             except queue.Empty:
                 failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
                 if failed or time.monotonic() > deadline:
@@ -126,9 +165,20 @@ def run(world: int, mib: int, address: str) -> dict[str, float]:
                     raise RuntimeError(f"a rank failed (exit codes {failed}) or the run passed 600 s") from None
         for p in procs:
             p.join(60)
-        return result
+        if victim:
+            cluster.restart_worker(victim)  # empty, for the next row
+        return dict(result)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _lose_a_host(cluster: tc.LocalCluster) -> str:
+    """SIGKILL the worker that is not the gateway (it holds one of each rank's two memory replicas)."""
+    with tc.connect(cluster.address) as client:
+        gateway = {w.address: w.worker_id for w in client.list_workers()}[cluster.address]
+        victim = next(w.worker_id for w in client.list_workers() if w.worker_id != gateway)
+    cluster.kill_worker(victim)
+    return victim
 
 
 def main() -> None:
@@ -142,16 +192,18 @@ def main() -> None:
     results: dict[str, dict[str, float]] = {}
     with tc.LocalCluster(workers=2, memory_capacity=f"{max(1, 3 * mib // 1024 + 1)}GiB") as cluster:
         for world in ranks:
-            results[str(world)] = run(world, mib, cluster.address)
+            results[str(world)] = run(world, mib, cluster)
     print(f"{'ranks':>5} {'row':<14} {'TensorCast s':>12} {'FileSystem s':>12} {'FS/TC':>7} {'TC/memcpy':>9}")
-    for world, r in results.items():
+    for ranks_run, r in results.items():
         for row, tc_key, fs_key in (("sync stall", "tc_sync_stall", "fs_sync_stall"),
                                     ("async stall", "tc_async_stall", "fs_async_stall"),
                                     ("load", "tc_load", "fs_load"),
-                                    ("reshard-load", "tc_reshard_load", "fs_reshard_load")):
-            print(f"{world:>5} {row:<14} {r[tc_key]:>12.4f} {r[fs_key]:>12.4f} {r[fs_key] / r[tc_key]:>7.2f} "
+                                    ("reshard-load", "tc_reshard_load", "fs_reshard_load"),
+                                    ("cold load", "tc_load", "fs_cold_load"),
+                                    ("recovery", "tc_recovery", "fs_cold_load")):
+            print(f"{ranks_run:>5} {row:<14} {r[tc_key]:>12.4f} {r[fs_key]:>12.4f} {r[fs_key] / r[tc_key]:>7.2f} "
                   f"{r[tc_key] / r['memcpy']:>9.2f}")
-        print(f"{world:>5} {'memcpy':<14} {r['memcpy']:>12.4f}   durable on disk: {r['tc_durable']:.4f} s")
+        print(f"{ranks_run:>5} {'memcpy':<14} {r['memcpy']:>12.4f}   durable on disk: {r['tc_durable']:.4f} s")
     write_json(args.json, "checkpoint", args.quick, mib=mib, results=results)
 
 

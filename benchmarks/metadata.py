@@ -30,14 +30,11 @@ from tensorcast.kv.hrw import assignment
 from tensorcast.records import ArtifactInfo, TensorMeta, WorkerInfo, WorkerLoad
 from tensorcast.testing.etcd import EtcdCluster, etcd_binary
 from tensorcast.wire.caller import Caller
-from tensorcast.wire.kv_messages import AcquireShards, RenewShards, ShardGrants
+from tensorcast.wire.kv_messages import AcquireShards, RenewShards
 from tensorcast.wire.messages import (
-    ArtifactReply,
     CommitArtifact,
     GetArtifact,
     Heartbeat,
-    HeartbeatReply,
-    Registered,
     RegisterWorker,
 )
 
@@ -49,9 +46,9 @@ def pct(values: list[float], q: float) -> float:
 async def _metadata_ops(address: str, n: int) -> dict[str, float]:
     caller = Caller(Config().wire, token=None, peer_id="bench", host_id="bench", address=address)
     worker = WorkerInfo(worker_id="bench-w", address="127.0.0.1:1", host_id="bench", roles=("basic",))
-    inc = (await caller.call(RegisterWorker(worker=worker), Registered)).incarnation
+    inc = (await caller.call(RegisterWorker(worker=worker))).incarnation
     shards = tuple(range(64))
-    grants = await caller.call(AcquireShards(worker_id="bench-w", shards=shards, ttl=60.0), ShardGrants)
+    grants = await caller.call(AcquireShards(worker_id="bench-w", shards=shards, ttl=60.0))
     tokens = tuple(g.token for g in sorted(grants.leases, key=lambda g: g.shard))
     seq = iter(range(10**9))
 
@@ -62,12 +59,12 @@ async def _metadata_ops(address: str, n: int) -> dict[str, float]:
 
     ops: dict[str, Any] = {
         "commit": lambda: caller.call(CommitArtifact(artifact=artifact(), worker_id="bench-w",
-                                                     key=f"bench/{next(seq)}"), ArtifactReply),
-        "get": lambda: caller.call(GetArtifact(key_or_id="bench/1"), ArtifactReply),
+                                                     key=f"bench/{next(seq)}")),
+        "get": lambda: caller.call(GetArtifact(key_or_id="bench/1")),
         "heartbeat": lambda: caller.call(Heartbeat(worker_id="bench-w", incarnation=inc,
-                                                   load=WorkerLoad(memory_capacity=1)), HeartbeatReply),
+                                                   load=WorkerLoad(memory_capacity=1))),
         "renew 64 shards": lambda: caller.call(RenewShards(worker_id="bench-w", shards=shards, tokens=tokens,
-                                                           ttl=60.0), ShardGrants),
+                                                           ttl=60.0)),
     }
     out: dict[str, float] = {}
     for name, op in ops.items():
