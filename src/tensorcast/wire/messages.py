@@ -14,9 +14,7 @@ idempotent set are derived from these declarations.
 
 from __future__ import annotations
 
-import sys
-import typing
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -34,6 +32,8 @@ from tensorcast.records import (
     WorkerInfo,
     WorkerLoad,
 )
+from tensorcast.wire.message_base import Msg as Msg
+from tensorcast.wire.message_base import Request as Request
 
 # 2: records moved out of messages; ArtifactInfo travels inside ArtifactReply; payload checksums.
 # 3: small puts in one request (PutBegin.inline with the bytes as its payload; PutPlan.artifact).
@@ -42,44 +42,6 @@ from tensorcast.records import (
 PROTOCOL_VERSION = 7
 
 
-class Msg(msgspec.Struct, frozen=True, tag=True, kw_only=True, omit_defaults=True):
-    pass
-
-
-R_co = TypeVar("R_co", covariant=True)
-_REPLIES: dict[type, type] = {}
-
-
-class Request(Msg, Generic[R_co]):
-    """A request whose reply is an ``R_co``, declared once with it: ``class GetArtifact(Request[ArtifactReply])``
-    (``wire.protocol`` derives its tables from these declarations; ``Caller.call`` returns an ``R_co``).
-    ``idempotent``: its effect is the same when it arrives twice, so a caller may send it again (to another
-    gateway) when the connection was lost before the reply came."""
-
-    idempotent: ClassVar[bool] = False
-
-    @classmethod
-    def reply_type(cls) -> type[Any]:
-        """The type this request's reply must have (resolving a forward reference once)."""
-        found = _REPLIES.get(cls)
-        if found is None:
-            found = _declared_reply(cls)
-            _REPLIES[cls] = found
-        return found
-
-
-def _declared_reply(cls: type) -> type:
-    for klass in cls.__mro__:
-        for base in getattr(klass, "__orig_bases__", ()):
-            if typing.get_origin(base) is Request:
-                (arg,) = typing.get_args(base)
-                if isinstance(arg, typing.ForwardRef):
-                    arg = arg.__forward_arg__
-                if isinstance(arg, str):
-                    arg = vars(sys.modules[klass.__module__])[arg]
-                assert isinstance(arg, type)
-                return arg
-    raise TypeError(f"{cls.__name__} declares no reply type (subclass Request[Reply])")
 
 
 # --------------------------------------------------------------------------- connection set-up
