@@ -37,7 +37,6 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
-from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from tensorcast.client.sync import Artifact, Client, connect
@@ -57,6 +56,7 @@ from tensorcast.integrations.torch_dcp_layout import (
     run_prefix,
     writer_worker,
 )
+from tensorcast.integrations.torch_dcp_staging import stage_copy, staged_buffers
 from tensorcast.pool.placement import resolve_placement
 from tensorcast.records import Placement
 
@@ -174,9 +174,9 @@ class TensorCastWriter(StorageWriter):
         copied; with CUDA into pinned buffers kept from one save to the next, copied without blocking
         (``synchronize_staging`` waits for them)."""
         cache = self._staged if self._pin else None
-        staged: dict[str, Any] = _stage(state_dict, cache, self._pin, "")
+        staged: dict[str, Any] = stage_copy(state_dict, cache, self._pin)
         if self._pin:
-            self._staged = _staged_buffers(staged)
+            self._staged = staged_buffers(staged)
         return staged
 
     def synchronize_staging(self) -> None:
@@ -312,39 +312,6 @@ class TensorCastReader(StorageReader):
         if self._owns_client:
             self._client.close()
             self._owns_client = False
-
-
-def _stage(value: Any, cache: dict[str, Any] | None, pin: bool, path: str) -> Any:
-    if isinstance(value, DTensor):
-        local = _stage(value.to_local(), cache, pin, path)
-        return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
-                                  shape=value.shape, stride=value.stride())
-    if isinstance(value, torch.Tensor):
-        held = cache.get(path) if cache is not None else None
-        if held is None or held.shape != value.shape or held.dtype != value.dtype:
-            held = torch.empty(value.shape, dtype=value.dtype, pin_memory=pin and torch.cuda.is_available())
-        held.copy_(value.detach(), non_blocking=pin)
-        return held
-    if isinstance(value, Mapping):
-        return {k: _stage(v, cache, pin, f"{path}.{k}") for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_stage(v, cache, pin, f"{path}.{i}") for i, v in enumerate(value))
-    return value
-
-
-def _staged_buffers(value: Any, path: str = "", out: dict[str, Any] | None = None) -> dict[str, Any]:
-    out = {} if out is None else out
-    if isinstance(value, DTensor):
-        out[path] = value.to_local()
-    elif isinstance(value, torch.Tensor):
-        out[path] = value
-    elif isinstance(value, Mapping):
-        for k, v in value.items():
-            _staged_buffers(v, f"{path}.{k}", out)
-    elif isinstance(value, list | tuple):
-        for i, v in enumerate(value):
-            _staged_buffers(v, f"{path}.{i}", out)
-    return out
 
 
 def list_checkpoints(client: Client, run: str) -> list[CheckpointEntry]:

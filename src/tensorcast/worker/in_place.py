@@ -8,6 +8,8 @@ Does not own: where a tensor lies (``worker.store``'s registrations) or checking
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from tensorcast.records import TensorMeta
@@ -33,8 +35,8 @@ def read_in_place(loc: CheckpointTensor, meta: TensorMeta, offset: int, length: 
 def in_place_source(loc: CheckpointTensor, meta: TensorMeta, req: DataRequest) -> SourceLease:
     """A data request's bytes from a checkpoint file: only its slice, or only its range, read."""
     if req.slices:
-        out = np.empty(int(np.prod(sliced_shape(meta.shape, req.slices), dtype=np.int64)) * raw_dtype(meta.dtype)
-                       .itemsize, np.uint8)
+        # sliced_shape checks the slices (a typed error) before anything is allocated or read.
+        out = np.empty(math.prod(sliced_shape(meta.shape, req.slices)) * raw_dtype(meta.dtype).itemsize, np.uint8)
         read_ranges([SliceJob(loc.file, loc.offset, meta.dtype, meta.shape, tuple(req.slices), out.data,
                               meta.name)], streams=1)
         return SourceLease(out.data, "disk", lambda: None)

@@ -387,5 +387,3 @@ class LocalStore:
             for seg in self._disk_segments.values():
                 seg.try_close()
             self._disk_segments.clear()
-
-
