@@ -50,7 +50,7 @@ def _is(module: str, *prefixes: str) -> bool:
 # (importer prefixes, forbidden import prefixes, why)
 RULES: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
     (("tensorcast.records", "tensorcast.errors", "tensorcast.checksums", "tensorcast.context",
-      "tensorcast.config", "tensorcast.cuda", "tensorcast.clock"),
+      "tensorcast.config", "tensorcast.config_loading", "tensorcast.cuda", "tensorcast.clock"),
      ("tensorcast.pool", "tensorcast.wire", "tensorcast.transport", "tensorcast.client", "tensorcast.worker",
       "tensorcast.gs", "tensorcast.kv", "tensorcast.plans", "tensorcast.tensors", "tensorcast.views"),
      "the ground floor imports nothing above it"),

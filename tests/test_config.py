@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from tensorcast.config import Config, parse_size
+from tensorcast.config import Config
+from tensorcast.config_loading import parse_size
 from tensorcast.errors import InvalidArgument
 
 

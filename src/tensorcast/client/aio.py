@@ -29,7 +29,8 @@ from tensorcast.client.puts import put_tensors
 from tensorcast.client.reads import Reader
 from tensorcast.client.workers import WorkerDirectory
 from tensorcast.client.write_maps import SegmentWriter
-from tensorcast.config import Config, check_token, default_host_id
+from tensorcast.config import Config, default_host_id
+from tensorcast.config_loading import check_token
 from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument, TensorCastError, clip
 from tensorcast.limits import check_ttl
