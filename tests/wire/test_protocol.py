@@ -106,7 +106,7 @@ def test_unsolicited_payload_is_consumed_and_rejected(secured: LocalCluster) -> 
 
 
 def test_each_request_declares_its_reply_once_and_the_tables_derive_from_it() -> None:
-    from tensorcast.wire import messages
+    from tensorcast.wire import kv_messages, messages
     from tensorcast.wire.protocol import IDEMPOTENT, MESSAGE_TYPES, REPLY_TO, REQUESTS
 
     assert REQUESTS and set(REPLY_TO) == set(REQUESTS)
@@ -114,6 +114,19 @@ def test_each_request_declares_its_reply_once_and_the_tables_derive_from_it() ->
     assert REPLY_TO[messages.GetArtifact] is messages.ArtifactReply  # a forward reference, resolved
     assert messages.GetArtifact in IDEMPOTENT and messages.PutBegin not in IDEMPOTENT
     assert messages.Request not in MESSAGE_TYPES and messages.Msg not in MESSAGE_TYPES
+    # Every message any wire module defines is on the wire (its module is in the catalogue's MESSAGE_MODULES),
+    # and the catalogue names every one but the KV-page ones (``wire.kv_messages``).
+    import importlib
+    import pkgutil
+
+    import tensorcast.wire
+
+    defined = {obj for info in pkgutil.iter_modules(tensorcast.wire.__path__)
+               for name in [f"tensorcast.wire.{info.name}"]
+               for obj in vars(importlib.import_module(name)).values()
+               if isinstance(obj, type) and issubclass(obj, messages.Msg) and obj.__module__ == name}
+    assert defined - {messages.Msg, messages.Request} == set(MESSAGE_TYPES)
+    assert all(getattr(messages, t.__name__) is t for t in MESSAGE_TYPES if t.__module__ != kv_messages.__name__)
 
     class Undeclared(messages.Msg):
         pass

@@ -1,12 +1,13 @@
 """One framed connection: an asyncio ``BufferedProtocol`` that reads payloads straight into their buffers.
 
-Owns: reading frames (header -> body -> payload checksums -> payload) out of a staging buffer, handing
-payload bytes to a receiver-chosen destination (the socket is ``recv_into`` that buffer directly once the
-body is known), writing frames with their payload checksums and flow control, and the connection's
+Owns: driving a ``wire.frame_reader.FrameReader`` from the socket (its ``get_buffer`` is the protocol's, so
+payload bytes are ``recv_into`` the receiver-chosen destination once the body is known), turning its events
+into ``Frame`` objects (decoding the body, choosing the payload's destination, refusing a payload with a
+request's own error), writing frames with their payload checksums and flow control, and the connection's
 lifecycle. The checksums are kept on the frame; the RPC layer checks them before anything uses the
 bytes. Protocol violations (bad magic, oversized body) are answered with a typed error and the
-connection is closed; they never take the process down. Does not own: what requests mean (``wire.rpc``), or
-the frame's parts (``wire.frame_parts``, whose names it re-exports).
+connection is closed; they never take the process down. Does not own: parsing frames (``wire.frame_reader``),
+what requests mean (``wire.rpc``), or the frame's parts (``wire.frame_parts``, whose names it re-exports).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import logging
 from collections.abc import Callable
 from typing import Any, cast
 
-from tensorcast.checksums import chunk_checksums, chunk_count, pack_checksums, unpack_checksums
+from tensorcast.checksums import chunk_checksums, pack_checksums
 from tensorcast.config import WireConfig
-from tensorcast.errors import InvalidArgument, ResourceExhausted, TensorCastError, Unauthenticated
+from tensorcast.errors import InvalidArgument, TensorCastError
 from tensorcast.wire.codec import decode_envelope, decode_message
 from tensorcast.wire.frame_parts import (
     ConnectionLost,
@@ -30,7 +31,8 @@ from tensorcast.wire.frame_parts import (
     error_reply,
     payload_views,
 )
-from tensorcast.wire.frames import CHECKSUMS, HEADER, pack_header, parse_header
+from tensorcast.wire.frame_reader import Body, Checksums, FrameReader
+from tensorcast.wire.frames import CHECKSUMS, pack_header
 from tensorcast.wire.protocol import ERROR, Envelope
 from tensorcast.wire.shared import WireState
 from tensorcast.wire.sockets import detect_dead_peer
@@ -42,10 +44,8 @@ log = logging.getLogger("tensorcast.wire")
 
 _STAGING = 256 * 1024
 _STAGING_PREAUTH = 4096  # an unauthenticated peer gets no more than this (and max_handshake_bytes)
-_DISCARD = 1024 * 1024
 # Payloads at least this large are checksummed (and verified) off the event loop.
 HASH_OFF_LOOP_BYTES = 1024 * 1024
-_HEADER, _BODY, _PAYLOAD, _SUMS = 0, 1, 2, 3
 
 
 # Called with the frame's envelope, message and payload length once the body is known; returns the
@@ -81,23 +81,9 @@ class Connection(asyncio.BufferedProtocol):
         self.tls_pending = False
         self.handshake_timer: asyncio.TimerHandle | None = None  # cancelled once authenticated or closed
         self._failed = False  # a protocol violation was reported; ignore whatever follows
-        self._staging = bytearray(_STAGING_PREAUTH)
-        self._held = 0  # bytes of the shared receive budget this connection holds
-        self._r = 0
-        self._w = 0
-        self._state = _HEADER
-        self._flags = 0
-        self._body_len = 0
-        self._payload_len = 0
-        self._direct: memoryview | None = None  # filled by recv_into directly
-        self._direct_pos = 0
-        self._direct_done: Callable[[], None] | None = None
-        self._big: bytearray | None = None  # a body or checksum block larger than what is staged
-        self._pending: Frame | None = None
-        self._sinks: list[memoryview] = []
-        self._sink_i = 0
-        self._sink_pos = 0
-        self._discard_left = 0
+        # Until authenticated: small frames only, and no payloads.
+        self._reader = FrameReader(_STAGING_PREAUTH, config.max_handshake_bytes, self._shared.budget, payloads=False)
+        self._pending: Frame | None = None  # the frame whose payload is arriving
         self._write_lock = asyncio.Lock()
         self._can_write = asyncio.Event()
         self._can_write.set()
@@ -145,11 +131,9 @@ class Connection(asyncio.BufferedProtocol):
         if self.handshake_timer is not None:
             self.handshake_timer.cancel()
             self.handshake_timer = None
-        if len(self._staging) < _STAGING:
-            staged = self._staging[self._r : self._w]
-            self._staging = bytearray(_STAGING)
-            self._staging[: len(staged)] = staged
-            self._r, self._w = 0, len(staged)
+        self._reader.max_body = self.config.max_frame_bytes
+        self._reader.payloads = True
+        self._reader.grow(_STAGING)
 
     def pause_writing(self) -> None:
         self._can_write.clear()
@@ -158,34 +142,16 @@ class Connection(asyncio.BufferedProtocol):
         self._can_write.set()
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._failed:  # drain into the staging buffer until the transport closes
-            self._r = self._w = 0
-            return memoryview(self._staging)
-        if self._direct is not None:
-            return self._direct[self._direct_pos :]
-        if self._r == self._w:
-            self._r = self._w = 0
-        elif self._w == len(self._staging):
-            pending = self._w - self._r
-            self._staging[:pending] = self._staging[self._r : self._w]
-            self._r, self._w = 0, pending
-        return memoryview(self._staging)[self._w :]
+        # A payload's destination once its body is known (the socket is recv_into it); once failed, the
+        # staging buffer, drained into until the transport closes.
+        return self._reader.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
         self.heard = True
         if self._failed:
             return
         try:
-            if self._direct is not None:
-                self._direct_pos += nbytes
-                if self._direct_pos < len(self._direct):
-                    return
-                self._direct = None
-                done, self._direct_done = self._direct_done, None
-                assert done is not None
-                done()
-            else:
-                self._w += nbytes
+            self._reader.buffer_updated(nbytes)
             self._process()
         except TensorCastError as exc:
             self.fail(exc)
@@ -193,164 +159,60 @@ class Connection(asyncio.BufferedProtocol):
             self._shared.bugs.exception("connection reader failed")
             self.fail(InvalidArgument(f"connection reader failed: {type(exc).__name__}"))
 
-    # ------------------------------------------------------------------ frame parsing
+    # ------------------------------------------------------------------ frames read
 
     def _process(self) -> None:
-        while self._direct is None and not self._failed and not self.closed.is_set():
-            avail = self._w - self._r
-            if self._state == _HEADER:
-                if avail < HEADER.size:
-                    return
-                head = memoryview(self._staging)[self._r : self._r + HEADER.size]
-                limit = self.config.max_frame_bytes if self.authenticated else self.config.max_handshake_bytes
-                self._flags, self._body_len, self._payload_len = parse_header(head, limit)
-                if self._payload_len and not self.authenticated:
-                    raise Unauthenticated("a payload before the handshake")
-                self._r += HEADER.size
-                self._state = _BODY
-            elif self._state == _BODY:
-                if not self._take_block(self._body_len, self._big_body_done):
-                    return
-                body = bytes(self._staging[self._r : self._r + self._body_len])
-                self._r += self._body_len
-                self._body_done(body)
-            elif self._state == _SUMS:
-                n = 8 * chunk_count(self._payload_len)
-                if not self._take_block(n, self._big_sums_done):
-                    return
-                self._sums_done(bytes(self._staging[self._r : self._r + n]))
-                self._r += n
-            else:
-                self._pump_payload()
+        reader = self._reader
+        while not self._failed and not self.closed.is_set():
+            event = reader.next_event()
+            if event is None:
+                return
+            if isinstance(event, Body):
+                self._body_done(event)
+            elif isinstance(event, Checksums):
+                assert self._pending is not None
+                self._pending.checksums = event.sums
+            else:  # PayloadDone
+                frame, self._pending = self._pending, None
+                assert frame is not None
+                self._on_frame(self, frame)  # from here the payload's buffer is the handler's (or the caller's)
 
-    def _take_block(self, size: int, done: Callable[[], None]) -> bool:
-        """True when ``size`` bytes are staged; a block larger than the staging buffer is read directly
-        into a buffer of its own (then ``done`` runs, and False is returned)."""
-        avail = self._w - self._r
-        if size <= len(self._staging):
-            return avail >= size
-        self._hold(size)
-        self._big = bytearray(size)
-        self._big[:avail] = self._staging[self._r : self._w]
-        self._r = self._w
-        self._start_direct(memoryview(self._big), avail, done)
-        return False
-
-    def _big_body_done(self) -> None:
-        body, self._big = bytes(self._big or b""), None
-        self._release()
-        self._body_done(body)
-
-    def _big_sums_done(self) -> None:
-        sums, self._big = bytes(self._big or b""), None
-        self._release()
-        self._sums_done(sums)
-
-    def _hold(self, nbytes: int) -> None:
-        self._shared.budget.take(nbytes)
-        self._held += nbytes
-
-    def _release(self) -> None:
-        self._shared.budget.give(self._held)
-        self._held = 0
-
-    def _body_done(self, body: bytes) -> None:
-        env = decode_envelope(body)  # an undecodable envelope ends the connection (InvalidArgument)
+    def _body_done(self, event: Body) -> None:
+        env = decode_envelope(event.body)  # an undecodable envelope ends the connection (InvalidArgument)
         try:
             frame = Frame(env, decode_message(env.body), None)
         except InvalidArgument as exc:  # this request's error only
             frame = Frame(env, None, InvalidArgument(exc.message, trace_id=env.trace_id))
-        if self._payload_len == 0:
-            self._state = _HEADER
+        if event.payload_len == 0:
             self._on_frame(self, frame)
             return
         self._pending = frame
-        sums = bool(self._flags & CHECKSUMS)
-        if frame.error is None and not sums:
+        if frame.error is None and not event.checksums:
             frame.error = InvalidArgument("a payload must come with its chunk checksums", trace_id=env.trace_id)
         if frame.error is None:
             try:
-                self._land(frame)
+                self._land(frame, event.payload_len)
             except TensorCastError as exc:
                 frame.error = exc
         if frame.error is not None:
             # Consume the payload (and its checksums) without keeping it; the error is this request's only.
-            self._discard_left = self._payload_len + (8 * chunk_count(self._payload_len) if sums else 0)
-            self._state = _PAYLOAD
-        else:
-            self._state = _SUMS if sums else _PAYLOAD
+            self._reader.skip()
 
-    def _land(self, frame: Frame) -> None:
+    def _land(self, frame: Frame, payload_len: int) -> None:
         """Choose where the payload goes (the request's sink, or a bounded fresh buffer)."""
-        chosen = self._choose_sink(self, frame.envelope, frame.message, self._payload_len)
+        chosen = self._choose_sink(self, frame.envelope, frame.message, payload_len)
         landing = chosen if isinstance(chosen, Landing) else None
         sink: Sink | None = chosen.views if isinstance(chosen, Landing) else chosen
         try:
             if sink is None:
-                if self._payload_len > self.config.max_unsolicited_payload_bytes:
-                    raise ResourceExhausted(f"payload of {self._payload_len} bytes exceeds the limit of "
-                                            f"{self.config.max_unsolicited_payload_bytes} bytes")
-                self._hold(self._payload_len)
-                sink = memoryview(bytearray(self._payload_len))
-            views = payload_views(sink)
-            total = sum(v.nbytes for v in views)
-            if total != self._payload_len:
-                raise InvalidArgument(f"payload of {self._payload_len} bytes does not match its {total}-byte "
-                                      "destination")
+                sink = self._reader.land_fresh(self.config.max_unsolicited_payload_bytes)
+            else:
+                self._reader.land(payload_views(sink))
         except BaseException:
             if landing is not None and landing.discard is not None:
                 landing.discard()
             raise
-        self._sinks, self._sink_i, self._sink_pos = views, 0, 0
         frame.payload, frame.landing = sink, landing
-
-    def _sums_done(self, raw: bytes) -> None:
-        assert self._pending is not None
-        self._pending.checksums = unpack_checksums(raw)
-        self._state = _PAYLOAD
-
-    def _pump_payload(self) -> None:
-        if self._discard_left:
-            avail = self._w - self._r
-            take = min(avail, self._discard_left)
-            self._r += take
-            self._discard_left -= take
-            if self._discard_left > 0:
-                self._start_direct(memoryview(bytearray(min(_DISCARD, self._discard_left))), 0,
-                                   self._discard_chunk_done)
-                return
-        while self._sink_i < len(self._sinks):
-            view = self._sinks[self._sink_i]
-            avail = self._w - self._r
-            take = min(avail, len(view) - self._sink_pos)
-            view[self._sink_pos : self._sink_pos + take] = self._staging[self._r : self._r + take]
-            self._r += take
-            self._sink_pos += take
-            if self._sink_pos < len(view):
-                self._start_direct(view, self._sink_pos, self._sink_view_done)
-                return
-            self._sink_i, self._sink_pos = self._sink_i + 1, 0
-        self._payload_done()
-
-    def _sink_view_done(self) -> None:
-        self._sink_i, self._sink_pos = self._sink_i + 1, 0
-        self._pump_payload()
-
-    def _discard_chunk_done(self) -> None:
-        self._discard_left -= self._direct_pos
-        self._pump_payload()
-
-    def _payload_done(self) -> None:
-        frame, self._pending = self._pending, None
-        self._sinks = []
-        self._state = _HEADER
-        self._release()  # the frame is complete: from here its buffer is the handler's (or the caller's)
-        assert frame is not None
-        self._on_frame(self, frame)
-
-    def _start_direct(self, target: memoryview, pos: int, done: Callable[[], None]) -> None:
-        assert pos < len(target)
-        self._direct, self._direct_pos, self._direct_done = target, pos, done
 
     def _drop_pending(self) -> None:
         """The connection ended mid-frame: give back the destination its payload was landing in, and let go
@@ -358,8 +220,7 @@ class Connection(asyncio.BufferedProtocol):
         frame, self._pending = self._pending, None
         if frame is not None and frame.landing is not None and frame.landing.discard is not None:
             frame.landing.discard()
-        self._sinks, self._big, self._direct, self._direct_done = [], None, None, None
-        self._release()
+        self._reader.close()
 
     # ------------------------------------------------------------------ writing
 

@@ -1,7 +1,7 @@
 """The KV-page messages: shard leases between shard homes and the global store, and page operations
 between callers and shard homes (plus the benchmark-only page index and the store's request counters).
 
-Owns: their types, built from ``records`` on the ``wire.messages.Msg`` base. Does not own: the envelope,
+Owns: their types, built from ``records`` on the ``wire.message_base.Msg`` base. Does not own: the envelope,
 the union or the reply table (``wire.protocol``), or their handlers (``kv.home``, ``gs.service``).
 """
 
@@ -12,7 +12,8 @@ from typing import ClassVar
 import msgspec
 
 from tensorcast.records import ShardLease, SlotList
-from tensorcast.wire.messages import Ack, Msg, Request
+from tensorcast.wire.message_base import Msg, Request
+from tensorcast.wire.session_messages import Ack
 
 
 class ListShards(Request["ShardTable"]):

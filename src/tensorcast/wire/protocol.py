@@ -3,8 +3,8 @@
 Owns: ``Envelope`` (request id, kind, trace id, absolute deadline around one message), the frame kinds,
 ``Message`` (decoding an unknown tag fails cleanly), ``REPLY_TO`` (the reply type of every request, which
 ``wire.caller`` checks in one place) and ``REQUIRED_ROLE`` (the weakest credential that may send each request,
-which every server checks in one place). Does not own: the message types (``wire.messages``,
-``wire.kv_messages``), framing (``wire.frames``) or the roles themselves (``credentials``).
+which every server checks in one place). Does not own: the message types (the modules ``wire.messages``
+lists), framing (``wire.frames``) or the roles themselves (``credentials``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from typing import Any, Union
 import msgspec
 
 from tensorcast.credentials import CLIENT, READ_ONLY, WORKER
-from tensorcast.wire import kv_messages, messages
 from tensorcast.wire.kv_messages import (
     AcquireShards,
     GSStats,
@@ -33,6 +32,7 @@ from tensorcast.wire.kv_messages import (
     RenewShards,
 )
 from tensorcast.wire.messages import (
+    MESSAGE_MODULES,
     AddReplica,
     CommitArtifact,
     DataHello,
@@ -74,8 +74,8 @@ __all__ = ["ERROR", "HANDSHAKE", "IDEMPOTENT", "MESSAGE_TYPES", "REPLY_TO", "REQ
 
 
 def _message_types() -> tuple[type, ...]:
-    """Every message type: the ``Msg`` subclasses the two message modules define."""
-    return tuple(obj for mod in (messages, kv_messages) for obj in vars(mod).values()
+    """Every message type: the ``Msg`` subclasses the catalogue's message modules define."""
+    return tuple(obj for mod in MESSAGE_MODULES for obj in vars(mod).values()
                  if isinstance(obj, type) and issubclass(obj, Msg) and obj not in (Msg, Request)
                  and obj.__module__ == mod.__name__)
 

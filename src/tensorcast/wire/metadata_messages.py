@@ -1,0 +1,75 @@
+"""The artifact metadata a caller reads and changes: look-ups, listing, deletion and leased references (the
+global store answers; gateways forward).
+
+Owns: ``ArtifactReply`` (the reply of every request that returns one artifact's record), ``GetArtifact``,
+``ListArtifacts``, ``DeleteArtifact``, ``RenewLease`` and ``ReleaseLease`` with their replies. Does not own:
+moving bytes (``wire.artifact_messages``), the workers' bookkeeping with the store
+(``wire.cluster_messages``), or the tables derived from the messages (``wire.protocol``).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from tensorcast.records import ArtifactInfo, ReplicaInfo
+from tensorcast.wire.message_base import Msg, Request
+
+# --------------------------------------------------------------------------- metadata (GS; gateways forward)
+
+
+class ArtifactReply(Msg):
+    """The reply to GetArtifact, CommitArtifact, RenewLease and RegisterCheckpoint."""
+
+    artifact: ArtifactInfo
+
+
+class GetArtifact(Request[ArtifactReply]):
+    idempotent: ClassVar[bool] = True
+    key_or_id: str
+
+
+class ListArtifacts(Request["ArtifactList"]):
+    """One page of listing entries after the cursor: one per key under ``prefix``; with no prefix, one per
+    key and then one per artifact bound to no key."""
+    idempotent: ClassVar[bool] = True
+
+    prefix: str = ""
+    limit: int = 1000
+    after: str = ""  # ArtifactList.next of the previous page
+
+
+class ArtifactList(Msg):
+    artifacts: tuple[ArtifactInfo, ...]
+    next: str = ""  # the cursor of the next page; "" after the last
+    # The key each entry is listed under ("" for an artifact bound to no key), one per entry of ``artifacts``.
+    entry_keys: tuple[str, ...] = ()
+
+
+class DeleteArtifact(Request["Deleted"]):
+    """By key: unbind that key (the content goes only when nothing else refers to it). By id: delete the
+    content outright, with every key."""
+
+    key_or_id: str
+
+
+class Deleted(Msg):
+    artifact_id: str
+    replicas: tuple[ReplicaInfo, ...] = ()  # the holders that drop it (when removed)
+    removed: bool = True  # the artifact went (False: other references keep it)
+    keys: tuple[str, ...] = ()  # when kept: the keys still naming it
+
+
+class RenewLease(Request[ArtifactReply]):
+    """Extend one leased reference: the binding of ``key``, or (None) the lease of puts without a key."""
+    idempotent: ClassVar[bool] = True
+
+    artifact_id: str
+    ttl: float
+    key: str | None = None
+
+
+class ReleaseLease(Request[Deleted]):
+    """End one leased reference (``key`` as in ``RenewLease``); the artifact goes if nothing else keeps it."""
+
+    artifact_id: str
+    key: str | None = None
