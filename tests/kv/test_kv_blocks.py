@@ -43,41 +43,41 @@ def test_token_check_in_one_step_answers_like_shard_by_shard() -> None:
         now = time.monotonic()
         for s in range(16):
             home.leases.granted(s, token=10 + s, sent_at=now, ttl=60.0)
-        home._leases_changed()
+        home.served.changed()
         keys = tuple(KEYS[:40])
         shards = [shard_of(k, 16) for k in keys]
         tokens = {s: 10 + s for s in set(shards)}
-        assert home._check(keys, tokens) == shards
+        assert home.served.check(keys, tokens) == shards
         # A stale token for a shard the keys fall in; a missing one; an extra stale one (ignored, as before).
         s0 = shards[0]
         with pytest.raises(StaleFencingToken):
-            home._check(keys, {**tokens, s0: 9 + s0})
+            home.served.check(keys, {**tokens, s0: 9 + s0})
         with pytest.raises(InvalidArgument, match="no fencing token"):
-            home._check(keys, {s: t for s, t in tokens.items() if s != s0})
+            home.served.check(keys, {s: t for s, t in tokens.items() if s != s0})
         unused = next(s for s in range(16) if s not in tokens)
-        assert home._check(keys, {**tokens, unused: 1}) == shards
+        assert home.served.check(keys, {**tokens, unused: 1}) == shards
         # A newer token (any value a caller makes up, 2**63 included) is refused without side effects: the
         # home keeps the shard and its pages, and still serves the current token.
         for newer in (11 + s0, 2**63 - 1):
             with pytest.raises(StaleFencingToken):
-                home._check(keys, {**tokens, s0: newer})
+                home.served.check(keys, {**tokens, s0: newer})
             assert home.leases.held[s0].token == 10 + s0
-            assert home._check(keys, tokens) == shards
+            assert home.served.check(keys, tokens) == shards
         # Being handed over to this home: refused until its pages arrived.
-        home._receiving.add(s0)
-        home._leases_changed()
+        home.served.receiving.add(s0)
+        home.served.changed()
         with pytest.raises(StaleFencingToken, match="handed over"):
-            home._check(keys, tokens)
-        home._receiving.discard(s0)
-        home._leases_changed()
-        assert home._check(keys, tokens) == shards
+            home.served.check(keys, tokens)
+        home.served.receiving.discard(s0)
+        home.served.changed()
+        assert home.served.check(keys, tokens) == shards
         # Past the local expiry: refused, whatever the token.
         home.leases.granted(s0, token=11 + s0, sent_at=now - 120, ttl=60.0)
-        home._leases_changed()
+        home.served.changed()
         with pytest.raises(StaleFencingToken):
-            home._check((keys[0],), {s0: 11 + s0})
+            home.served.check((keys[0],), {s0: 11 + s0})
         with pytest.raises(InvalidArgument):
-            home._check(("ok", ""), {shard_of("ok", 16): 10 + shard_of("ok", 16), shard_of("", 16): 0})
+            home.served.check(("ok", ""), {shard_of("ok", 16): 10 + shard_of("ok", 16), shard_of("", 16): 0})
     finally:
         home.store.close()
     assert not leaked_segments("tctest-check")

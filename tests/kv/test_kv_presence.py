@@ -24,7 +24,9 @@ from tensorcast.errors import InvalidArgument
 from tensorcast.kv.home import ShardHome
 from tensorcast.kv.keys import KVLayout, key_hash, key_hash_array, shard_of
 from tensorcast.kv.pages import PageStore
-from tensorcast.kv.presence import BUCKET, PresenceReader, PresenceWriter
+from tensorcast.kv.presence import BUCKET
+from tensorcast.kv.presence_reader import PresenceReader
+from tensorcast.kv.presence_writer import PresenceWriter
 from tensorcast.pool.segments import SHM_DIR
 from tensorcast.testing import leaked_segments, running_cluster, wait_shards_settled
 
@@ -231,7 +233,7 @@ def test_a_shard_home_withdraws_a_lease_before_dropping_its_pages() -> None:
         now = time.monotonic()
         for s in range(16):
             home.leases.granted(s, token=10 + s, sent_at=now, ttl=60.0)
-        home._leases_changed()
+        home.served.changed()
         keys = [f"key-{i}" for i in range(64)]
         for key in keys:
             page, _ = home.store.reserve(shard_of(key, 16), key, 100, now)
@@ -252,7 +254,7 @@ def test_a_shard_home_withdraws_a_lease_before_dropping_its_pages() -> None:
         assert not vouched[shards == s0].any() and present[shards != s0].all()
         # Its own serve-until (local expiry), published as it is: past it, nothing is vouched for.
         home.leases.granted(s0, token=10 + s0, sent_at=now - 120, ttl=60.0)
-        home._leases_changed()
+        home.served.changed()
         assert not answer()[1][shards == s0].any()
         reader.close()
     finally:

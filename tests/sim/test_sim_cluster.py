@@ -80,7 +80,7 @@ def test_a_paused_home_is_fenced_off_and_its_pages_are_not_served_when_it_wakes(
         cluster.pause(paused)
         await asyncio.sleep(2 * SETTINGS.lease_ttl)  # its leases expire meanwhile; others take its shards
         cluster.resume(paused)
-        assert not any(paused.home.serving_token(s) for s in range(16))  # it refuses at once on waking
+        assert not any(paused.home.served.token(s) for s in range(16))  # it refuses at once on waking
         await settle(cluster)
         await readable(cluster, checker, ks)  # no wrong bytes (the checker fences every answer meanwhile)
 

@@ -29,7 +29,7 @@ from tensorcast.client.kv_route import Routes
 from tensorcast.errors import InternalError, InvalidArgument, Unavailable
 from tensorcast.kv.blocks import BlockRegions
 from tensorcast.kv.keys import check_keys, key_hash_array
-from tensorcast.kv.presence import PresenceReader
+from tensorcast.kv.presence_reader import PresenceReader
 from tensorcast.pool.segments import SegmentGone, map_shared
 from tensorcast.records import SlotList
 

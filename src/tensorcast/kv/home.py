@@ -2,14 +2,16 @@
 
 Owns: the lease loop (read the lease table and the live shard homes from the global store, release what
 HRW says belongs elsewhere, renew what it holds, acquire what it should hold — a handful of global-store
-requests per loop, touched per shard, never per page), the fencing check every page request passes (its
-token for each shard it touches against a live local lease), what happens to pages when a lease changes
+requests per loop, touched per shard, never per page), what happens to pages when a lease changes
 hands (``kv.custody`` decides: a shard this home stops serving keeps its pages for the next holder to
 pull; a shard granted after another home held it is served once those pages arrived, ``kv.handover``),
-backups (``kv.replicas``), and draining (a graceful stop hands every shard over first). It publishes its
-leases (token, serve-until) and its pages to the store's presence table (``kv.presence``) so that same-host
-callers answer lookups themselves; leases are withdrawn there before a shard stops being served. Page TTLs
-count on CLOCK_MONOTONIC, like the leases. Does not own: the page requests (``kv.serving``) or the store.
+backups (``kv.replicas``), and draining (a graceful stop hands every shard over first). Whenever its leases
+change it republishes the served ones (``kv.fencing``: the fencing check every page request passes, and
+their token and serve-until in the store's presence table, ``kv.presence``, beside its pages) so that
+same-host callers answer lookups themselves; leases are withdrawn there before a shard stops being served.
+Page TTLs count on CLOCK_MONOTONIC, like the leases. Does not own: the page requests (``kv.serving``), the
+store, following the lease table and counting the live homes (``kv.census``), or the token check itself
+(``kv.fencing``).
 """
 
 from __future__ import annotations
@@ -17,18 +19,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine
 from typing import Any
 
 from tensorcast import clock
 from tensorcast.config import KVConfig
 from tensorcast.context import CallContext
-from tensorcast.errors import InvalidArgument, StaleFencingToken, TensorCastError
+from tensorcast.errors import InvalidArgument, TensorCastError
+from tensorcast.kv.census import HomeCensus
 from tensorcast.kv.custody import Custody, serve_at_once
+from tensorcast.kv.fencing import ServedLeases
 from tensorcast.kv.handover import Handover
 from tensorcast.kv.hrw import candidates
-from tensorcast.kv.keys import MAX_KEY_BYTES, check_keys, shards_of
-from tensorcast.kv.leases import HomeLeases, LeaseMirror, LeaseRecord, live_homes
+from tensorcast.kv.leases import HomeLeases
 from tensorcast.kv.pages import Page, PageStore
 from tensorcast.kv.reconcile import EXPIRED, OUTRANKED, reconcile
 from tensorcast.kv.serving import PageService
@@ -39,24 +42,16 @@ from tensorcast.wire.kv_messages import (
     KVHandoff,
     KVReplicate,
     KVShardsReleased,
-    ListShards,
     ReleaseShards,
     RenewShards,
     ShardTable,
 )
-from tensorcast.wire.messages import Ack, ListWorkers
+from tensorcast.wire.messages import Ack
 from tensorcast.wire.rpc import HandlerRegistry, Request
 
 __all__ = ["ShardHome"]
 
 log = logging.getLogger("tensorcast.kv")
-
-
-def _check_keys(keys: Sequence[str]) -> None:
-    """``check_keys`` of a decoded request, whose keys are ``str`` already: the full check only when a key
-    may be empty or too long."""
-    if "" in keys or max(map(len, keys), default=0) > MAX_KEY_BYTES // 4:
-        check_keys(keys)
 
 
 class ShardHome:
@@ -73,29 +68,19 @@ class ShardHome:
         self.custody = Custody(worker_id, config.handover_keep_seconds, config.replicas)
         self.store = PageStore(config.memory_capacity, f"{shm_prefix}-kv", arena_bytes=config.arena_bytes,
                                max_page_bytes=config.max_page_bytes, default_ttl=config.page_ttl, presence=True)
-        self.pages = PageService(self.store, self._check, self._copy if config.replicas > 1 else None,
+        self.served = ServedLeases(self.leases, self.store, lambda: self.num_shards)
+        self.census = HomeCensus(worker_id, config, gs)
+        self.pages = PageService(self.store, self.served.check, self._copy if config.replicas > 1 else None,
                                  max_request_bytes=config.max_request_bytes)
         self.handover = Handover(worker_id, self.store, gs, self.custody, batch_bytes=config.max_batch_bytes,
-                                 owner_token=self.serving_token, confirm=self._confirm, expire=self.expire,
+                                 owner_token=self.served.token, confirm=self._confirm, expire=self.expire,
                                  num_shards=lambda: self.num_shards, max_request_bytes=config.max_request_bytes)
         self.num_shards = 0
         self._task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()  # pulls and backup refills in flight
         self._wake = asyncio.Event()  # a peer released shards: run the loop now
         self._last_renewal = 0.0  # monotonic time the last renewal was sent (for the renewal-lag metric)
-        # The lease table as followed from the global store: deltas since (epoch, revision).
-        self._mirror = LeaseMirror()
-        self._homes: dict[str, str] = {}  # the live shard homes (this one included) -> address
-        self._peers: dict[str, str] = {}  # every shard home heard from lately: where pages may be kept
-        self._last_read = 0.0  # the store's clock at the last lease-table read
-        self._cut_off: tuple[float, float] | None = None  # (last read before a gap, end of its grace)
-        self._leaving: dict[str, float] = {}  # homes that said they are stopping -> until when to count them out
-        self._receiving: set[int] = set()  # held shards whose pages are being pulled: not served yet
         self._draining = False
-        # The leases as served, for checking a request's tokens in one step: shard -> token of every held
-        # shard that is served, and the earliest local expiry among them. Rebuilt whenever a lease changes.
-        self._live: dict[int, int] = {}
-        self._live_until = 0.0
 
     def register(self, registry: HandlerRegistry) -> None:
         self.pages.register(registry)
@@ -136,31 +121,9 @@ class ShardHome:
 
     async def _read_table(self, ctx: CallContext) -> tuple[ShardTable, list[str]]:
         """Catch up with the lease table and the live shard homes (this one included, sorted)."""
-        mirror = self._mirror
-        table = await self.gs.call(ListShards(since=mirror.revision, epoch=mirror.epoch), ctx)
-        workers = await self.gs.call(ListWorkers(), ctx)
+        table, homes = await self.census.read(ctx)
         self.num_shards = table.num_shards
-        # Deltas after the first read (the whole table again only from another global store).
-        mirror.apply(table.full, (LeaseRecord(s.shard, s.holder, s.token, s.expiry, s.acquired_at)
-                                  for s in table.leases), table.now, table.revision, table.epoch)
-        now, ttl = clock.monotonic(), self.config.lease_ttl
-        self._leaving = {w: until for w, until in self._leaving.items() if until > now}
-        if self._last_read and table.now - self._last_read > self.config.renew_interval:
-            self._cut_off = (self._last_read, table.now + ttl)  # cut off from the store until now
-        elif self._cut_off is not None and table.now > self._cut_off[1]:
-            self._cut_off = None  # every live home heartbeated since
-        self._last_read = table.now
-        homes = [w for w in workers.workers if "shard-home" in w.roles]
-        beats = {w.worker_id: w.last_heartbeat for w in homes if w.worker_id not in self._leaving}
-        live = live_homes(beats, table.now, ttl, self._cut_off[0] if self._cut_off else None)
-        by_id = {w.worker_id: w.address for w in homes}
-        self._homes = {w: by_id[w] for w in live}
-        self._homes.setdefault(self.worker_id, "")
-        # Pages may be kept by any home heard from within a few lease TTLs (a pull from a dead one fails fast).
-        recent = live_homes({w.worker_id: w.last_heartbeat for w in homes}, table.now, 10 * ttl,
-                            self._cut_off[0] if self._cut_off else None)
-        self._peers = {w: by_id[w] for w in recent if w != self.worker_id and by_id[w]}
-        return table, sorted(self._homes)
+        return table, homes
 
     def expire(self) -> None:
         """Step down from the shards whose lease ran out here (even while the store cannot be reached): their
@@ -175,8 +138,8 @@ class ShardHome:
         ctx = self._ctx()
         table, homes = await self._read_table(ctx)
         # Just after being cut off from the store, the other live homes re-acquire their own expired shards.
-        plan = reconcile(self.leases, self._mirror.records, homes, table.num_shards, table.now, clock.monotonic(),
-                         grace=self.config.renew_interval / 4, takeover=self._cut_off is None)
+        plan = reconcile(self.leases, self.census.mirror.records, homes, table.num_shards, table.now,
+                         clock.monotonic(), grace=self.config.renew_interval / 4, takeover=self.census.cut_off is None)
         for shard, why in plan.step_down:
             self._step_down(shard, why)
         if plan.give_back:
@@ -202,7 +165,7 @@ class ShardHome:
         await asyncio.gather(*(self._tell_released(h, tuple(nxt.get(h, ())), leaving, ctx) for h in targets))
 
     async def _tell_released(self, home: str, shards: tuple[int, ...], leaving: bool, ctx: CallContext) -> None:
-        address = self._homes.get(home, "")
+        address = self.census.homes.get(home, "")
         if address:
             with contextlib.suppress(TensorCastError, OSError):
                 await self.gs.call(KVShardsReleased(worker_id=self.worker_id, shards=shards, leaving=leaving),
@@ -226,7 +189,7 @@ class ShardHome:
                 self.leases.granted(s, renewed[s], sent, ttl)
             else:
                 self._step_down(s, "renewal refused")
-        self._leases_changed()
+        self.served.changed()
 
     async def _acquire(self, shards: list[int], ctx: CallContext) -> None:
         ttl = self.config.lease_ttl
@@ -240,8 +203,8 @@ class ShardHome:
             if not serve_at_once(kept, g.token, self.worker_id):
                 pull[g.shard] = g.token
                 own[g.shard] = kept.token if kept is not None else 0
-        self._receiving |= pull.keys()
-        self._leases_changed()
+        self.served.receiving |= pull.keys()
+        self.served.changed()
         if reply.leases:
             log.info("acquired %d shard leases (%d handed over from other homes)", len(reply.leases), len(pull))
         if pull:
@@ -249,23 +212,23 @@ class ShardHome:
 
     async def _pull(self, tokens: dict[int, int], own: dict[int, int]) -> None:
         """The newest pages other homes kept of these newly granted shards, then serve them."""
-        peers = list(self._peers.values())
+        peers = list(self.census.peers.values())
         try:
             got = await self.handover.pull(tokens, own, peers, timeout=self.config.lease_ttl)
             if got:
                 log.info("received %d pages of %d shards handed over", got, len(tokens))
         finally:
-            for shard in tokens.keys() & self._receiving:
+            for shard in tokens.keys() & self.served.receiving:
                 if shard in self.leases.held:
                     self.custody.served(shard)
-            self._receiving -= tokens.keys()
-            self._leases_changed()
+            self.served.receiving -= tokens.keys()
+            self.served.changed()
 
     def _after_tick(self, homes: list[str]) -> None:
         """Fill new backups of the shards served here, and drop the kept pages nobody needs any more."""
         now = clock.monotonic()
         if self.config.replicas > 1:
-            served = [s for s in self.leases.held if s not in self._receiving]
+            served = [s for s in self.leases.held if s not in self.served.receiving]
             for shard, targets in self.custody.refill(served, homes).items():
                 self._spawn(self._refill(shard, targets))
         for shard in self.custody.to_drop(self.store.shards(), self.leases.held, homes, now):
@@ -279,7 +242,7 @@ class ShardHome:
         if held is None:
             return
         pages, _ = self.store.pages_of([shard], None, 1 << 62, clock.monotonic())
-        addresses = [self._homes[t] for t in targets if self._homes.get(t)]
+        addresses = [self.census.homes[t] for t in targets if self.census.homes.get(t)]
         await self.handover.copy(pages, {shard: held.token}, addresses,
                                  CallContext(deadline=clock.time() + self.config.request_timeout))
 
@@ -291,16 +254,16 @@ class ShardHome:
     def _step_down(self, shard: int, why: str) -> None:
         if shard in self.leases.held:
             self.leases.lost(shard)
-            self._receiving.discard(shard)
-            self._leases_changed()  # withdrawn from the presence table before anything else happens to it
+            self.served.receiving.discard(shard)
+            self.served.changed()  # withdrawn from the presence table before anything else happens to it
             self.custody.released(shard, clock.monotonic())
             log.info("stepped down from shard %d (%s); its %d pages are kept for its next holder", shard, why,
                      len(self.store.by_shard.get(shard, ())))
 
     async def shards_released(self, msg: KVShardsReleased, req: Request) -> Ack:
         """A peer released shards (it stopping: it no longer counts as a home): read the table now."""
-        if msg.leaving and msg.worker_id != self.worker_id:
-            self._leaving[msg.worker_id] = clock.monotonic() + self.config.handover_timeout + 2 * self.config.lease_ttl
+        if msg.leaving:
+            self.census.leaving(msg.worker_id)
         self._wake.set()
         return Ack()
 
@@ -316,7 +279,7 @@ class ShardHome:
         if self._task is not None:
             self._task.cancel()
         ctx = self._ctx()
-        homes = sorted(self._homes)
+        homes = sorted(self.census.homes)
         try:
             if any(h != self.worker_id for h in homes):
                 await self._give_back(sorted(self.leases.held), homes, ctx, leaving=True)
@@ -328,7 +291,7 @@ class ShardHome:
         while self.store.index and clock.monotonic() < deadline and not await self._taken_over():
             await asyncio.sleep(self.config.renew_interval / 4)
             # Said again while waiting: a home that missed it would still rank this one first, and wait for it.
-            others = [h for h in self._homes if h != self.worker_id]
+            others = [h for h in self.census.homes if h != self.worker_id]
             await asyncio.gather(*(self._tell_released(h, (), True, self._ctx()) for h in others))
         left = len(self.store.index)
         log.info("drained: %d pages handed over, %d left", self.handover.handed, left)
@@ -340,7 +303,7 @@ class ShardHome:
         holds that tenure (it needs nothing from here)."""
         with contextlib.suppress(TensorCastError):
             await self._read_table(self._ctx())
-        taken, tenures, recs = self.handover.taken, self.custody.tenures, self._mirror.records
+        taken, tenures, recs = self.handover.taken, self.custody.tenures, self.census.mirror.records
 
         def done(shard: int) -> bool:
             kept = tenures.get(shard)
@@ -357,33 +320,21 @@ class ShardHome:
     @property
     def homes(self) -> list[str]:
         """The live shard homes as this one last counted them (itself included)."""
-        return sorted(self._homes)
+        return sorted(self.census.homes)
 
     def kept_pages(self) -> int:
         """Pages here of shards this home does not serve."""
-        return sum(len(keys) for s, keys in self.store.by_shard.items() if s not in self._live)
+        return sum(len(keys) for s, keys in self.store.by_shard.items() if not self.served.serves(s))
 
-    # ----------------------------------------------------------------- fencing
-    def serving_token(self, shard: int) -> int:
-        """The token ``shard`` is served under here (0: not served here)."""
-        held = self.leases.held.get(shard)
-        if held is None or shard in self._receiving or clock.monotonic() >= held.local_expiry:
-            return 0
-        return held.token
-
+    # ----------------------------------------------------------------- hand-overs and backups
     async def _confirm(self, worker: str, tokens: dict[int, int]) -> bool:
         """Whether the lease table shows ``worker`` holding these shards under these tokens (read again from
         the global store when this home's copy does not show it yet)."""
-        def shown() -> bool:
-            recs = self._mirror.records
-            return all((r := recs.get(s)) is not None and r.holder == worker and r.token == t
-                       for s, t in tokens.items())
-
-        if shown():
+        if self.census.shows(worker, tokens):
             return True
         with contextlib.suppress(TensorCastError):
             await self._read_table(self._ctx())
-        return shown()
+        return self.census.shows(worker, tokens)
 
     async def _copy(self, pages: list[tuple[str, Page]], tokens: dict[int, int]) -> None:
         """Copies of pages just stored here to their shards' backups."""
@@ -392,37 +343,5 @@ class ShardHome:
             for target in self.custody.backups(page.shard):
                 by_target.setdefault(target, []).append((key, page))
         ctx = CallContext(deadline=clock.time() + self.config.request_timeout)
-        await asyncio.gather(*(self.handover.copy(group, tokens, [self._homes[t]], ctx)
-                               for t, group in by_target.items() if self._homes.get(t)))
-
-    def _leases_changed(self) -> None:
-        held = self.leases.held
-        served = {s: h for s, h in held.items() if s not in self._receiving}
-        self._live = {s: h.token for s, h in served.items()}
-        self._live_until = min((h.local_expiry for h in served.values()), default=0.0)
-        if self.store.presence is not None:  # same-host readers vouch only within the same serve-until
-            self.store.presence.publish_leases({s: (h.token, h.local_expiry) for s, h in served.items()},
-                                               self.num_shards, clock.monotonic())
-
-    def _check(self, keys: tuple[str, ...], tokens: dict[int, int]) -> list[int]:
-        """The shard of every key, once the request's token for each of them is checked against a live
-        local lease. In one step when every token the request carries is the current one of a lease held
-        and no lease has expired (the common case); otherwise shard by shard, which also steps down from
-        a shard a request shows a newer token for."""
-        if not self.num_shards:
-            raise StaleFencingToken("this shard home has no lease table yet")
-        _check_keys(keys)
-        shards = shards_of(keys, self.num_shards)
-        now = clock.monotonic()
-        need = set(shards)
-        if now < self._live_until and need <= tokens.keys() and tokens.items() <= self._live.items():
-            return shards
-        for shard in need:
-            token = tokens.get(shard)
-            if token is None:
-                raise InvalidArgument(f"no fencing token for shard {shard}")
-            self.leases.check(shard, token, now)
-            if shard in self._receiving:
-                raise StaleFencingToken(f"shard {shard} is being handed over to this home: retry")
-        return shards
-
+        await asyncio.gather(*(self.handover.copy(group, tokens, [self.census.homes[t]], ctx)
+                               for t, group in by_target.items() if self.census.homes.get(t)))

@@ -26,7 +26,7 @@ import numpy as np
 
 from tensorcast.errors import InvalidArgument, ResourceExhausted
 from tensorcast.kv.keys import key_hash
-from tensorcast.kv.presence import PresenceWriter
+from tensorcast.kv.presence_writer import PresenceWriter
 from tensorcast.pool.segments import SHM_DIR, Segment, remove_stale_segments
 from tensorcast.pool.slab import SlabAllocator
 from tensorcast.records import SlotList

@@ -101,7 +101,7 @@ class Checker:
             if w.proc.paused:
                 continue
             for shard in list(w.home.leases.held):
-                if w.home.serving_token(shard):
+                if w.home.served.token(shard):
                     serving.setdefault(shard, []).append(w.id)
         two = {s: ws for s, ws in serving.items() if len(ws) > 1}
         if two:

@@ -99,7 +99,7 @@ def where(cluster: SimCluster, key: str) -> str:
     shard = shard_of(key, n)
     holder, token, expiry = lease_table(cluster).get(shard, ("", 0, 0.0))
     stored = [w.id for w in cluster.live() if key in w.home.store.index]
-    serving = [w.id for w in cluster.live() if w.home.serving_token(shard)]
+    serving = [w.id for w in cluster.live() if w.home.served.token(shard)]
     return (f"shard {shard} leased to {holder!r} (token {token}, {expiry - clock.time():+.1f}s); stored on {stored}, "
             f"served by {serving}")
 
