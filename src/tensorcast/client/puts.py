@@ -1,17 +1,17 @@
 """The put protocol from the caller's side: begin, hand the bytes over, commit (or abort).
 
-Owns: ``PutBegin`` -> bytes -> ``PutCommit`` against the worker that takes the first replica. The digests
-come first (so that the worker skips the bytes it holds already). A small put is one request: its bytes are
-``PutBegin``'s payload, and the worker stores and commits at once. Same host: one copy of each tensor
-straight into the shared-memory segment the worker reserved, through a mapping kept from one put to the
-next (``client.write_maps``; a disk-tier target: ``pwrite``). Another host (or a
-``/dev/shm`` this process cannot see): ``PutData`` payloads that the worker receives straight into the
-segment, each checked against its chunk checksums and sent again if a chunk arrived corrupted. A same-host
-put of many bytes not hashed yet hashes them while it writes them, and its digests go with the commit
-(``PutBegin.digests_later``); digests known already (a publisher's unchanged tensors) are stated first, so
-the worker skips those bytes. A failed put is aborted, also one whose caller was cancelled while
-``PutBegin`` was being answered (the worker also reclaims abandoned ones). Does not own: normalizing inputs
-(``tensors``) or the artifact handle (``client.aio``).
+Owns: ``PutBegin`` -> bytes -> ``PutCommit`` against the worker that takes the first replica. The digests come
+first (so that the worker skips the bytes it holds already). A small put is one request: its bytes are
+``PutBegin``'s payload, and the worker stores and commits at once. Same host: one copy of each tensor straight
+into the shared-memory segment the worker reserved, through a mapping kept from one put to the next
+(``client.write_maps``; a disk-tier target: ``pwrite``). Another host (or a ``/dev/shm`` this process cannot
+see): ``PutData`` payloads that the worker receives straight into the segment, each checked against its chunk
+checksums and sent again if a chunk arrived corrupted. A same-host put of many bytes not hashed yet hashes them
+while it writes them, and its digests go with the commit (``PutBegin.digests_later``); digests known already (a
+publisher's unchanged tensors) are stated first, so the worker skips those bytes (which path a put takes:
+``client.put_path``). A failed put is aborted, also one whose caller was cancelled while ``PutBegin`` was being
+answered (the worker also reclaims abandoned ones). Does not own: normalizing inputs (``tensors``) or the
+artifact handle (``client.aio``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import TypeVar
 
 from tensorcast.checksums import ChunkCorrupted
 from tensorcast.client.locality import Locality
+from tensorcast.client.put_path import PutPath, PutTurn, after, choose_put_path, on_thread
 from tensorcast.client.write_maps import SegmentWriter
 from tensorcast.context import CallContext
 from tensorcast.errors import InternalError, TensorCastError
@@ -37,15 +38,6 @@ __all__ = ["PUT_DATA_ATTEMPTS", "put_tensors"]
 
 # Sends of one tensor's bytes whose chunks arrived corrupted before the put fails (ChunkCorrupted).
 PUT_DATA_ATTEMPTS = 3
-# Same-host writes and hashing of fewer bytes than this run on the event loop (a fraction of a millisecond
-# each: a copy into pages faulted in already, BLAKE3 on several threads); a thread hop costs about as much.
-_INLINE_WRITE_BYTES = 4 << 20
-# Puts of at most this many bytes send them with PutBegin (one round trip; the worker hashes them): below
-# this, a round trip costs more than moving the bytes through the connection and hashing them on the worker.
-_INLINE_PUT_BYTES = 256 << 10
-# Same-host puts with at least this many bytes not hashed yet hash them while they write them (PutBegin's
-# digests_later); below this, both run on the event loop one after the other (a thread hop costs more).
-_HASH_WHILE_WRITING_BYTES = _INLINE_WRITE_BYTES
 R = TypeVar("R")
 log = logging.getLogger("tensorcast.client")
 _LATE_ABORTS: set[asyncio.Task[None]] = set()
@@ -68,14 +60,16 @@ async def _put_tensors(caller: Caller, locality: Locality, writer: SegmentWriter
                        policy: str | Placement | None, ctx: CallContext) -> ArtifactInfo:
     welcome = await caller.connect(address)
     put = _Put(caller, writer, address, inputs, key, ttl, policy, ctx)
-    if sum(t.nbytes for t in inputs) <= _INLINE_PUT_BYTES:
-        return await put.inline(locality.same_host(welcome.host_id))
-    if locality.same_host(welcome.host_id):
+    same_host = locality.same_host(welcome.host_id)
+    path = choose_put_path(sum(t.nbytes for t in inputs), sum(t.nbytes for t in inputs if not t.digest), same_host)
+    if path is PutPath.INLINE:
+        return await put.inline(same_host)
+    if path is not PutPath.STREAMED:
         try:
-            return await put.same_host()
+            return await put.same_host(path)
         except SegmentGone:
-            # Same host id, but /dev/shm is not shared (another container): stream instead.
             locality.shared_memory_unreachable()
+            path = after(path, PutTurn.SHM_UNREACHABLE)
     return await put.streamed()
 
 
@@ -123,12 +117,15 @@ class _Put:
             raise InternalError(f"{self.address} answered an inline put without its record")
         return plan.artifact
 
-    async def same_host(self) -> ArtifactInfo:
-        """Write straight into the worker's shared memory. With few bytes to hash, hashed first, so that the
-        worker skips those it holds already; with many, hashed on other threads while written on another."""
+    async def same_host(self, path: PutPath) -> ArtifactInfo:
+        """Write straight into the worker's shared memory (``path``: hashed first, so that the worker skips
+        the bytes it holds already, or hashed on other threads while written on another)."""
         try:
-            if sum(t.nbytes for t in self.inputs if not t.digest) >= _HASH_WHILE_WRITING_BYTES:
-                return await self._hash_while_writing()
+            while path is PutPath.HASH_WHILE_WRITING:
+                info = await self._hash_while_writing()
+                if info is not None:
+                    return info
+                path = after(path, PutTurn.DIGESTS_FIRST)
             return await self._hash_then_write()
         finally:
             self.writer.schedule_sweep(asyncio.get_running_loop())
@@ -138,19 +135,20 @@ class _Put:
         plan = await self._begin_put(self._begin(True))
         return await self._finish(plan, lambda: _write(self.writer, plan, self.inputs))
 
-    async def _hash_while_writing(self) -> ArtifactInfo:
+    async def _hash_while_writing(self) -> ArtifactInfo | None:
         """Same host, digests later: the worker reserves room for every tensor not hashed yet, which is written
         while its digest is computed (BLAKE3 is bound by the CPU, the copy by memory: together they take little
         more than the longer of the two), and the digests come with the commit. Bytes the worker held already
         are written all the same and dropped at the commit: about what hashing them first would have cost.
-        Tensors whose digest is known (a publisher's unchanged ones) are skipped up front as usual."""
+        Tensors whose digest is known (a publisher's unchanged ones) are skipped up front as usual. None: the
+        worker asked for the digests first (``PutTurn.DIGESTS_FIRST``)."""
         msg = PutBegin(tensors=tuple(t.meta_without_digest(t.digest) for t in self.inputs), key=self.key,
                        ttl=self.ttl, same_host=True, placement=self.policy, digests_later=True)
         # Hashing starts once the worker has answered: on two cores, hashing meanwhile slows its answer down
         # by more than it saves.
         plan = await self._begin_put(msg)
         if plan.digests_first:  # the worker must make room: with the digests, it skips the bytes it holds
-            return await self._hash_then_write()
+            return None
 
         async def write() -> None:
             hashing = asyncio.ensure_future(asyncio.to_thread(_hash_all, self.inputs))
@@ -207,7 +205,7 @@ async def _abort(caller: Caller, put_id: str, address: str) -> None:
 
 async def _hash(inputs: list[TensorInput]) -> None:
     """Compute the digests not computed yet (on a thread unless there are few bytes to hash)."""
-    if sum(t.nbytes for t in inputs if not t.digest) < _INLINE_WRITE_BYTES:
+    if not on_thread(sum(t.nbytes for t in inputs if not t.digest)):
         _hash_all(inputs)
     else:
         await asyncio.to_thread(_hash_all, inputs)
@@ -221,7 +219,7 @@ def _hash_all(inputs: list[TensorInput]) -> None:
 
 async def _write(writer: SegmentWriter, plan: PutPlan, inputs: list[TensorInput]) -> None:
     """Same host: write the bytes into the targets; on a thread unless they are few (a thread hop costs more)."""
-    if sum(ref.size for ref in plan.segments if ref is not None) < _INLINE_WRITE_BYTES:
+    if not on_thread(sum(ref.size for ref in plan.segments if ref is not None)):
         _write_segments(writer, plan, inputs)
     else:
         await asyncio.to_thread(_write_segments, writer, plan, inputs)

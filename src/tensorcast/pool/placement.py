@@ -1,10 +1,11 @@
 """Placement policies: where an artifact lives and what happens when memory is full.
 
-Owns: the named presets users know from other tensor stores (the general form, ``Placement``, is a
-record), and the decisions a placement implies: where a put lands (``decide_put``: memory after evicting
-whom, the disk tier, or a refusal), which workers receive its further copies (``replica_candidates``,
-``replica_targets``), and which copies restore artifacts that lost some (``plan_repairs``). Pure: no I/O,
-no clock (``now`` is passed in). The worker applies the decisions (``worker.puts``, ``worker.replication``).
+Owns: the named presets users know from other tensor stores (the general form, ``Placement``, is a record), and
+the decisions a placement implies: where a put lands (``decide_put``: memory after evicting whom, the disk tier,
+or a refusal; ``admit_digests_later``: whether a put may send its digests last), which workers receive its
+further copies (``replica_candidates``, ``replica_targets``), and which copies restore artifacts that lost some
+(``plan_repairs``). Pure: no I/O, no clock (``now`` is passed in). The worker applies the decisions
+(``worker.puts``, ``worker.replication``).
 
 | preset    | memory    | disk     | replicas | on memory overflow          | evictable |
 |-----------|-----------|----------|----------|-----------------------------|-----------|
@@ -35,8 +36,8 @@ from tensorcast.errors import InvalidArgument, ResourceExhausted, clip
 from tensorcast.pool.state import PoolState
 from tensorcast.records import ArtifactInfo, Placement, WorkerInfo
 
-__all__ = ["PRESETS", "Placement", "PutDecision", "Repair", "decide_put", "plan_repairs", "replica_candidates",
-           "replica_targets", "resolve_placement"]
+__all__ = ["PRESETS", "Placement", "PutDecision", "Repair", "admit_digests_later", "decide_put", "plan_repairs",
+           "replica_candidates", "replica_targets", "resolve_placement"]
 
 
 PRESETS: dict[str, Placement] = {
@@ -106,6 +107,18 @@ def decide_put(placement: Placement, state: PoolState, need: int, now: float, pr
     if not has_disk:
         raise InvalidArgument("memory is full and spilling needs a disk tier (worker.disk_dir is not set)")
     return PutDecision(False, "disk" not in present)
+
+
+def admit_digests_later(placement: Placement, state: PoolState, need: int, high_watermark: float) -> bool:
+    """Whether a worker takes a same-host put whose digests come with its commit (``digests_later``), needing
+    ``need`` bytes of memory for tensors it cannot yet tell apart from blobs it holds. No: the put would make
+    room (evict now, spill to disk, or push the memory tier above ``high_watermark`` of its capacity, which
+    the housekeeping then evicts down from) for bytes the worker may hold already, and with the digests first
+    those bytes need no room at all; the worker answers ``digests_first`` and the caller hashes before it
+    writes (``client.put_path``)."""
+    if not placement.wants_memory or need > state.free:
+        return False
+    return state.used + state.reserved + need <= high_watermark * state.capacity
 
 
 def replica_targets(workers: Iterable[WorkerInfo], self_id: str, self_host: str, extra: int) -> list[str]:

@@ -32,7 +32,7 @@ from tensorcast.config import WorkerConfig
 from tensorcast.errors import InvalidArgument, NotFound, Unavailable, clip
 from tensorcast.limits import check_ttl
 from tensorcast.pool.memory import BlobLoc
-from tensorcast.pool.placement import decide_put
+from tensorcast.pool.placement import admit_digests_later, decide_put
 from tensorcast.pool.segments import Segment
 from tensorcast.records import Placement, SegmentRef, TensorMeta
 from tensorcast.tensors import artifact_id, digest_bytes, numpy_dtype
@@ -101,10 +101,7 @@ class PutManager:
         need = _distinct_bytes(t for t in tensors if t.digest and not memory.has_blob(t.digest)) + \
             sum(t.nbytes for t in tensors if not t.digest)
         state = memory.state
-        if later and (not placement.wants_memory or need > state.free or
-                      state.used + state.reserved + need > self.config.memory_high_watermark * state.capacity):
-            # Making room (evicting now, spilling, or the housekeeping's eviction above the high watermark) for
-            # bytes this worker may hold already would be a loss: with the digests, those bytes need no room.
+        if later and not admit_digests_later(placement, state, need, self.config.memory_high_watermark):
             return PutPlan(put_id="", artifact_id="", digests_first=True)
         decision = decide_put(placement, state, need, time.time(), self.store.tiers(aid) if aid else (),
                               has_disk=self.store.disk is not None, exclude=frozenset({aid}) if aid else frozenset())
