@@ -29,8 +29,7 @@ from tensorcast.wire.messages import (
     RunPlan,
 )
 from tensorcast.wire.rpc import HandlerRegistry, Request
-from tensorcast.worker.roles import WorkerParts
-from tensorcast.worker.storage import StorageRole
+from tensorcast.worker.roles import StoragePort, WorkerParts
 
 __all__ = ["GatewayRole"]
 
@@ -39,7 +38,7 @@ RELAYED: tuple[type, ...] = (GetArtifact, ListArtifacts, ListWorkers, RenewLease
 
 
 class GatewayRole:
-    def __init__(self, parts: WorkerParts, storage: StorageRole) -> None:
+    def __init__(self, parts: WorkerParts, storage: StoragePort) -> None:
         self.parts = parts
         self.storage = storage
         self.plans = PlanExecutor(self, max_attempts=parts.config.worker.plan_max_attempts)
@@ -58,7 +57,7 @@ class GatewayRole:
         return None
 
     async def delete(self, msg: DeleteArtifact | ReleaseLease, req: Request) -> Deleted:
-        reply = await self.parts.gs.caller.call(msg, req.ctx)
+        reply = await self.parts.gs.call(msg, req.ctx)
         if reply.removed:  # free our copy now; other holders at their next heartbeat
             self.storage.drop(reply.artifact_id)
         return reply

@@ -50,7 +50,7 @@ def worker_samples(worker_id: str, storage: StorageRole, kv_home: ShardHome | No
                      "plane; rpc: put payloads; shm: same-host puts and maps; disk: its own disk tier) and "
                      "direction.", {**w, "transport": transport, "direction": direction}, nbytes, counter=True)
     yield Sample("tensorcast_transfers_in_flight", "Data-plane transfers running now (fetches and sends).", w,
-                 storage.fetcher.in_flight + storage.data_server.active)
+                 storage.transfers_in_flight())
     if kv_home is not None:
         yield Sample("tensorcast_kv_shard_leases_held", "KV shards this shard home holds a lease on.", w,
                      len(kv_home.leases.held))

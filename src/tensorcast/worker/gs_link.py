@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from tensorcast import clock
 from tensorcast.context import CallContext
@@ -32,11 +32,13 @@ from tensorcast.wire.messages import (
     RemoveReplica,
     UnderReplicated,
 )
+from tensorcast.wire.messages import Request as StoreRequest
 from tensorcast.wire.rpc import Request
 
 __all__ = ["GlobalStoreLink"]
 
 log = logging.getLogger("tensorcast.worker")
+R = TypeVar("R")
 
 # Seconds a background call (registration attempt, replica bookkeeping) may take.
 _CALL_TIMEOUT = 5.0
@@ -144,6 +146,10 @@ class GlobalStoreLink:
 
     async def list_instances(self, ctx: CallContext) -> list[InstanceInfo]:
         return list((await self.caller.call(ListInstances(), ctx)).instances)
+
+    async def call(self, msg: StoreRequest[R], ctx: CallContext) -> R:
+        """A request of this worker's own to the store, its reply typed by the request."""
+        return await self.caller.call(msg, ctx)
 
     async def forward(self, msg: Any, ctx: CallContext) -> Any:
         """Relay a caller's metadata request and return the store's reply (checked against its type)."""

@@ -6,8 +6,8 @@ storage role's ``Fetcher``, or materializes one tensor-parallel rank's view as a
 optionally also onto a CUDA device for same-host CUDA IPC hand-offs), recording the new replica at the
 global store, ``RegisterCheckpoint`` (a safetensors checkpoint registered where it lies, by location
 digests, never read here, and only under the allowed roots: ``weights.files``) and re-opening those
-registrations after a restart. Does not own: the bytes' storage (``worker.storage``), moving them
-(``worker.fetch``).
+registrations after a restart. Does not own: the bytes' storage (``worker.storage``, seen through its
+``StoragePort``), moving them (``worker.fetch``).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from tensorcast.weights.files import CheckpointRoots
 from tensorcast.weights.safetensors import Checkpoint, CheckpointTensor, open_checkpoint
 from tensorcast.wire.messages import ArtifactReply, Prefetch, Prefetched, RegisterCheckpoint
 from tensorcast.wire.rpc import HandlerRegistry, Request
-from tensorcast.worker.roles import WorkerParts
-from tensorcast.worker.storage import StorageRole, nbytes_of
+from tensorcast.worker.roles import StoragePort, WorkerParts
+from tensorcast.worker.storage import nbytes_of
 
 __all__ = ["LoadingRole", "checkpoint_metas"]
 
@@ -39,7 +39,7 @@ log = logging.getLogger("tensorcast.worker")
 
 
 class LoadingRole:
-    def __init__(self, parts: WorkerParts, storage: StorageRole) -> None:
+    def __init__(self, parts: WorkerParts, storage: StoragePort) -> None:
         self.parts = parts
         self.storage = storage
         self.store = storage.store
@@ -70,7 +70,7 @@ class LoadingRole:
                 await self._copy_to_device(msg.view_id, device)
             return done
         try:
-            result = await self.storage.fetcher.fetch(info, req.ctx.deadline, req.ctx.trace_id, msg.streams)
+            result = await self.storage.fetch(info, req.ctx.deadline, req.ctx.trace_id, msg.streams)
         except TensorCastError as exc:
             metrics.operation("transfer", "fetch", 0, 0.0, exc.code)
             raise
@@ -92,7 +92,7 @@ class LoadingRole:
     def _with_my_replica(self, info: ArtifactInfo) -> ArtifactInfo:
         """``info`` with this worker's memory replica listed (as the global store now records it)."""
         me = ReplicaInfo(worker_id=self.parts.worker_id, address=self.parts.address, host_id=self.parts.host_id,
-                         tier="memory", data_address=self.storage.data_server.address)
+                         tier="memory", data_address=self.storage.data_address)
         others = tuple(r for r in info.replicas if not (r.worker_id == me.worker_id and r.tier == "memory"))
         return msgspec.structs.replace(info, replicas=(me, *others))
 
@@ -126,8 +126,8 @@ class LoadingRole:
         assert msg.view is not None
         if not ARTIFACT_ID_RE.match(msg.view_id):
             raise InvalidArgument(f"view_id {clip(msg.view_id)} is not an artifact id")
-        result, tensors = await self.storage.fetcher.materialize_view(info, msg.view, msg.view_id, req.ctx.deadline,
-                                                                       req.ctx.trace_id)
+        result, tensors = await self.storage.materialize_view(info, msg.view, msg.view_id, req.ctx.deadline,
+                                                               req.ctx.trace_id)
         if msg.pin:
             self.store.pin(msg.view_id, msg.pin_ttl)
         self.storage.fetched("view", result)

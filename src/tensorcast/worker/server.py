@@ -7,12 +7,14 @@ loop; stop in reverse), the ready file ``tensorcast up`` and ``LocalCluster`` wa
 ``worker.data_dir`` for the life of the process (``worker.datadir``). Does not own: any request handler
 (each role registers its own).
 
-Roles and their services::
+Roles and their services (``ROLES``: each role's builder, given the shared parts and the storage role)::
 
     basic       StorageRole (pool, puts, data server), LoadingRole (prefetch, views, checkpoints),
                 InstanceRegistry (engines attached to this worker)
     gateway     GatewayRole (metadata relayed to the global store, deletes, plans)
     shard-home  ShardHome (a share of the KV-page index under leases with fencing tokens)
+
+The other roles see the storage role only through ``worker.roles.StoragePort``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 
@@ -50,7 +54,33 @@ from tensorcast.worker.storage import StorageRole
 __all__ = ["ROLES", "Worker", "run_worker"]
 
 log = logging.getLogger("tensorcast.worker")
-ROLES = frozenset({"basic", "gateway", "shard-home"})
+
+
+def _basic(parts: WorkerParts, storage: StorageRole) -> list[Role]:
+    return [storage, LoadingRole(parts, storage), InstanceRegistry(parts)]
+
+
+def _gateway(parts: WorkerParts, storage: StorageRole) -> list[Role]:
+    return [GatewayRole(parts, storage)]
+
+
+def _shard_home(parts: WorkerParts, storage: StorageRole) -> list[Role]:
+    return [ShardHome(parts.worker_id, parts.config.kv, parts.caller,
+                      f"{parts.config.worker.shm_prefix}-{parts.worker_id}")]
+
+
+# Each role's services, in the order they register and start (stopped in reverse).
+ROLES: dict[str, Callable[[WorkerParts, StorageRole], list[Role]]] = {
+    "basic": _basic, "gateway": _gateway, "shard-home": _shard_home}
+# Services whose requests move or hold bytes: background work (pre-faulting, trimming) waits for quiet.
+_MOVES_BYTES = (StorageRole, LoadingRole, ShardHome)
+T = TypeVar("T")
+
+
+def _one(services: list[Role], kind: type[T]) -> T:
+    return next(s for s in services if isinstance(s, kind))
+
+
 # Seconds a starting worker keeps trying to reach the global store.
 _REGISTER_TIMEOUT = 30.0
 
@@ -58,7 +88,7 @@ _REGISTER_TIMEOUT = 30.0
 class Worker:
     def __init__(self, config: Config, worker_id: str, gs_address: str) -> None:
         roles = set(config.worker.roles) | {"basic"}
-        unknown = roles - ROLES
+        unknown = roles - ROLES.keys()
         if unknown:
             raise InvalidArgument(f"unknown worker roles {sorted(unknown)}; known: {sorted(ROLES)}")
         host_id = config.worker.host_id or default_host_id()
@@ -72,21 +102,16 @@ class Worker:
                                  caller=caller, gs=gs, peers=Peers(worker_id, caller, gs, registry),
                                  registry=registry, activity=Activity())
         self.storage = StorageRole(self.parts)
-        self.loading = LoadingRole(self.parts, self.storage)
-        self.services: list[Role] = [self.storage, self.loading, InstanceRegistry(self.parts)]
-        self.gateway: GatewayRole | None = None
-        if "gateway" in roles:
-            self.gateway = GatewayRole(self.parts, self.storage)
-            self.services.append(self.gateway)
-        self.kv_home: ShardHome | None = None
-        if "shard-home" in roles:
-            self.kv_home = ShardHome(worker_id, config.kv, caller, f"{config.worker.shm_prefix}-{worker_id}")
-            self.services.append(self.kv_home)
+        self.services: list[Role] = [service for role, build in ROLES.items() if role in roles
+                                     for service in build(self.parts, self.storage)]
+        self.loading = _one(self.services, LoadingRole)
+        self.gateway = _one(self.services, GatewayRole) if "gateway" in roles else None
+        self.kv_home = _one(self.services, ShardHome) if "shard-home" in roles else None
         busy_types: set[type] = set()  # requests that move or hold bytes: background work waits for quiet
         for service in self.services:
             before = registry.types()
             service.register(registry)
-            if service in (self.storage, self.loading, self.kv_home):
+            if isinstance(service, _MOVES_BYTES):
                 busy_types |= registry.types() - before
 
         def on_request(msg: object) -> None:

@@ -7,9 +7,9 @@ same-host mappings (``MapTensors``), pins, evictions and drops, the data server 
 worker's bytes over the configured transport, re-announcing replicas after a (re)registration, the usage
 figures heartbeats carry, and housekeeping (abandoned puts, cold TTLs, watermarks, pre-faulted stock, checking
 unchecked blobs while idle). Bytes are handed out (mapped, sent) only once checked (``worker.trust``).
-Requests naming another worker (``Unpin``/``Evict`` with its id) are routed there. Does not own: pulling
-replicas in (``worker.loading``, with this role's ``Fetcher``), the put protocol's decisions
-(``worker.puts``, ``pool.placement``).
+Requests naming another worker (``Unpin``/``Evict`` with its id) are routed there. The other roles see it
+through ``worker.roles.StoragePort`` only. Does not own: pulling replicas in (``worker.loading``, with this
+role's ``Fetcher``), the put protocol's decisions (``worker.puts``, ``pool.placement``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from tensorcast.errors import InvalidArgument, NotFound, TensorCastError
 from tensorcast.obs import metrics
 from tensorcast.pool.device import DeviceTier
 from tensorcast.pool.placement import PRESETS, resolve_placement
-from tensorcast.records import ArtifactInfo, TensorMeta, WorkerInfo, WorkerLoad
+from tensorcast.records import ArtifactInfo, SliceSpec, TensorMeta, WorkerInfo, WorkerLoad
 from tensorcast.transport.base import SourceLease
 from tensorcast.transport.cuda_ipc import export_handle
 from tensorcast.transport.registry import make_transport
@@ -137,6 +137,21 @@ class StorageRole:
             incarnation=p.gs.incarnation, data_address=self.data_server.address,
             **msgspec.structs.asdict(self.store.stats()))
 
+    @property
+    def data_address(self) -> str:
+        return self.data_server.address
+
+    async def fetch(self, info: ArtifactInfo, deadline: float | None, trace_id: str, streams: int = 0) -> Prefetched:
+        return await self.fetcher.fetch(info, deadline, trace_id, streams)
+
+    async def materialize_view(self, info: ArtifactInfo, view: dict[str, tuple[SliceSpec, ...]], view_id: str,
+                               deadline: float | None, trace_id: str) -> tuple[Prefetched, tuple[TensorMeta, ...]]:
+        return await self.fetcher.materialize_view(info, view, view_id, deadline, trace_id)
+
+    def transfers_in_flight(self) -> int:
+        """Data-plane transfers running now: fetches into this worker and sends out of it."""
+        return self.fetcher.in_flight + self.data_server.active
+
     def fetched(self, kind: str, result: Prefetched) -> None:
         """Account for a prefetch (``kind`` fetch) or view materialization done by this worker."""
         self.bytes_in += result.bytes_moved
@@ -152,7 +167,7 @@ class StorageRole:
         elapsed = max(now - t0, 1e-3)
         return msgspec.structs.replace(self.store.stats(), net_in_bps=(b_in - in0) / elapsed,
                                        net_out_bps=(b_out - out0) / elapsed, plans_in_flight=plans_in_flight,
-                                       transfers_in_flight=self.fetcher.in_flight + self.data_server.active)
+                                       transfers_in_flight=self.transfers_in_flight())
 
     async def announce(self) -> None:
         """Tell the global store which replicas this worker holds (disk replicas survive restarts). A copy
