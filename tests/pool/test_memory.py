@@ -11,8 +11,8 @@ import pytest
 
 from tensorcast.errors import ResourceExhausted
 from tensorcast.pool.memory import MemoryTier
-from tensorcast.pool.segments import SegmentStock
 from tensorcast.pool.state import MemoryReplica
+from tensorcast.pool.stock import SegmentStock
 
 MiB = 1 << 20
 

@@ -1,51 +1,38 @@
 """The caller side of KV pages: ``client.kv.put/get/get_into/exists/present`` and the paged-cache
 ``put_blocks`` / ``get_blocks``, batched per shard home.
 
-Owns: the requests of each operation (one per shard home that holds some of a batch's keys, each carrying
-the fencing tokens of the shards its keys fall in), validating pages and buffers, prefix semantics of
-``exists``, the zero-copy ``get_into`` that receives pages straight into caller buffers, the read leases of
-same-host gets (handed back with the next get to that home), and which lookups go to a home: only keys
-that no same-host presence table vouches for (``local_presence``; the sync facade asks it on the caller's
-thread first). Routing, the lease table and retries are ``client.kv_route``'s; the same-host copies and
-presence tables ``client.kv_local``'s. Also a benchmark-only switch that keeps page locations in the global
-store instead (``locations="global-store"``), to measure what shard homes avoid.
+Owns: the requests of each put and get (one per shard home that holds some of a batch's keys, each carrying
+the fencing tokens of the shards its keys fall in), validating pages and buffers, the zero-copy ``get_into``
+that receives pages straight into caller buffers, and the one client object that composes the KV parts
+(``local_presence``: the sync facade asks it on the caller's thread first). Does not own: routing, the lease
+table and retries (``client.kv_route``), the same-host copies and presence tables (``client.kv_local``), the
+read leases of same-host gets (``client.kv_leases``), lookups (``client.kv_lookups``). Also a
+benchmark-only switch that keeps page locations in the global store instead (``locations="global-store"``),
+to measure what shard homes avoid.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from tensorcast.client.kv_leases import ReadLeases
 from tensorcast.client.kv_local import LocalArenas, LocalPresence, copy_pairs
+from tensorcast.client.kv_lookups import KVLookups
 from tensorcast.client.kv_route import KVRouter, Op
 from tensorcast.client.locality import Locality
 from tensorcast.config import KVConfig
-from tensorcast.errors import InvalidArgument, TensorCastError, Unavailable
+from tensorcast.errors import InvalidArgument, Unavailable
 from tensorcast.kv.blocks import BlockRegions
 from tensorcast.kv.keys import KVLayout
 from tensorcast.limits import check_ttl
 from tensorcast.wire.caller import Caller
-from tensorcast.wire.kv_messages import (
-    KVCommit,
-    KVExists,
-    KVGet,
-    KVGetReply,
-    KVPut,
-    KVRelease,
-    PageIndexGet,
-    PageIndexPut,
-    ShardTable,
-)
+from tensorcast.wire.kv_messages import KVCommit, KVGet, KVGetReply, KVPut, PageIndexGet, PageIndexPut, ShardTable
 
 __all__ = ["AsyncKV"]
-
-# Read leases are handed back with the next get to the same home, or after this many seconds.
-_RELEASE_DELAY = 0.05
 
 
 def _page_view(page: Any, i: int, max_bytes: int) -> memoryview:
@@ -91,10 +78,9 @@ class AsyncKV:
         self._local = self._route.local
         self._ctx = self._route.ctx
         self._arenas = LocalArenas(self._route.not_local)
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._done_leases: dict[str, list[str]] = {}  # home address -> read leases to hand back
+        self._leases = ReadLeases(caller)
         self.local_presence = LocalPresence(lambda: self._route.routes)
-        self.exists_requests = 0
+        self._lookups = KVLookups(caller, config, self._route, self.local_presence)
 
     # ----------------------------------------------------------------- routing
     async def refresh(self) -> ShardTable:
@@ -104,6 +90,10 @@ class AsyncKV:
     @property
     def table_refreshes(self) -> int:
         return self._route.table_refreshes
+
+    @property
+    def exists_requests(self) -> int:
+        return self._lookups.requests
 
     async def _run(self, keys: Sequence[str], op: Op, *, need_all: bool) -> None:
         """``op(address, indexes, tokens)`` for every holder's keys, retried through hand-overs (``KVRouter.run``).
@@ -116,38 +106,9 @@ class AsyncKV:
                               "shard-home role running? Retry")
 
     # ----------------------------------------------------------------- plumbing
-    def _background(self, coro: Any) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    def _lease_done(self, address: str, lease: str) -> None:
-        """Hand a read lease back with the next get to that home, or after ``_RELEASE_DELAY`` at the latest
-        (one KVRelease for all of them): a get loop then pays no extra round trip for releases."""
-        pending = self._done_leases.setdefault(address, [])
-        pending.append(lease)
-        if len(pending) == 1:
-            self._background(self._flush_leases(address))
-
-    def _take_leases(self, address: str) -> tuple[str, ...]:
-        return tuple(self._done_leases.pop(address, ()))
-
-    async def _flush_leases(self, address: str) -> None:
-        await asyncio.sleep(_RELEASE_DELAY)
-        leases = self._take_leases(address)
-        if leases:
-            with contextlib.suppress(TensorCastError):
-                await self.caller.call(KVRelease(leases=leases), address=address)
-
     async def aclose(self) -> None:
         """Hand back the read leases still held, then unmap the homes' arenas."""
-        for task in list(self._tasks):
-            task.cancel()
-        for address in list(self._done_leases):
-            leases = self._take_leases(address)
-            if leases:
-                with contextlib.suppress(TensorCastError, OSError):
-                    await self.caller.call(KVRelease(leases=leases), address=address)
+        await self._leases.aclose()
         self.close()
 
     def close(self) -> None:
@@ -329,7 +290,7 @@ class AsyncKV:
                     got = [j for j, size in zip(idx, reply.sizes, strict=True) if size >= 0]
                     self._arenas.to_blocks(reply.slots, address, regions, ids[got])
                 finally:
-                    self._lease_done(address, reply.lease)
+                    self._leases.done(address, reply.lease)
             else:
                 got = await self._get_staged(address, ks, tokens, regions, ids[idx])
                 got = [idx[p] for p in got]
@@ -362,8 +323,8 @@ class AsyncKV:
 
     async def _get_local(self, address: str, keys: tuple[str, ...], tokens: dict[int, int]) -> KVGetReply:
         """A same-host KVGet: the reply names the slots of the hits, held under a read lease that the caller
-        hands back (``_lease_done``) once it has copied them. Leases done with earlier go back with it."""
-        msg = KVGet(keys=keys, tokens=tokens, same_host=True, release=self._take_leases(address))
+        hands back (``ReadLeases.done``) once it has copied them. Leases done with earlier go back with it."""
+        msg = KVGet(keys=keys, tokens=tokens, same_host=True, release=self._leases.take(address))
         return await self.caller.call(msg, self._ctx(), address=address)
 
     async def _get(self, address: str, keys: list[str], tokens: dict[int, int],
@@ -381,61 +342,17 @@ class AsyncKV:
             srcs = self._arenas.views(reply.slots, address)
             await copy_pairs(list(zip(dests, srcs, strict=True)))  # type: ignore[arg-type]
         finally:
-            self._lease_done(address, reply.lease)
+            self._leases.done(address, reply.lease)
 
     async def exists(self, keys: Sequence[str]) -> int:
         """How many leading keys are present (prefix semantics: stop at the first miss). Keys whose same-host
         home's presence table vouches for them are answered without a round trip (``kv.presence``); the
         others are asked of their homes."""
-        flags = await self._flags(keys, prefix=True)
-        n = flags.find(0)
-        return len(keys) if n < 0 else n
+        return await self._lookups.exists(keys)
 
     async def present(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is present: every key answered, no prefix semantics (like ``exists`` otherwise)."""
-        return list(map(bool, await self._flags(keys, prefix=False)))
-
-    async def _flags(self, keys: Sequence[str], *, prefix: bool) -> bytearray:
-        """One byte per key, 1 when present: from same-host presence tables where they vouch, else asked. With
-        ``prefix``, keys after a miss the tables vouched for are left 0, unasked."""
-        local = self.local_presence.flags(keys)
-        if local is None:
-            flags = bytearray(len(keys))
-            await self._ask(keys, list(range(len(keys))), flags)
-            return flags
-        present, vouched = local
-        flags = bytearray(present.view(np.uint8).tobytes())
-        todo = ~vouched
-        if prefix:
-            misses = np.flatnonzero(vouched & ~present)
-            if misses.size:  # nothing after a known miss counts
-                todo[misses[0] :] = False
-        ask = np.flatnonzero(todo).tolist()
-        if ask:
-            await self._ask(keys, ask, flags)
-        return flags
-
-    async def _ask(self, keys: Sequence[str], ask: list[int], flags: bytearray) -> None:
-        """``flags[i]`` for each ``i`` of ``ask``, from the homes of those keys (one KVExists per home). A same-
-        host home's reply names its presence table, which answers the next lookups here."""
-        sub = keys if len(ask) == len(keys) else [keys[i] for i in ask]
-
-        async def probe(address: str, idx: list[int], tokens: dict[int, int]) -> None:
-            ks = tuple(sub) if len(idx) == len(sub) else tuple(sub[j] for j in idx)
-            self.exists_requests += 1
-            reply = await self.caller.call(KVExists(keys=ks, tokens=tokens), self._ctx(),
-                                           address=address)
-            if len(reply.present) != len(idx):
-                raise InvalidArgument(f"{address} answered {len(reply.present)} flags for {len(idx)} keys")
-            if reply.presence and self.config.same_host_exists and self._local(address):
-                self.local_presence.learn(address, reply.presence)
-            if len(idx) == len(keys):  # one home answered for every key, in order
-                flags[:] = reply.present
-            else:
-                for j, flag in zip(idx, reply.present, strict=True):
-                    flags[ask[j]] = flag
-
-        await self._run(sub, probe, need_all=False)
+        return await self._lookups.present(keys)
 
     # ----------------------------------------------------------------- benchmark switch
     async def _index_put(self, keys: Sequence[str]) -> None:

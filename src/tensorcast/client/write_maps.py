@@ -2,7 +2,7 @@
 
 Owns: ``SegmentWriter``, the writable shared mappings of the worker's memory segments that same-host puts
 fill (the pack chunks of its pre-faulted stock), kept from one put to the next. A chunk whose blobs are all
-deleted goes back to the worker's stock, file and pages alone (``pool.segments.SegmentStock.recycle``), and
+deleted goes back to the worker's stock, file and pages alone (``pool.stock.SegmentStock.recycle``), and
 the next puts are carved out of it again: through a mapping kept here, their bytes are one ``memcpy`` into
 pages this process has faulted in already. ``pwrite`` into the same pages costs 2-3x more (the kernel looks
 up and locks every page), and mapping the chunk afresh for each put costs a fault per 4 KiB page, which is

@@ -7,8 +7,8 @@ a worker's or instance's heartbeat key lives under a lease of ``gs.worker_livene
 heartbeat refreshes, so a process that stops heartbeating disappears from etcd by itself, whichever
 global store it talked to. Shard leases change by compare-and-swap per shard (the fencing token is bumped
 in the same transaction); the lease table is kept in memory from an etcd watch, so listing it reads no
-keys. The artifact operations are ``gs.etcd_artifacts``. Does not own: the rules (``gs.refs``,
-``kv.leases``), the RPC surface (``gs.service``) or the client (``gs.etcd_client``).
+keys. The artifact operations are ``gs.etcd_artifacts`` (its reads ``gs.etcd_reads``). Does not own: the
+rules (``gs.refs``, ``kv.leases``), the RPC surface (``gs.service``) or the client (``gs.etcd_client``).
 
 Layout (``P`` = the prefix)::
 

@@ -1,24 +1,25 @@
 """The etcd backend's artifacts: records, references (key bindings, the anonymous hold or lease), replicas,
 pending drops and tombstones, as optimistic etcd transactions. ``gs.etcd`` composes this with the rest.
 
-Owns: the artifact operations of ``MetadataBackend`` on the layout that ``gs.etcd`` describes, and the one-time
-conversion of records written before keys were references (``convert_legacy``, run when a store opens). Every
-transaction that changes an artifact's references rewrites its record ``a/{artifact}`` (changed or not), so
-two racing changes conflict on it and the later one decides again; an artifact's bindings ``ka/{artifact}/``
-are therefore read after its record, outside the compare. Does not own: the rules (``gs.refs``), the record
-encodings (``gs.etcd_records``), workers, instances or shard leases (``gs.etcd``).
+Owns: the artifact operations of ``MetadataBackend`` that write, on the layout that ``gs.etcd`` describes,
+and the one-time conversion of records written before keys were references (``convert_legacy``, run when a
+store opens). Every transaction that changes an artifact's references rewrites its record ``a/{artifact}``
+(changed or not), so two racing changes conflict on it and the later one decides again; an artifact's
+bindings ``ka/{artifact}/`` are therefore read after its record, outside the compare. Does not own: the reads
+(``gs.etcd_reads``), the rules (``gs.refs``), the record encodings (``gs.etcd_records``), workers, instances
+or shard leases (``gs.etcd``).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 
 from tensorcast.gs import etcd_goals
 from tensorcast.gs import etcd_records as codec
-from tensorcast.gs.backend import ArtifactRow, GoalRow, MetadataBackend, Unbound
-from tensorcast.gs.etcd_client import EtcdClient, Txn, prefix_end
-from tensorcast.gs.refs import list_cursor, live, merge_lease, parse_cursor, unbind_outcome
+from tensorcast.gs.backend import Unbound
+from tensorcast.gs.etcd_client import Txn, prefix_end
+from tensorcast.gs.etcd_reads import Bindings, EtcdArtifactReads
+from tensorcast.gs.refs import live, merge_lease, unbind_outcome
 from tensorcast.records import ArtifactInfo
 
 __all__ = ["EtcdArtifacts"]
@@ -28,20 +29,12 @@ __all__ = ["EtcdArtifacts"]
 _KEY_BATCH = 20
 _SCAN = 256  # records read per range while converting old ones
 
-Bindings = tuple[tuple[str, float | None], ...]
-
 
 class _TooManyKeys(Exception):
     """Deleting the artifact whole would not fit in one transaction beside its keys."""
 
 
-class EtcdArtifacts(MetadataBackend):
-    etcd: EtcdClient
-    p: bytes
-
-    def _k(self, *parts: str) -> bytes:
-        return self.p + "/".join(parts).encode()
-
+class EtcdArtifacts(EtcdArtifactReads):
     # ----------------------------------------------------------------- commits
     async def commit_artifact(self, info: ArtifactInfo, worker_id: str, key: str | None,
                               lease_expiry: float | None, now: float, tiers: tuple[str, ...] = ("memory",),
@@ -136,88 +129,6 @@ class EtcdArtifacts(MetadataBackend):
     async def _deleted_here(self, tx: Txn, aid: str, worker_id: str) -> bool:
         return await tx.get(self._k("t", aid)) is not None or await tx.get(self._k("dw", worker_id, aid)) is not None
 
-    # ----------------------------------------------------------------- reads
-    async def resolve_key(self, key: str) -> tuple[str, float | None] | None:
-        raw = await self.etcd.get(self._k("k", key))
-        if raw is None:
-            return None
-        b = codec.binding(raw)
-        return b.artifact_id, b.expiry
-
-    async def _key_values(self, aid: str) -> list[tuple[str, bytes]]:
-        base = self._k("ka", aid, "")
-        return [(kv.key[len(base):].decode(), bytes(kv.value)) for kv in await self.etcd.prefix(base)]
-
-    async def _bindings(self, aid: str) -> Bindings:
-        return tuple((k, codec.expiry(v)) for k, v in await self._key_values(aid))
-
-    async def get_artifact(self, artifact_id: str) -> ArtifactRow | None:
-        got = await self.etcd.get_many([self._k("a", artifact_id), self._k("g", artifact_id)])  # one round trip
-        raw = got[self._k("a", artifact_id)][1]
-        if raw is None:
-            return None
-        rec = codec.ARTIFACT.decode(raw)
-        info = ArtifactInfo(id=artifact_id, tensors=rec.tensors, nbytes=rec.nbytes, created_at=rec.created_at,
-                            policy=rec.policy, meta=rec.meta,
-                            replicas_wanted=etcd_goals.decode(got[self._k("g", artifact_id)][1]))
-        return ArtifactRow(info, codec.references(rec, await self._bindings(artifact_id)))
-
-    async def replica_goals(self, holder: str, after: str, limit: int) -> tuple[list[GoalRow], str]:
-        return await etcd_goals.rows(self.etcd, self._k, holder, after, limit)
-
-    async def _replicas(self, tx: Txn, aid: str) -> list[tuple[str, str]]:
-        raw = await tx.get(self._k("r", aid))
-        return [] if raw is None else codec.REPLICAS.decode(raw)
-
-    async def replicas_of(self, artifact_id: str) -> list[tuple[str, str]]:
-        raw = await self.etcd.get(self._k("r", artifact_id))
-        return [] if raw is None else sorted(codec.REPLICAS.decode(raw))
-
-    async def list_artifacts(self, prefix: str, limit: int, after: str, now: float
-                             ) -> tuple[list[tuple[str | None, str]], str]:
-        kind, mark = parse_cursor(after)
-        out: list[tuple[str | None, str]] = []
-        if kind != "a":
-            base = self._k("k", "")
-            start = base + max(prefix, mark + "\0" if mark else "").encode()
-            kvs = (await self.etcd.range(start, prefix_end(base + prefix.encode()), limit))[0]
-            for kv in kvs:
-                b = codec.binding(bytes(kv.value))
-                if live(b.expiry, now):
-                    out.append((kv.key[len(base):].decode(), b.artifact_id))
-            if len(kvs) == limit:
-                return out, list_cursor(kvs[-1].key[len(base):].decode(), "")
-            if prefix:
-                return out, ""
-            mark = ""
-        base, n = self._k("a", ""), limit - len(out)
-        start = base + mark.encode() + b"\0" if mark else base
-        ids = [kv.key[len(base):].decode()
-               for kv in (await self.etcd.range(start, prefix_end(base), n, keys_only=True))[0]]
-        counts = await asyncio.gather(*(self.etcd.range(self._k("ka", aid, ""), prefix_end(self._k("ka", aid, "")),
-                                                        count_only=True) for aid in ids))
-        out += [(None, aid) for aid, (_kvs, count, _rev) in zip(ids, counts, strict=True) if count == 0]
-        return out, list_cursor(None, ids[-1]) if len(ids) == n else ""
-
-    async def key_sizes(self, limit: int) -> tuple[list[tuple[str, int]], int]:
-        total = (await self.etcd.range(self._k("a", ""), prefix_end(self._k("a", "")), count_only=True))[1]
-        if limit <= 0:
-            return [], total
-        base = self._k("k", "")
-        out = []
-        for kv in (await self.etcd.range(base, prefix_end(base), limit))[0]:
-            raw = await self.etcd.get(self._k("a", codec.binding(bytes(kv.value)).artifact_id))
-            if raw is not None:
-                out.append((kv.key[len(base):].decode(), codec.ARTIFACT.decode(raw).nbytes))
-        return out, total
-
-    async def tombstone(self, key_or_id: str) -> tuple[str, str] | None:
-        raw = await self.etcd.get(self._k("t", key_or_id)) or await self.etcd.get(self._k("tk", key_or_id))
-        if raw is None:
-            return None
-        t = codec.TOMB.decode(raw)
-        return t.artifact_id, t.reason
-
     async def prune_tombstones(self, before: float) -> int:
         n = 0
         for kind in ("t", "tk"):
@@ -232,15 +143,6 @@ class EtcdArtifacts(MetadataBackend):
 
                     n += await self.etcd.atomically(decide)
         return n
-
-    async def expired_references(self, now: float) -> list[tuple[str, str | None]]:
-        out: list[tuple[str, str | None]] = []
-        for kind in ("le", "kl"):
-            base = self._k(kind, "")
-            for kv in (await self.etcd.range(base, self._k(kind, f"{now:020.6f}", "\xff")))[0]:
-                aid, _, key = kv.key[len(base) + 21:].decode().partition("/")
-                out.append((aid, key if kind == "kl" else None))
-        return out
 
     # ----------------------------------------------------------------- references
     async def set_lease(self, artifact_id: str, key: str | None, lease_expiry: float) -> bool:

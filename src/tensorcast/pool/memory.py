@@ -7,14 +7,12 @@ checkpoint), allocating under the capacity (pre-faulted stock first), committing
 same-host caller that stated it) and condemning one that failed the check, replicas as sets of blobs,
 eviction, and read leases that keep bytes from being unmapped or reused while a data-plane thread sends
 them. Thread-safe: data-plane threads take leases while the event loop mutates. Does not own: placement
-policy (``worker``), checking digests (``worker.trust``), the disk tier (``pool.disk``).
+policy (``worker``), checking digests (``worker.trust``), the disk tier (``pool.disk``), which chunk a pack's
+blobs go into (``pool.packs``), the pre-faulted stock (``pool.stock``).
 """
 
 from __future__ import annotations
 
-import bisect
-import contextlib
-import mmap
 import threading
 import time
 import uuid
@@ -22,21 +20,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tensorcast.errors import NotFound
-from tensorcast.pool.segments import SHM_DIR, Segment, SegmentStock, remove_stale_segments
+from tensorcast.pool.packs import Chunks, PackChunks
+from tensorcast.pool.segments import SHM_DIR, Segment, remove_stale_segments
 from tensorcast.pool.slab import SlabAllocator
 from tensorcast.pool.state import MemoryReplica, PoolState
+from tensorcast.pool.stock import SegmentStock
 from tensorcast.records import TensorMeta
 
 __all__ = ["BlobLoc", "MemoryTier"]
-
-_PAGE = mmap.PAGESIZE  # blobs in a pack start on a page: callers map each one on its own
-# A chunk stays open for the next batch only with at least this much room left.
-_MIN_OPEN_ROOM = 1024 * 1024
-
-
-def _pages(nbytes: int) -> int:
-    """``nbytes`` rounded up to whole pages: the room a blob takes in a pack."""
-    return -(-nbytes // _PAGE) * _PAGE
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,9 +57,7 @@ class MemoryTier:
         # them and stated it): never deduplicated onto or handed out before they are (``worker.trust``).
         self._unverified: set[str] = set()
         self._closing: list[Segment] = []
-        self._untrimmed: list[tuple[Segment, int]] = []  # pack chunks and the bytes they use
-        self._open: tuple[Segment, int] | None = None  # the chunk the next pack continues in, and its bytes used
-        self._trimming: set[int] = set()  # ids of chunks being cut down right now
+        self.packs = PackChunks(self.lock, self.stock, prefix, self._retire)
         self.last_alloc = 0.0  # monotonic time of the last allocation: the stock refills after a quiet spell
         remove_stale_segments(prefix)
 
@@ -116,127 +105,42 @@ class MemoryTier:
         back to the stock if no caller was ever given it. Once the stock is empty, fresh segments (not
         pre-faulted) take its place. A tensor larger than a chunk gets a segment of its own. Other chunks'
         unused tails are given back later, by ``trim()``. Blocking: call it off the event loop. All or
-        nothing.
+        nothing. (The chunks are ``pool.packs``'.)
         """
         self.last_alloc = time.monotonic()
         out: list[BlobLoc | None] = [None] * len(sizes)
-        chunks: list[tuple[Segment, list[int]]] = []  # (chunk, [bytes used]); the open one first, if any
-        with self.lock:  # the open chunk is this batch's alone until it is handed back
-            opened, self._open = self._open, None
-        if opened is not None:
-            chunks.append((opened[0], [opened[1]]))
+        opened = self.packs.take_open()
+        chunks: Chunks = [] if opened is None else [(opened[0], [opened[1]])]
+
+        def put(i: int, seg: Segment, offset: int) -> None:
+            with self.lock:
+                self.state.reserve(sizes[i])
+            out[i] = BlobLoc(seg, offset, sizes[i], sizes[i])
+
         try:
             for k in range(len(sizes)):
                 if not 0 < sizes[k] <= self.stock.chunk_bytes:
                     out[k] = self.allocate(sizes[k])  # a tensor larger than a chunk: a segment of its own
-            self._place(sizes, out, chunks)
+            self.packs.place(sizes, chunks, put)
         except BaseException:
             for loc in out:
                 if loc is not None:
                     self.discard(loc)
             with self.lock:
-                for k, (seg, _) in enumerate(chunks):
-                    if k == 0 and opened is not None:
-                        self._hand_back_open(seg, opened[1])  # nothing of this batch stays in it
-                    elif seg.blobs == 0:
-                        self._retire(seg)  # taken from the stock, nothing placed in it yet
+                self.packs.give_up(chunks, opened)
             raise
-        self._keep_open(chunks, opened is not None)
+        self.packs.keep_open(chunks, opened is not None)
         return [loc for loc in out if loc is not None]
-
-    def _place(self, sizes: list[int], out: list[BlobLoc | None], chunks: list[tuple[Segment, list[int]]]) -> None:
-        """Best fit decreasing of the blobs that fit a chunk into ``chunks``, taking more as needed."""
-        chunk_bytes = self.stock.chunk_bytes
-        order = sorted((k for k in range(len(sizes)) if 0 < sizes[k] <= chunk_bytes), key=lambda k: -sizes[k])
-        left = sum(_pages(sizes[k]) for k in order)  # bytes still to place
-        room = sorted((seg.size - used[0], k) for k, (seg, used) in enumerate(chunks))  # best fit by bisection
-        for i in order:
-            size = sizes[i]
-            at = bisect.bisect_left(room, (_pages(size), -1))
-            if at < len(room):
-                k = room.pop(at)[1]
-            else:
-                # Recycled or pre-faulted memory from the stock; once it is empty, a fresh segment for the
-                # rest (faulted in as it is filled): small tensors stay in a pack, where callers can map
-                # them, not in arena slots.
-                seg = self.stock.take_for_pack(_pages(size)) or \
-                    Segment.create(SHM_DIR, self.prefix, min(chunk_bytes, left))
-                seg.blobs = 0
-                k = len(chunks)
-                chunks.append((seg, [0]))
-            seg, used = chunks[k]
-            with self.lock:
-                self.state.reserve(size)
-            seg.blobs += 1
-            out[i] = BlobLoc(seg, used[0], size, size)
-            used[0] += _pages(size)
-            left -= _pages(size)
-            if used[0] < seg.size:
-                bisect.insort(room, (seg.size - used[0], k))
-
-    def _keep_open(self, chunks: list[tuple[Segment, list[int]]], had_open: bool) -> None:
-        """After a batch: the chunk with the most room left stays open for the next one; the others' tails
-        wait for ``trim()``. An open chunk holds one reference of its own, so it outlives its blobs."""
-        with self.lock:
-            best = max(range(len(chunks)), key=lambda k: chunks[k][0].size - chunks[k][1][0], default=-1)
-            for k, (seg, used) in enumerate(chunks):
-                was_open = had_open and k == 0
-                if k == best and seg.size - used[0] >= _MIN_OPEN_ROOM:
-                    if not was_open:
-                        seg.blobs += 1
-                    self._hand_back_open(seg, used[0])
-                elif was_open:
-                    self._close_open(seg, used[0])
-                elif used[0] < seg.size:
-                    self._untrimmed.append((seg, used[0]))
-
-    def _hand_back_open(self, seg: Segment, used: int) -> None:
-        """Make ``seg`` the open chunk (with the lock held); if another batch set one meanwhile, the one with
-        less room left is closed."""
-        if self._open is not None:
-            other, other_used = self._open
-            if other.size - other_used >= seg.size - used:
-                self._close_open(seg, used)
-                return
-            self._close_open(other, other_used)
-        self._open = (seg, used)
-
-    def _close_open(self, seg: Segment, used: int) -> None:
-        """A chunk stops being open: without blobs it goes (back to the stock, whole), else its tail waits
-        for ``trim()``."""
-        seg.blobs -= 1
-        if seg.blobs <= 0:
-            self._retire(seg)
-        elif used < seg.size:
-            self._untrimmed.append((seg, used))
 
     def prefaulted_room(self) -> int:
         """Bytes a pack can take without creating a segment (the open chunk's room and the stock's), roughly:
         a pack that fits is carved at memory speed and may be allocated inline."""
-        with self.lock:
-            room = self._open[0].size - self._open[1] if self._open is not None else 0
-        return room + self.stock.ready_bytes
+        return self.packs.open_room() + self.stock.ready_bytes
 
     def trim(self) -> int:
         """Give back the unused tail pages of the chunks that packs were carved from; returns the bytes
         given back. Blocking (call it off the event loop, when the hot path is done)."""
-        with self.lock:
-            todo, self._untrimmed = self._untrimmed, []
-            self._trimming.update(id(seg) for seg, _ in todo)  # not recycled while being cut
-        freed = 0
-        for seg, used in todo:
-            try:
-                with self.lock:
-                    if seg.blobs <= 0:  # retired meanwhile: its pages are gone with it
-                        continue
-                with contextlib.suppress(FileNotFoundError):
-                    before = seg.size
-                    seg.shrink(used)
-                    freed += before - used
-            finally:
-                with self.lock:
-                    self._trimming.discard(id(seg))
-        return freed
+        return self.packs.trim()
 
     def discard(self, loc: BlobLoc) -> None:
         """Give back an allocation that was never committed."""
@@ -377,8 +281,8 @@ class MemoryTier:
     def _retire(self, segment: Segment) -> None:
         """A segment's last blob is gone (the lock is held): its memory goes back to the stock when no caller
         was ever given it and no reader holds it (its pages stay faulted), else it is unlinked and unmapped."""
-        if id(segment) not in self._trimming and self.stock.recycle(segment):
-            self._untrimmed = [(s, used) for s, used in self._untrimmed if s is not segment]  # it is whole
+        if self.packs.recyclable(segment) and self.stock.recycle(segment):
+            self.packs.recycled(segment)  # it is whole
             return
         segment.unlink()
         if not segment.try_close():
@@ -392,9 +296,9 @@ class MemoryTier:
     def close(self) -> None:
         with self.lock:
             segs = list({id(b.segment): b.segment for b in self._blobs.values() if b.arena is None}.values())
-            if self._open is not None and all(s is not self._open[0] for s in segs):
-                segs.append(self._open[0])
-            self._open = None
+            opened = self.packs.take_open()
+            if opened is not None and all(s is not opened[0] for s in segs):
+                segs.append(opened[0])
             for seg in segs + list(self._arenas.values()) + self._closing:
                 seg.unlink()
                 seg.try_close()
