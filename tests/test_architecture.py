@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "tensorcast"
-MAX_MODULE_LINES = 500
+MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 
 

@@ -17,8 +17,8 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 import tensorcast as tc
-from tensorcast.cli_files import size
-from tensorcast.cli_status import memory_cell
+from tensorcast.cli.files import size
+from tensorcast.cli.status import memory_cell
 from tensorcast.cluster import LocalCluster
 from tensorcast.testing import running_cluster
 

@@ -14,7 +14,7 @@ from typing import TypeVar
 import numpy as np
 
 import tensorcast as tc
-from tensorcast.cli_status import cluster_state
+from tensorcast.cli.status import cluster_state
 from tensorcast.cluster import LocalCluster
 from tensorcast.testing import running_cluster
 

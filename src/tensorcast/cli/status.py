@@ -3,7 +3,7 @@ JSON, or live in the terminal (``--watch``).
 
 Owns: fetching the signals through a client (``cluster_state``: the same view the dashboard serves,
 ``obs.dashboard.cluster_view``, plus every process's metrics URL) and rendering them as tables. Does not own:
-the view itself, the flags (``cli``), or the dashboard page.
+the view itself, the flags (``cli.commands``), or the dashboard page.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from rich.console import Group
 from rich.markup import escape
 from rich.table import Table
 
-from tensorcast.cli_files import size
+from tensorcast.cli.files import size
 from tensorcast.obs.dashboard import cluster_view
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import click
 
-from tensorcast.cli_common import say
+from tensorcast.cli.common import say
 from tensorcast.credentials import CLIENT, ROLES, Keyring
 from tensorcast.errors import InvalidArgument
 

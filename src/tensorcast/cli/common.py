@@ -3,7 +3,7 @@
 Owns: stdout/stderr consoles (whole cells when piped), ``say`` (one plain line; dropped, not raised, when the
 terminal is gone, as after a SIGHUP), turning ``--set KEY=VALUE`` into configuration overrides, and refusing to
 bind beyond loopback without a token before a process starts (``credentials.check_bind``; the servers check
-again). Does not own: any command (``cli``, ``cli_procs``).
+again). Does not own: any command (``cli.commands``, ``cli.procs``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Owns: turning a user's file into tensors (plus a safetensors file's ``__metadata
 a file, with every file problem raised as ``InvalidArgument`` naming the file; uploading and downloading
 them with a client it is given, including the companion artifact that carries safetensors metadata; sizes
 in binary units and the byte progress bars that show them; what ``rm`` says it did. Does not own: flags,
-connections, or which console output goes to (``cli``).
+connections, or which console output goes to (``cli.commands``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The ``tensorcast`` command line: the command group, and the commands that use a cluster (``status``,
 ``put``, ``get``, ``load``, ``ls``, ``rm``); those that run processes (``up``, ``gs``, ``worker``, ``add-worker``,
-``stop-worker``) are ``cli_procs``', ``credential`` is ``cli_credentials``'.
+``stop-worker``) are ``cli.procs``', ``credential`` is ``cli.credentials``'.
 
 Owns: client flags, how a client command finds the cluster (``--address``, ``TENSORCAST_ADDRESS`` or
 ``DATA_DIR/cluster.json``; an address that does not answer is reported with where it came from), ``--token`` /
 ``TENSORCAST_TOKEN``, and human-readable output. Errors print one line and exit 2; no tracebacks for user
-mistakes. Reading and writing files is ``cli_files``'s job, the status tables ``cli_status``'.
+mistakes. Reading and writing files is ``cli.files``'s job, the status tables ``cli.status``'.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from rich.progress import Progress
 from rich.table import Table
 from rich.text import Text
 
-from tensorcast.cli_common import console, err_console, say
-from tensorcast.cli_credentials import credential
-from tensorcast.cli_files import (
+from tensorcast.cli.common import console, err_console, say
+from tensorcast.cli.credentials import credential
+from tensorcast.cli.files import (
     METADATA_SUFFIX,
     PROGRESS_BYTES,
     byte_progress,
@@ -47,7 +47,7 @@ from tensorcast.cli_files import (
     upload,
     write_tensors,
 )
-from tensorcast.cli_procs import add_worker, gs, stop_worker, up, worker
+from tensorcast.cli.procs import add_worker, gs, stop_worker, up, worker
 from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, Unavailable
 from tensorcast.pool.placement import PRESETS
 from tensorcast.views import TP
@@ -126,7 +126,7 @@ def _client(address: str | None, data_dir: str, token: str | None) -> Client:
 def status(show_shards: bool, as_json: bool, watch: bool, interval: float, address: str | None, data_dir: str,
            token: str | None) -> None:
     """Show the cluster's workers, instances and KV shard leases."""
-    from tensorcast.cli_status import cluster_state, instance_table, shard_table, worker_table
+    from tensorcast.cli.status import cluster_state, instance_table, shard_table, worker_table
 
     with _client(address, data_dir, token) as client:
         if as_json:
@@ -148,7 +148,7 @@ def _watch(client: Client, interval: float) -> None:
     while it holds a lock the client's close then waits for (a logging handler's, say), and the exit would hang."""
     from rich.live import Live
 
-    from tensorcast.cli_status import cluster_state, view_tables
+    from tensorcast.cli.status import cluster_state, view_tables
 
     stop = threading.Event()
     on_main = threading.current_thread() is threading.main_thread()  # where signal handlers can be set

@@ -6,7 +6,7 @@ stop the process cleanly, it follows its parent when a ``LocalCluster`` started 
 is one line); each data directory's lock (the global store's ``--data-dir``; a worker's with ``--data-dir``,
 ``worker.datadir``; ``up``'s whole directory, through ``LocalCluster``); ``up``'s banner, its watch over its
 processes (a death said once, ``--restart-dead``) and its answers to ``add-worker``/``stop-worker``
-(``cli_control``). Does not own: client commands (``cli``), what the processes do.
+(``cli.control``). Does not own: client commands (``cli.commands``), what the processes do.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from tensorcast.cli_common import check_binds, overrides, say
-from tensorcast.cli_control import request, serve_requests
-from tensorcast.cli_files import size
+from tensorcast.cli.common import check_binds, overrides, say
+from tensorcast.cli.control import request, serve_requests
+from tensorcast.cli.files import size
 from tensorcast.config import Config
 from tensorcast.errors import InvalidArgument, TensorCastError
 from tensorcast.lockfile import DirLock
