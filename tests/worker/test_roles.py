@@ -27,7 +27,7 @@ def _worker(tmp_path: Path, roles: tuple[str, ...]) -> Worker:
     prefix = f"tc-roles-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     config = Config.from_flat({"worker.roles": roles, "worker.data_dir": str(tmp_path), "worker.shm_prefix": prefix,
                                "worker.memory_capacity": 8 << 20, "worker.prefault_bytes": 0,
-                               "kv.memory_capacity": 8 << 20, "metrics.enabled": False})
+                               "kv.memory_capacity": 8 << 20})
     return Worker(config, "w0", "127.0.0.1:1")  # nothing is started: no address is dialled
 
 

@@ -14,11 +14,11 @@ blobs go into (``pool.packs``), the pre-faulted stock (``pool.stock``).
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tensorcast import clock
 from tensorcast.errors import NotFound
 from tensorcast.pool.packs import Chunks, PackChunks
 from tensorcast.pool.segments import SHM_DIR, Segment, remove_stale_segments
@@ -64,7 +64,7 @@ class MemoryTier:
     # ----------------------------------------------------------------- uploads
     def allocate(self, nbytes: int) -> BlobLoc:
         """Room for one blob (the caller made room first if needed); raises ``ResourceExhausted``."""
-        self.last_alloc = time.monotonic()
+        self.last_alloc = clock.monotonic()
         with self.lock:
             slot = self.slab.slot_size(nbytes)
             if slot is not None:
@@ -107,7 +107,7 @@ class MemoryTier:
         unused tails are given back later, by ``trim()``. Blocking: call it off the event loop. All or
         nothing. (The chunks are ``pool.packs``'.)
         """
-        self.last_alloc = time.monotonic()
+        self.last_alloc = clock.monotonic()
         out: list[BlobLoc | None] = [None] * len(sizes)
         opened = self.packs.take_open()
         chunks: Chunks = [] if opened is None else [(opened[0], [opened[1]])]

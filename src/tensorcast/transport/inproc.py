@@ -15,6 +15,7 @@ import time
 import msgspec
 import xxhash
 
+from tensorcast import clock
 from tensorcast.checksums import CHUNK_BYTES, ChunkCorrupted
 from tensorcast.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from tensorcast.transport.base import FetchStats, SourceOpener, split_ranges
@@ -98,7 +99,7 @@ class InProcTransport:
             server = _servers.get(address)
         if server is None:
             raise Unavailable(f"no in-process data server at {address}")
-        if deadline is not None and time.time() >= deadline:
+        if deadline is not None and clock.time() >= deadline:
             raise DeadlineExceeded("data transfer: deadline passed", trace_id=trace_id)
         ranges = split_ranges(len(dest), streams, bool(request.slices))
         sums = [0] * (-(-len(dest) // CHUNK_BYTES))

@@ -7,10 +7,10 @@ serving them (``obs.http``) or the state itself.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from tensorcast import clock
 from tensorcast.obs.metrics import Sample
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ def worker_samples(worker_id: str, storage: StorageRole, kv_home: ShardHome | No
     state = store.memory.state
     for tier, kind, value in (
         ("memory", "used", state.used), ("memory", "capacity", state.capacity),
-        ("memory", "reserved", state.reserved), ("memory", "pinned", state.pinned_bytes(time.time())),
+        ("memory", "reserved", state.reserved), ("memory", "pinned", state.pinned_bytes(clock.time())),
         ("memory", "prefaulted", store.memory.stock.ready_bytes),
         ("disk", "used", store.disk.used if store.disk else 0),
         ("disk", "capacity", store.disk.capacity if store.disk else 0),

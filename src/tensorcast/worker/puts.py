@@ -21,13 +21,13 @@ import asyncio
 import logging
 import mmap
 import re
-import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import msgspec
 
+from tensorcast import clock
 from tensorcast.config import WorkerConfig
 from tensorcast.errors import InvalidArgument, NotFound, Unavailable, clip
 from tensorcast.limits import check_ttl
@@ -67,7 +67,7 @@ class PendingPut:
     memory_targets: dict[int, BlobLoc] = field(default_factory=dict)  # tensor index -> upload target
     disk_targets: dict[int, Segment] = field(default_factory=dict)
     received: dict[int, int] = field(default_factory=dict)
-    started: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=clock.monotonic)
 
     def target_view(self, index: int) -> memoryview | None:
         if index in self.memory_targets:
@@ -103,12 +103,12 @@ class PutManager:
         state = memory.state
         if later and not admit_digests_later(placement, state, need, self.config.memory_high_watermark):
             return PutPlan(put_id="", artifact_id="", digests_first=True)
-        decision = decide_put(placement, state, need, time.time(), self.store.tiers(aid) if aid else (),
+        decision = decide_put(placement, state, need, clock.time(), self.store.tiers(aid) if aid else (),
                               has_disk=self.store.disk is not None, exclude=frozenset({aid}) if aid else frozenset())
         await self.store.evict_all(decision.evict)
         put = PendingPut(put_id=uuid.uuid4().hex, artifact_id=aid, tensors=tensors, key=msg.key, ttl=msg.ttl,
                          placement=placement, stream=not msg.same_host,
-                         expires=time.time() + self.config.put_timeout,
+                         expires=clock.time() + self.config.put_timeout,
                          to_memory=decision.to_memory, to_disk=decision.to_disk, digests_later=later)
         try:
             refs = await self._allocate_targets(put)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 
+from tensorcast import clock
 from tensorcast.context import CallContext
 from tensorcast.errors import TensorCastError
 from tensorcast.pool.placement import Repair, plan_repairs, replica_candidates
@@ -53,7 +53,7 @@ class Replicator:
         if need <= 0:
             return info
         left = ctx.remaining()
-        stop = time.time() + (600.0 if left is None else left - min(_ANSWER_MARGIN, 0.1 * max(left, 0.0)))
+        stop = clock.time() + (600.0 if left is None else left - min(_ANSWER_MARGIN, 0.1 * max(left, 0.0)))
         mine = info.id not in self.busy  # (a repair of it may be running: it keeps its mark)
         self.busy.add(info.id)
         try:
@@ -82,7 +82,7 @@ class Replicator:
                 while queue and len(pending) + len(done) < need:
                     target = queue.pop(0)
                     pending[asyncio.ensure_future(self._pull(artifact_id, target, stop))] = target
-                left = stop - time.time()
+                left = stop - clock.time()
                 if not pending or left <= 0:
                     break
                 finished, _ = await asyncio.wait(pending, timeout=min(_LIVENESS_POLL, left),
@@ -131,7 +131,7 @@ class Replicator:
 
     async def repair_once(self) -> list[Repair]:
         """One pass: start the copies this worker is responsible for; returns them."""
-        p, now = self.parts, time.time()
+        p, now = self.parts, clock.time()
         self._avoid = {k: until for k, until in self._avoid.items() if until > now}
         ctx = CallContext().with_timeout(10.0)
         short = await p.gs.under_replicated(ctx, _BATCH)
@@ -155,9 +155,9 @@ class Replicator:
     async def _repair(self, artifact_id: str, targets: list[str]) -> None:
         config = self.parts.config.worker
         try:
-            done, failed = await self._copy(artifact_id, targets, len(targets), time.time() + config.repair_timeout)
+            done, failed = await self._copy(artifact_id, targets, len(targets), clock.time() + config.repair_timeout)
             for target in failed:  # tried again elsewhere at a later pass
-                self._avoid[(artifact_id, target)] = time.time() + 5 * config.repair_interval
+                self._avoid[(artifact_id, target)] = clock.time() + 5 * config.repair_interval
             if done:
                 log.info("re-replicated %s onto %s", artifact_id, ", ".join(done))
         finally:

@@ -10,10 +10,10 @@ entry in that table.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Protocol
 
+from tensorcast import clock
 from tensorcast.config import Config
 from tensorcast.pool.device import DeviceTier
 from tensorcast.records import ArtifactInfo, SliceSpec, TensorMeta
@@ -72,10 +72,10 @@ class Activity:
     last: float = 0.0  # monotonic
 
     def touch(self) -> None:
-        self.last = time.monotonic()
+        self.last = clock.monotonic()
 
     def quiet_for(self) -> float:
-        return time.monotonic() - self.last
+        return clock.monotonic() - self.last
 
 
 @dataclass

@@ -23,13 +23,13 @@ import asyncio
 import json
 import logging
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 import msgspec
 
+from tensorcast import clock
 from tensorcast.config import Config, default_host_id
 from tensorcast.credentials import check_bind
 from tensorcast.errors import InvalidArgument
@@ -157,7 +157,7 @@ class Worker:
             await self.loading.restore_checkpoints()
             await self.storage.announce()
 
-        await self.parts.gs.register(self.info, announce, deadline=time.time() + timeout)
+        await self.parts.gs.register(self.info, announce, deadline=clock.time() + timeout)
 
     async def start(self) -> str:
         cfg = self.parts.config.worker

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
+from tensorcast import clock
 from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument, NotFound, TensorCastError
 from tensorcast.obs import metrics
@@ -91,7 +92,7 @@ class StorageRole:
         # Bytes by (transport, direction) for metrics: "rpc" carries put payloads from remote callers, "shm" the
         # bytes same-host callers wrote or mapped, the data-plane transport (tcp) fetches between workers.
         self.moved: collections.Counter[tuple[str, str]] = collections.Counter()
-        self._net_mark = (time.time(), 0, 0)
+        self._net_mark = (clock.time(), 0, 0)
         self._last_busy = 0.0  # monotonic time a put, fetch or send was last seen running
         self._tasks: list[asyncio.Task[None]] = []
         # Pre-faulting the stock and giving back pack tails: one low-priority thread, so that it never
@@ -117,6 +118,13 @@ class StorageRole:
 
     def start_data_server(self) -> str:
         return self.data_server.start(self.parts.config.worker.host, 0)
+
+    def halt(self) -> None:
+        """Stop at once (a kill -9): the data server closed, background work abandoned, pending puts left."""
+        for t in self._tasks:
+            t.cancel()
+        self.data_server.close()
+        self._background.shutdown(wait=False)
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -161,7 +169,7 @@ class StorageRole:
         metrics.operation("transfer", kind, result.bytes_moved, result.seconds)
 
     def heartbeat_load(self, plans_in_flight: int = 0) -> WorkerLoad:
-        now, b_in, b_out = time.time(), self.bytes_in, self.data_server.bytes_sent
+        now, b_in, b_out = clock.time(), self.bytes_in, self.data_server.bytes_sent
         t0, in0, out0 = self._net_mark
         self._net_mark = (now, b_in, b_out)
         elapsed = max(now - t0, 1e-3)
@@ -188,7 +196,7 @@ class StorageRole:
             info = ArtifactInfo(id=aid, tensors=tensors, nbytes=nbytes_of(tensors), policy=policy,
                                 replicas_wanted=PRESETS[policy].replicas if policy in PRESETS else 1)
             try:
-                await gs.commit_artifact(info, CallContext(deadline=time.time() + 5), tiers=tiers, restored=True)
+                await gs.commit_artifact(info, CallContext(deadline=clock.time() + 5), tiers=tiers, restored=True)
             except NotFound as exc:
                 log.info("dropping %s, deleted while this worker was away: %s", aid, exc.message)
                 self.drop(aid)
@@ -202,7 +210,7 @@ class StorageRole:
         while True:
             await asyncio.sleep(0.5)
             try:
-                self.puts.reap(time.time())
+                self.puts.reap(clock.time())
                 await self.store.housekeeping()
                 if not self.busy():
                     await loop.run_in_executor(self._background, self.store.memory.trim)
@@ -212,7 +220,7 @@ class StorageRole:
                     for blob in bad:
                         await self.trust.condemn(blob, "idle")
                 last_work = max(self._last_busy, self.store.memory.last_alloc)
-                if not self.busy() and time.monotonic() - last_work >= self.parts.config.worker.prefault_idle_seconds:
+                if not self.busy() and clock.monotonic() - last_work >= self.parts.config.worker.prefault_idle_seconds:
                     await loop.run_in_executor(self._background, self.store.memory.stock.refill, self.busy)
             except Exception:
                 log.exception("housekeeping failed")
@@ -223,7 +231,7 @@ class StorageRole:
         busy = bool(self.puts.pending or self.fetcher.in_flight or self.data_server.active) or \
             self.parts.activity.quiet_for() < _QUIET
         if busy:
-            self._last_busy = time.monotonic()
+            self._last_busy = clock.monotonic()
         return busy
 
     async def _replica_gone(self, artifact_id: str, tier: str) -> None:
@@ -277,7 +285,7 @@ class StorageRole:
         log.debug("stored artifact %s (%d bytes, %s, tiers %s)%s", put.artifact_id, info.nbytes, put.placement.name,
                  ",".join(tiers), f" key={put.key}" if put.key else "")
         self.moved["shm", "received"] += written
-        metrics.operation("put", "network" if put.stream else "shm", info.nbytes, time.monotonic() - put.started)
+        metrics.operation("put", "network" if put.stream else "shm", info.nbytes, clock.monotonic() - put.started)
         return PutDone(artifact=done)
 
     async def put_abort(self, msg: PutAbort, req: Request) -> Ack:

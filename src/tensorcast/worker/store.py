@@ -15,13 +15,13 @@ import json
 import logging
 import os
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
 import numpy as np
 
+from tensorcast import clock
 from tensorcast.checksums import CHUNK_BYTES, chunk_count
 from tensorcast.config import WorkerConfig
 from tensorcast.errors import InvalidArgument, NotFound, clip
@@ -114,7 +114,7 @@ class LocalStore:
     async def make_room(self, nbytes: int, exclude: frozenset[str] = frozenset()) -> None:
         """Ensure ``nbytes`` fit in memory, evicting least recently used replicas as needed; raises
         ``ResourceExhausted`` (nothing evicted) when evicting everything evictable would not be enough."""
-        await self.evict_all(self.memory.state.victims(nbytes, time.time(), exclude))
+        await self.evict_all(self.memory.state.victims(nbytes, clock.time(), exclude))
 
     async def evict_all(self, artifact_ids: Iterable[str]) -> None:
         for aid in artifact_ids:
@@ -133,7 +133,7 @@ class LocalStore:
 
     def add_memory_replica(self, artifact_id: str, tensors: tuple[TensorMeta, ...], placement: Placement,
                            pin_until: float | None = None) -> None:
-        now = time.time()
+        now = clock.time()
         self.memory.add_replica(MemoryReplica(
             artifact_id=artifact_id,
             digests=tuple(t.digest for t in tensors if t.nbytes),
@@ -144,17 +144,17 @@ class LocalStore:
         ), tensors)
 
     def pin(self, artifact_id: str, ttl: float | None) -> None:
-        self.memory.state.pin(artifact_id, None if ttl is None else time.time() + ttl)
+        self.memory.state.pin(artifact_id, None if ttl is None else clock.time() + ttl)
 
     def unpin(self, artifact_id: str) -> None:
         self.memory.state.unpin(artifact_id)
 
     def touch(self, artifact_id: str) -> None:
-        self.memory.state.touch(artifact_id, time.time())
+        self.memory.state.touch(artifact_id, clock.time())
 
     async def housekeeping(self) -> None:
         """Cold TTLs and watermarks: evict what placement says must go."""
-        now = time.time()
+        now = clock.time()
         for aid in self.memory.state.expired(now):
             await self.evict(aid)
         for aid in self.memory.state.watermark_victims(self.config.memory_high_watermark,
