@@ -1,6 +1,7 @@
 """The simulated cluster (``tensorcast.testing.sim``): the failover scenarios of the real-process KV tests in
-virtual time (well under a second each), a few hundred seeded runs with every invariant checked after every
-step, and proof that the checker catches a broken home."""
+virtual time (well under a second each), a few hundred seeded runs (KV pages and durable artifacts) with every
+invariant checked after every step, and proof that the checker catches a broken home. The artifact scenarios
+are in ``test_sim_artifacts``."""
 
 from __future__ import annotations
 
@@ -147,6 +148,7 @@ def test_hundreds_of_seeds_keep_every_promise(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["seeds"]
     assert len(rows) == 200 and all(r["ok"] for r in rows)
     assert sum(r["acked"] - r["at_risk"] for r in rows) > 10_000  # pages that had to survive, and did
+    assert sum(r["artifacts"] for r in rows) > 800  # durable artifact keys that had to be readable, and were
     assert sum(r["checks"] for r in rows) > 100_000
 
 

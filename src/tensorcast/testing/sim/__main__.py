@@ -44,8 +44,9 @@ def main() -> int:
         try:
             out = run_seed(seed, fault_seconds=args.fault_seconds, log_path=args.log if args.seed is not None else None)
             rows.append({"seed": seed, "ok": True, "acked": out.acked, "at_risk": out.at_risk,
-                         "checks": out.checks, "virtual_seconds": round(out.virtual_seconds, 3),
-                         "replicas": out.replicas, "faults": out.faults})
+                         "artifacts": out.artifacts, "checks": out.checks,
+                         "virtual_seconds": round(out.virtual_seconds, 3), "replicas": out.replicas,
+                         "faults": out.faults})
         except InvariantBroken as exc:
             failed.append(seed)
             rows.append({"seed": seed, "ok": False, "error": str(exc)})

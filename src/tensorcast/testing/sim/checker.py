@@ -8,7 +8,11 @@ Owns the promises, stated as checks over the processes' real state:
 - **no wrong bytes**: every page read is the bytes put under its key (``page_for``);
 - **nothing acknowledged is lost by an ordinary event**: at the end of a run (faults healed, the cluster
   settled), every acknowledged page is readable unless a home that held it was killed, paused or cut off
-  (``at_risk``): joins, drains, store outages, delays, reorders and lost messages lose nothing.
+  (``at_risk``): joins, drains, store outages, delays, reorders and lost messages lose nothing;
+- **artifacts** (``ArtifactLedger``): no read returns bytes other than those put (``artifact_bytes``); at the
+  end of a run every acknowledged durable put is readable under its key unless every worker whose disk held it
+  is gone (its machine lost, or stopped for good); a key whose delete was acknowledged is gone, and its
+  siblings (other keys of the same bytes) are not.
 A broken promise raises ``InvariantBroken`` naming it. Does not own: the faults (``sim.scenario``).
 """
 
@@ -30,7 +34,7 @@ from tensorcast.wire.kv_messages import KVCommit, KVExists, KVGet, KVPut
 if TYPE_CHECKING:
     from tensorcast.testing.sim.cluster import SimCluster, SimWorker
 
-__all__ = ["Checker", "InvariantBroken", "lease_table", "page_for"]
+__all__ = ["ArtifactLedger", "Checker", "InvariantBroken", "artifact_bytes", "lease_table", "page_for"]
 
 PAGE_BYTES = 512
 # Debugging a seed: the homes storing this page, logged whenever they change (TENSORCAST_SIM_TRACE_KEY).
@@ -47,6 +51,19 @@ def page_for(key: str) -> np.ndarray:
     """A page's bytes are a function of its key: a wrong page is always recognized."""
     seed = xxhash.xxh3_64_intdigest(key.encode())
     return np.random.default_rng(seed).integers(0, 256, PAGE_BYTES, dtype=np.uint8)
+
+
+def stem_of(key: str) -> str:
+    """The part of an artifact key its bytes depend on: sibling keys (``.../a``, ``.../b``) name the same bytes."""
+    return key.rsplit("/", 1)[0]
+
+
+def artifact_bytes(key: str) -> np.ndarray:
+    """An artifact's bytes are a function of its key's stem: a wrong artifact is always recognized. One stem in
+    eight is larger than an inline put (``client.put_path``), so that streamed puts run too."""
+    seed = xxhash.xxh3_64_intdigest(stem_of(key).encode())
+    nbytes = (300 << 10) if seed % 8 == 0 else 1024 + seed % (16 << 10)
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
 
 
 def lease_table(cluster: SimCluster) -> dict[int, tuple[str, int, float]]:
@@ -67,6 +84,7 @@ class Checker:
         self.failure: InvariantBroken | None = None
         self._traced: list[str] = []
         self.stored_at: dict[str, list[tuple[float, str, int]]] = {}  # key -> (time, home, token) of its puts
+        self.artifacts = ArtifactLedger(cluster)
         cluster.net.observe = self.delivered
 
     # ----------------------------------------------------------------- after every step
@@ -145,3 +163,61 @@ class Checker:
     def lost(self, missing: Iterable[str]) -> list[str]:
         """The acknowledged pages among ``missing`` that no fault put at risk."""
         return sorted(k for k in missing if k in self.acked and k not in self.at_risk)
+
+
+class ArtifactLedger:
+    """What was promised about artifacts: the durable puts acknowledged (key -> artifact id), the deletes
+    acknowledged, and the keys whose every holder's disk is gone (which may then be lost)."""
+
+    def __init__(self, cluster: SimCluster) -> None:
+        self.cluster = cluster
+        self.acked: dict[str, str] = {}
+        self.deleted: set[str] = set()
+        self.unsure: set[str] = set()  # a delete that got no answer: it may or may not have happened
+        self.at_risk: set[str] = set()
+        self.gone: set[str] = set()  # workers whose disk will never be read again
+        self.read_back = 0
+
+    def check(self, key: str, got: np.ndarray) -> None:
+        if not np.array_equal(np.asarray(got).reshape(-1).view(np.uint8), artifact_bytes(key)):
+            raise InvariantBroken(f"artifact {key} read with bytes other than those put")
+        self.read_back += 1
+
+    def ack(self, key: str, artifact_id: str) -> None:
+        """A durable put of ``key`` was acknowledged. One answered just before its worker stopped for good
+        (the answer was on its way) is at risk at once when only gone disks hold it."""
+        self.acked[key] = artifact_id
+        holders = {w.id for w in self.cluster.workers.values() if artifact_id in self._on_disk(w)}
+        if holders and holders <= self.gone:
+            self.at_risk.add(key)
+
+    def must_read(self) -> list[str]:
+        return sorted(k for k in self.acked if k not in self.deleted and k not in self.unsure)
+
+    def _on_disk(self, worker: SimWorker) -> set[str]:
+        """The artifacts on ``worker``'s disk that the global store knows it holds there: a copy the store has
+        no record of (a put whose commit at the store failed) serves no reader."""
+        disk = worker.storage.store.disk
+        known = {r[0] for r in self.cluster.backend.db.execute(
+            "SELECT artifact_id FROM replicas WHERE worker_id=? AND tier='disk'", (worker.id,))}
+        return set(disk.manifests) & known if disk is not None else set()
+
+    def disk_gone(self, worker: SimWorker) -> None:
+        """``worker``'s disk will never be read again (its machine is lost, or it stopped for good): the keys
+        no other worker's disk holds may be lost."""
+        self.gone.add(worker.id)
+        mine, others = self._on_disk(worker), set()
+        for w in self.cluster.workers.values():
+            if w.id not in self.gone:
+                others |= self._on_disk(w)
+        self.at_risk |= {k for k, aid in self.acked.items() if aid in mine and aid not in others}
+
+    def lost(self, missing: Iterable[str]) -> list[str]:
+        """The acknowledged keys among ``missing`` that no fault put at risk."""
+        return sorted(k for k in missing if k in self.acked and k not in self.at_risk)
+
+    def where(self, key: str) -> str:
+        aid = self.acked.get(key, "")
+        held = {w.id: (w.alive, w.storage.store.tiers(aid)) for w in self.cluster.workers.values()
+                if w.storage.store.tiers(aid)}
+        return f"artifact {aid} held on {held or 'no worker'} (gone disks: {sorted(self.gone)})"

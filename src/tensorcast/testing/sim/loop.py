@@ -1,10 +1,12 @@
 """An asyncio event loop on a virtual clock: timers fire in order, instantly in real time.
 
-Owns: ``VirtualClock`` (wall and monotonic seconds that only move when the loop has nothing ready to run) and
-``VirtualLoop``, whose selector, asked to wait, moves the clock to the next timer instead of sleeping. Work
-handed to threads (``run_in_executor``, ``asyncio.to_thread``) is waited for in real time with the clock
-standing still: it takes no virtual time. A loop with nothing ready, no timer and no thread busy can never
-continue, and says so (``SimulationStalled``) instead of hanging. Does not own: what runs on it.
+Owns: ``VirtualClock`` (wall and monotonic seconds that only move when the loop has nothing ready to run),
+and ``VirtualLoop``, whose selector, asked to wait, moves the clock to the next timer instead of sleeping (the
+control plane reads the same virtual clock through ``tensorcast.clock``, which the run installs). Work handed to
+threads (``run_in_executor``, ``asyncio.to_thread``) runs at once on the loop's own thread, in order: it takes
+no virtual time, and a seed replays exactly (threads finishing in real time would reorder what follows). A
+loop with nothing ready and no timer can never continue, and says so (``SimulationStalled``) instead of
+hanging. Does not own: what runs on it.
 """
 
 from __future__ import annotations
@@ -44,22 +46,19 @@ class VirtualClock:
 
 
 class _Selector(selectors.DefaultSelector):
-    """Polls real file descriptors without waiting (the loop's self-pipe, wake-ups from threads); a wait is
-    a jump of the virtual clock, or a real wait while threads work."""
+    """Polls real file descriptors without waiting (the loop's self-pipe); a wait is a jump of the virtual
+    clock."""
 
-    def __init__(self, clock: VirtualClock, busy: Callable[[], int]) -> None:
+    def __init__(self, clock: VirtualClock) -> None:
         super().__init__()
         self.clock = clock
-        self._busy = busy
 
     def select(self, timeout: float | None = None) -> list[Any]:
         events = super().select(0)
         if events or timeout == 0:
             return list(events)
-        if self._busy():  # a thread's result comes in real time; the clock waits for it
-            return list(super().select(0.05 if timeout is None else min(timeout, 0.05)))
         if timeout is None:
-            raise SimulationStalled("no task can run, no timer is set and no thread is at work")
+            raise SimulationStalled("no task can run and no timer is set")
         self.clock.advance(timeout)
         return []
 
@@ -67,19 +66,19 @@ class _Selector(selectors.DefaultSelector):
 class VirtualLoop(asyncio.SelectorEventLoop):
     def __init__(self, clock: VirtualClock) -> None:
         self.clock = clock
-        self._threads = 0
-        super().__init__(_Selector(clock, lambda: self._threads))
+        super().__init__(_Selector(clock))
 
     def time(self) -> float:
         return self.clock.monotonic()
 
     def run_in_executor(self, executor: concurrent.futures.Executor | None, func: Callable[..., T],  # type: ignore[override]
                         *args: Any) -> asyncio.Future[T]:
-        fut = super().run_in_executor(executor, func, *args)
-        self._threads += 1
-
-        def done(_: asyncio.Future[T]) -> None:
-            self._threads -= 1
-
-        fut.add_done_callback(done)
+        """``func(*args)`` now, on this thread: its result (or error) is ready at once."""
+        fut: asyncio.Future[T] = self.create_future()
+        try:
+            fut.set_result(func(*args))
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as exc:
+            fut.set_exception(exc)
         return fut

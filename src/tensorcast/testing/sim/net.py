@@ -6,7 +6,10 @@ it is dropped, a partition between two processes, a paused or killed receiver) a
 wire, the payload landing where the receiver's sink puts it, the reply's payload where the caller's sink
 says, every outcome a typed error as over TCP: a killed peer refuses at once (``Unavailable``), a partition
 or a dropped message holds the call until its deadline (``DeadlineExceeded``), a paused peer answers once it
-resumes. ``observe`` is called with every delivered request and its outcome (the invariant checker).
+resumes. ``observe`` is called with every delivered request and its outcome (the invariant checker). Every
+task is counted to the process it was started for (``task_factory``), so that a kill stops all of them. The
+data plane: ``SimDataPlane``, the in-process transport (``transport.inproc``) with this network's say over
+who can reach whom (a worker that is dead, paused or cut off from the fetching process refuses at once).
 Does not own: the processes (``sim.cluster``) or the decisions (``sim.scenario``).
 """
 
@@ -23,14 +26,17 @@ import msgspec
 
 from tensorcast.config import WireConfig
 from tensorcast.context import CallContext
-from tensorcast.errors import DeadlineExceeded, InternalError, TensorCastError
+from tensorcast.errors import DeadlineExceeded, InternalError, TensorCastError, Unavailable
+from tensorcast.transport.base import DataServer, FetchStats, SourceOpener
+from tensorcast.transport.inproc import InProcTransport
 from tensorcast.wire.caller import Caller
 from tensorcast.wire.connection import ConnectionLost, Landing, NotSent, payload_views
+from tensorcast.wire.messages import PROTOCOL_VERSION, DataRequest, Welcome
 from tensorcast.wire.messages import Request as Call
 from tensorcast.wire.protocol import Message
 from tensorcast.wire.rpc import HandlerRegistry, Reply, Request
 
-__all__ = ["PROCESS", "Delivery", "SimCaller", "SimNetwork", "SimProcess"]
+__all__ = ["PROCESS", "Delivery", "SimCaller", "SimDataPlane", "SimNetwork", "SimProcess"]
 
 # The simulated process a task runs for (its log records say which); set for its loops and its handlers.
 PROCESS: contextvars.ContextVar[str] = contextvars.ContextVar("sim_process", default="-")
@@ -87,6 +93,24 @@ class SimNetwork:
         self._cut: set[frozenset[str]] = set()
         self.observe: Callable[[Delivery], None] = lambda d: None
         self.delivered = 0
+        self.data_owner: dict[str, str] = {}  # data-plane address -> the process serving it
+
+    def task_factory(self, loop: asyncio.AbstractEventLoop, coro: Any,
+                     context: contextvars.Context | None = None) -> asyncio.Task[Any]:
+        """The loop's task factory: each task is one of the process it runs for (``PROCESS``), which a kill
+        cancels with the rest."""
+        task: asyncio.Task[Any] = asyncio.Task(coro, loop=loop, context=context)
+        proc = self.processes.get(context.get(PROCESS, "-") if context is not None else PROCESS.get())
+        if proc is not None and proc.alive:
+            proc.tasks.add(task)
+            task.add_done_callback(proc.tasks.discard)
+        return task
+
+    def reachable(self, src: str, dst: str) -> bool:
+        """Whether ``dst`` runs, and ``src`` and it can talk now."""
+        proc, sender = self.processes.get(dst), self.processes.get(src)
+        return proc is not None and proc.alive and not proc.paused and not (sender is not None and sender.paused) \
+            and not self.cut(src, dst)
 
     def add(self, address: str, registry: HandlerRegistry) -> SimProcess:
         proc = SimProcess(address, registry)
@@ -232,10 +256,42 @@ class SimCaller(Caller):
         raise last
 
     async def connect(self, address: str | None = None) -> Any:
-        return None
+        """The peer's handshake: every simulated process is a host of its own."""
+        target = address or self.address
+        proc = self.net.processes.get(target)
+        if proc is None or not proc.alive:
+            raise NotSent(f"cannot connect to {target}: connection refused")
+        return Welcome(protocol_version=PROTOCOL_VERSION, server_id=target, host_id=target)
 
     async def drop(self, address: str) -> None:
         return None
 
     async def close(self) -> None:
+        return None
+
+
+class SimDataPlane:
+    """The data plane as process ``owner`` sees it: the in-process transport, whose fetches fail at once
+    (``Unavailable``) from a worker that is dead, paused or cut off from ``owner`` (a real fetch would wait out
+    its deadline first: the same outcome, sooner)."""
+
+    kind = "inproc"
+
+    def __init__(self, net: SimNetwork, owner: str) -> None:
+        self.net = net
+        self.owner = owner
+        self._inner = InProcTransport()
+
+    def fetch(self, address: str, request: DataRequest, dest: memoryview, *, streams: int = 1,
+              deadline: float | None = None, trace_id: str = "", checksums: list[int] | None = None) -> FetchStats:
+        dst = self.net.data_owner.get(address, "")
+        if not self.net.reachable(self.owner, dst):
+            raise Unavailable(f"data plane: {dst or address} cannot be reached from {self.owner}")
+        return self._inner.fetch(address, request, dest, streams=streams, deadline=deadline, trace_id=trace_id,
+                                 checksums=checksums)
+
+    def serve(self, open_source: SourceOpener, *, corrupt_chunks: int = 0) -> DataServer:
+        return self._inner.serve(open_source, corrupt_chunks=corrupt_chunks)
+
+    def close(self) -> None:
         return None

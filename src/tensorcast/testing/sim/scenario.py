@@ -1,9 +1,10 @@
 """Seeded runs of the simulated cluster: a KV workload under faults chosen by the seed, checked throughout.
 
-Owns ``run_seed`` (one run: start the cluster, put and read pages while faults happen — kill and restart,
-pause, partitions, global-store restarts, joins, drains, lost and delayed messages — then heal everything,
-let the shards settle and read every acknowledged page; the checker runs after every delivered request) and
-``settle``. The same seed gives the same run, exactly, given the same ``PYTHONHASHSEED`` (the runner sets
+Owns ``run_seed`` (one run: start the cluster, put and read pages, and put, read and delete durable artifacts
+(``sim.artifacts``), while faults happen — kill and restart, the loss of a machine with its disk, pause,
+partitions, global-store restarts, joins, drains, lost and delayed messages — then heal everything, let the
+shards settle and read every acknowledged page and artifact; the checker runs after every delivered request)
+and ``settle``. The same seed gives the same run, exactly, given the same ``PYTHONHASHSEED`` (the runner sets
 it): ``python -m tensorcast.testing.sim --seed N`` replays one. Does not own: the invariants
 (``sim.checker``) or the cluster (``sim.cluster``).
 """
@@ -22,8 +23,9 @@ from tensorcast import clock
 from tensorcast.errors import TensorCastError
 from tensorcast.kv.hrw import candidates
 from tensorcast.kv.keys import KVLayout, page_keys, shard_of
+from tensorcast.testing.sim.artifacts import SimArtifacts
 from tensorcast.testing.sim.checker import PAGE_BYTES, Checker, InvariantBroken, lease_table, page_for
-from tensorcast.testing.sim.cluster import GS, SimCluster, SimSettings, SimWorker
+from tensorcast.testing.sim.cluster import GS, SimCluster, SimSettings
 from tensorcast.testing.sim.loop import VirtualClock, VirtualLoop
 from tensorcast.testing.sim.net import PROCESS
 
@@ -41,6 +43,7 @@ class Outcome:
     acked: int = 0
     read_back: int = 0
     at_risk: int = 0
+    artifacts: int = 0  # durable artifact keys that had to be readable at the end (and were)
     checks: int = 0
     virtual_seconds: float = 0.0
 
@@ -148,6 +151,7 @@ class _Workload:
         self.checker = checker
         self.rng = rng
         self.seq = 0
+        self.artifacts = SimArtifacts(cluster, checker.artifacts, random.Random(rng.random()))
 
     def keys(self, n: int) -> list[str]:
         self.seq += 1
@@ -162,6 +166,7 @@ class _Workload:
             sample = self.rng.sample(sorted(self.checker.acked), min(8, len(self.checker.acked)))
             with contextlib.suppress(TensorCastError):
                 self.checker.read(sample, await self.kv.get(sample))
+        await self.artifacts.step()
 
     async def read_all(self, cluster: SimCluster) -> list[str]:
         """The acknowledged pages not readable: read once the shards settled, and those missing read again
@@ -179,7 +184,7 @@ class _Workload:
 
 # Events of an ordinary day, which lose nothing acknowledged; and faults, which may lose what a home held.
 ORDINARY = ["gs", "join", "drain", "delay"]
-FAULTS = ["kill", "pause", "partition-gs", "partition-homes"]
+FAULTS = ["kill", "lose", "pause", "partition-gs", "partition-homes"]
 
 
 async def _fault(cluster: SimCluster, checker: Checker, rng: random.Random, out: Outcome, ordinary: bool) -> None:
@@ -187,7 +192,7 @@ async def _fault(cluster: SimCluster, checker: Checker, rng: random.Random, out:
     ttl = cluster.settings.lease_ttl
     live = cluster.live()
     kind = rng.choice(ORDINARY if ordinary else ORDINARY + FAULTS)
-    if kind in ("kill", "pause", "drain", "partition-gs") and len(live) < 2:
+    if kind in ("kill", "lose", "pause", "drain", "partition-gs") and len(live) < 2:
         kind = "join"
     if kind == "partition-homes" and len(live) < 2:
         kind = "gs"
@@ -195,11 +200,14 @@ async def _fault(cluster: SimCluster, checker: Checker, rng: random.Random, out:
     named = victim is not None and kind not in ("gs", "join", "delay")
     out.faults.append(f"{clock.monotonic() - 10_000:.2f}s {kind}{' ' + victim.id if named and victim else ''}")
     log.info("FAULT %s", out.faults[-1])
-    if kind == "kill" and victim is not None:
+    if kind in ("kill", "lose") and victim is not None:
         checker.killed(victim)
         victim.kill()
+        if kind == "lose":  # the machine is gone: a new one takes its id, with an empty disk
+            checker.artifacts.disk_gone(victim)
+            victim.lose_disk()
         await asyncio.sleep(rng.uniform(0, 2 * ttl))
-        await _restart(cluster, victim)
+        await cluster.restart(victim)
     elif kind == "pause" and victim is not None:
         checker.risk(victim)
         cluster.pause(victim)
@@ -226,17 +234,11 @@ async def _fault(cluster: SimCluster, checker: Checker, rng: random.Random, out:
         if victim.home.homes == [victim.id]:  # no other home it can hand its pages to (cut off, all of them)
             checker.risk(victim)
         await victim.drain()
+        checker.artifacts.disk_gone(victim)  # it stopped for good: its disk copies were not handed over
     else:
         cluster.net.latency = (0.001, rng.uniform(0.005, 0.2))
         await asyncio.sleep(rng.uniform(0.5, 2 * ttl))
         cluster.net.latency = (0.0002, 0.002)
-
-
-async def _restart(cluster: SimCluster, dead: SimWorker) -> None:
-    """The same worker id started again: a new process, without the old one's memory."""
-    fresh = SimWorker(cluster, dead.id)
-    cluster.workers[dead.id] = fresh
-    await fresh.start()
 
 
 def run_seed(seed: int, *, settings: SimSettings | None = None, fault_seconds: float = 30.0,
@@ -280,6 +282,12 @@ def run_seed(seed: int, *, settings: SimSettings | None = None, fault_seconds: f
         if lost:
             raise InvariantBroken(f"{len(lost)} acknowledged pages lost with no fault that could lose them: "
                                   f"{lost[:3]}; {where(cluster, lost[0])}; put {checker.stored_at.get(lost[0])}")
+        ledger = checker.artifacts
+        gone = ledger.lost(await work.artifacts.missing())
+        out.artifacts = len(ledger.must_read()) - len(gone)
+        if gone:
+            raise InvariantBroken(f"{len(gone)} acknowledged durable artifacts lost with no fault that could lose "
+                                  f"them: {gone[:3]}; {ledger.where(gone[0])}")
 
     try:
         simulate(seed, body, settings, drop=drop, log_path=log_path)
