@@ -1,17 +1,16 @@
 """Acknowledged KV pages survive the events of an ordinary day, with real processes: a cluster starting, a
-worker joining, a graceful stop (drain), a global-store outage, and — with ``kv.replicas=2`` — a kill -9."""
+graceful stop (drain) and a global-store outage longer than the lease TTL. The simulated cluster runs these
+and more (a join, an outage within the TTL, a kill -9 with backups) in virtual time over many seeds
+(``tests/sim``); these stay as the check that it models what real processes do."""
 
 from __future__ import annotations
 
-import re
 import time
-import urllib.request
 
 import numpy as np
 import xxhash
 
 import tensorcast as tc
-from tensorcast.cluster import LocalCluster
 from tensorcast.kv.keys import KVLayout, page_keys
 from tensorcast.testing import running_cluster, wait_shards_settled
 
@@ -41,36 +40,11 @@ def readable(c: tc.Client, keys: list[str]) -> int:
     return sum(g is not None for g in got)
 
 
-def pages_stored(cluster: LocalCluster) -> dict[str, int]:
-    """Every worker's ``tensorcast_kv_pages_stored`` (served and kept pages)."""
-    out = {}
-    for wid in cluster.workers:
-        text = urllib.request.urlopen(cluster.metrics_urls[wid] + "/metrics", timeout=10).read().decode()
-        m = re.search(rf'^tensorcast_kv_pages_stored\{{worker="{wid}"\}} (\S+)$', text, re.M)
-        out[wid] = int(float(m.group(1))) if m else 0
-    return out
-
-
-def add_worker(cluster: LocalCluster) -> str:
-    return cluster.add_worker()
-
-
 def test_pages_put_as_a_cluster_starts_are_all_readable_once_it_settled() -> None:
     with running_cluster(workers=4, config=FAST) as cluster, tc.connect(cluster.address) as c:
         keys = put_pages(c)
         wait_shards_settled(c, set(cluster.worker_ids))
         assert readable(c, keys) == PAGES
-
-
-def test_a_worker_joining_takes_its_shards_with_their_pages() -> None:
-    with running_cluster(workers=2, config=FAST) as cluster, tc.connect(cluster.address) as c:
-        wait_shards_settled(c, set(cluster.worker_ids))
-        keys = put_pages(c)
-        new = add_worker(cluster)
-        held = wait_shards_settled(c, set(cluster.worker_ids), timeout=TTL * 10)
-        assert any(h == new for h, _ in held.values())
-        assert readable(c, keys) == PAGES
-        assert pages_stored(cluster)[new] > 0  # its shards' pages moved there (not only new ones)
 
 
 def test_a_graceful_stop_hands_every_page_over() -> None:
@@ -87,17 +61,6 @@ def test_a_graceful_stop_hands_every_page_over() -> None:
         assert drained < 2 * TTL + 4 * RENEW + 3, drained
 
 
-def test_a_global_store_outage_within_the_lease_ttl_loses_no_page() -> None:
-    with running_cluster(workers=3) as cluster, tc.connect(cluster.address) as c:  # default leases (3 s)
-        wait_shards_settled(c, set(cluster.worker_ids))
-        keys = put_pages(c)
-        cluster.kill_global_store()
-        time.sleep(2.0)
-        cluster.restart_global_store()
-        wait_shards_settled(c, set(cluster.worker_ids), timeout=30)
-        assert readable(c, keys) == PAGES
-
-
 def test_a_longer_global_store_outage_moves_shards_without_losing_pages() -> None:
     """Past the lease TTL every lease expires at the store, and homes that see stale heartbeats grab others'
     shards for a while: every one of those moves is a hand-over."""
@@ -108,20 +71,4 @@ def test_a_longer_global_store_outage_moves_shards_without_losing_pages() -> Non
         time.sleep(2 * TTL + 1.0)
         cluster.restart_global_store()
         wait_shards_settled(c, set(cluster.worker_ids), timeout=30)
-        assert readable(c, keys) == PAGES
-
-
-def test_with_two_replicas_a_killed_home_loses_no_page() -> None:
-    with running_cluster(workers=3, config={**FAST, "kv.replicas": 2}) as cluster, \
-            tc.connect(cluster.address) as c:
-        wait_shards_settled(c, set(cluster.worker_ids))
-        keys = put_pages(c)
-        # Every page on its holder and its backup (copied before each put was acknowledged, or by the refill
-        # of a backup the holder had not filled yet: within a loop period).
-        deadline = time.monotonic() + 10 * RENEW
-        while sum(pages_stored(cluster).values()) < 2 * PAGES:
-            assert time.monotonic() < deadline, pages_stored(cluster)
-            time.sleep(RENEW / 5)
-        cluster.kill_worker("w2")
-        wait_shards_settled(c, {"w0", "w1"}, timeout=TTL * 5)
         assert readable(c, keys) == PAGES
