@@ -1,6 +1,7 @@
 """Artifacts in the simulated cluster (``tensorcast.testing.sim``): durable puts survive a kill and restart of
 their holder, a restart of the global store right after the put, and the delete of a sibling key; and the
-checker fails when a worker serves other bytes or acknowledges a durable put it did not keep on disk."""
+checker fails when a worker serves other bytes or acknowledges a durable put it did not keep on disk; a put
+whose record at the global store failed leaves no copy behind, without taking bytes from a put that counts on it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from typing import Any
 
 import pytest
 
-from tensorcast.errors import NotFound
+from tensorcast import clock
+from tensorcast.context import CallContext
+from tensorcast.errors import NotFound, TensorCastError
 from tensorcast.pool.placement import PutDecision, decide_put
 from tensorcast.testing.sim import Checker, InvariantBroken, SimCluster, SimSettings, run_seed, settle, simulate
 from tensorcast.testing.sim.artifacts import SimArtifacts
@@ -84,6 +87,62 @@ def test_deleting_a_sibling_key_keeps_the_bytes_for_the_other_and_a_re_put_after
             await arts.caller.call(GetArtifact(key_or_id="sim/k1/a"), arts.caller.context(timeout=5.0))
 
     simulate(13, body, SETTINGS)
+
+
+def test_a_put_the_global_store_did_not_record_leaves_no_copy_and_puts_that_count_on_it_keep_theirs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the store down, durable puts fail after the worker stored them. Once the store is back and the
+    failed commits could no longer reach it, the worker drops the copy nobody put (and its restart does not
+    record it), while an acknowledged put of the same bytes, made while the copy was unrecorded, keeps its
+    bytes: one made before the worker settles (it finds the copy there and stores nothing), and one
+    acknowledged while the worker's question about the copy is on its way (a stale ``NotFound``)."""
+
+    async def body(cluster: SimCluster, checker: Checker) -> None:
+        arts = client(cluster, checker)
+        w1 = cluster.workers["w1"]
+        disk = w1.storage.store.disk
+        assert disk is not None
+        cluster.kill_gs()
+        leaked: dict[str, str] = {}
+        for stem in ("sim/u1", "sim/u2", "sim/u3"):
+            before = set(disk.manifests)
+            with pytest.raises(TensorCastError):
+                await arts.put(f"{stem}/a", w1)
+            (leaked[stem],) = set(disk.manifests) - before  # stored here, then its record failed
+        orphan, early, racing = leaked["sim/u1"], leaked["sim/u2"], leaked["sim/u3"]
+        cluster.restart_gs()
+        assert (await arts.put("sim/u2/b", w1)).id == early  # while unrecorded: it counts on the copy here
+
+        real = w1.link.add_replica
+        raced: list[str] = []
+
+        async def stale_answer(aid: str, tiers: tuple[str, ...], ctx: CallContext | None = None, *,
+                               restored: bool = False) -> None:
+            if aid == racing and not raced:  # the store answers, then a put of the same bytes is recorded
+                raced.append((await arts.put("sim/u3/b", w1)).id)
+                raise NotFound(f"no artifact {aid}")
+            await real(aid, tiers, ctx, restored=restored)
+
+        monkeypatch.setattr(w1.link, "add_replica", stale_answer)
+        await asyncio.sleep(20.0)  # the failed commits' deadlines (10 s) pass, then a few housekeeping rounds
+        assert w1.storage.store.tiers(orphan) == ()
+        assert orphan not in disk.manifests and orphan not in w1.storage.store.memory.replica_ids()
+        assert raced == [racing]
+        for aid in (early, racing):
+            assert "disk" in w1.storage.store.tiers(aid)
+        assert not w1.storage.unrecorded.ids
+        w1.kill()
+        w1 = await cluster.restart(w1)  # its announcement finds nothing unrecorded to record
+        await asyncio.sleep(3 * SETTINGS.heartbeat_interval)
+        db = cluster.backend.db
+        assert db.execute("SELECT 1 FROM artifacts WHERE artifact_id=?", (orphan,)).fetchone() is None
+        assert db.execute("SELECT 1 FROM replicas WHERE artifact_id=?", (orphan,)).fetchone() is None
+        with pytest.raises(NotFound):
+            await w1.link.get_artifact(orphan, CallContext(deadline=clock.time() + 5.0))
+        await all_readable(cluster, checker, arts)
+        assert checker.artifacts.read_back == 2
+
+    simulate(15, body, SETTINGS)
 
 
 def test_the_checker_catches_a_worker_serving_other_bytes(monkeypatch: pytest.MonkeyPatch) -> None:

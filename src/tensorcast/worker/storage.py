@@ -2,7 +2,8 @@
 
 Owns: the local store (memory and disk tiers), the put handlers (``PutBegin``/``PutData``/``PutCommit``/
 ``PutAbort``, recording the artifact at the global store, extra copies for placements that want them and
-their repair after a worker's loss, with ``worker.replication``),
+their repair after a worker's loss, with ``worker.replication``; a copy whose record failed is settled by
+``worker.unrecorded``),
 same-host mappings (``MapTensors``), pins, evictions and drops, the data server that serves this
 worker's bytes over the configured transport, re-announcing replicas after a (re)registration, the usage
 figures heartbeats carry, and housekeeping (abandoned puts, cold TTLs, watermarks, pre-faulted stock, checking
@@ -60,6 +61,7 @@ from tensorcast.worker.replication import Replicator
 from tensorcast.worker.roles import WorkerParts
 from tensorcast.worker.store import LocalStore
 from tensorcast.worker.trust import BlobTrust
+from tensorcast.worker.unrecorded import UnrecordedCopies
 
 __all__ = ["StorageRole", "nbytes_of"]
 
@@ -80,6 +82,7 @@ class StorageRole:
         self.store = LocalStore(config.worker, parts.worker_id, self._replica_gone)
         self.trust = BlobTrust(self.store)
         self.puts = PutManager(config.worker, self.store, self.trust)
+        self.unrecorded = UnrecordedCopies(self.store, self.puts, parts.gs, self.drop)
         self.devices = DeviceTier(config.worker.device_capacity)
         self.transport = make_transport(config.transport.kind, config.wire, token=config.token,
                                         max_streams=config.transport.max_streams * 2, limits=config.transport,
@@ -180,9 +183,11 @@ class StorageRole:
     async def announce(self) -> None:
         """Tell the global store which replicas this worker holds (disk replicas survive restarts). A copy
         of an artifact deleted (or whose lease expired) while this worker was away is dropped here, never
-        brought back; an artifact the store has no trace of (its database was replaced) is recorded again."""
+        brought back; an artifact the store has no trace of (its database was replaced) is recorded again.
+        Copies whose put the store may never have recorded are left to ``worker.unrecorded``."""
         store, gs = self.store, self.parts.gs
         ids = set(store.memory.replica_ids()) | set(store.disk.manifests if store.disk is not None else ())
+        ids = {aid for aid in ids if aid not in self.unrecorded}
         dropped = 0
         for aid in ids:
             tiers = store.tiers(aid)
@@ -222,6 +227,7 @@ class StorageRole:
                 last_work = max(self._last_busy, self.store.memory.last_alloc)
                 if not self.busy() and clock.monotonic() - last_work >= self.parts.config.worker.prefault_idle_seconds:
                     await loop.run_in_executor(self._background, self.store.memory.stock.refill, self.busy)
+                await self.unrecorded.settle()
             except Exception:
                 log.exception("housekeeping failed")
 
@@ -274,12 +280,17 @@ class StorageRole:
         # now, as committing hands the targets over.
         written = sum(pending.tensors[i].nbytes for i in pending.memory_targets) \
             if pending is not None and not pending.stream else 0
-        put = await self.puts.commit(msg.put_id, msg.digests)
-        self.parts.gs.kept(put.artifact_id)
-        tiers = self.store.tiers(put.artifact_id)
-        info = ArtifactInfo(id=put.artifact_id, tensors=put.tensors, nbytes=nbytes_of(put.tensors),
-                            policy=put.placement.name, replicas_wanted=put.placement.replicas)
-        done = await self.parts.gs.commit_artifact(info, req.ctx, key=put.key, ttl=put.ttl, tiers=tiers)
+        put = await self.unrecorded.commit_locally(msg.put_id, msg.digests)
+        recorded = False
+        try:  # a copy stored here that the store did not record is settled later (``worker.unrecorded``)
+            self.parts.gs.kept(put.artifact_id)
+            tiers = self.store.tiers(put.artifact_id)
+            info = ArtifactInfo(id=put.artifact_id, tensors=put.tensors, nbytes=nbytes_of(put.tensors),
+                                policy=put.placement.name, replicas_wanted=put.placement.replicas)
+            done = await self.parts.gs.commit_artifact(info, req.ctx, key=put.key, ttl=put.ttl, tiers=tiers)
+            recorded = True
+        finally:
+            self.unrecorded.store_commit_ended(put, recorded, req.ctx.deadline)
         if put.placement.replicas > 1:
             done = await self.replicator.place(done, put.placement.replicas, req.ctx)
         log.debug("stored artifact %s (%d bytes, %s, tiers %s)%s", put.artifact_id, info.nbytes, put.placement.name,
