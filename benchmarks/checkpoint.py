@@ -14,16 +14,16 @@ sharded on dim 0) of ``--mib`` MiB in all. Each row is the slowest rank's time (
   the surviving replica, against the cold load from the files (what a job without peer copies reads).
 Ratios: FileSystemWriter time / TensorCast time (above 1: TensorCast is faster), and stall / memcpy.
 
-Usage: python benchmarks/checkpoint.py [--quick] [--json PATH] [--mib N] [--ranks 2,4]
+``--smoke``: 8 MiB over 2 ranks (figures meaningless; every row).
+
+Usage: python benchmarks/checkpoint.py [--quick | --smoke] [--json PATH] [--mib N] [--ranks 2,4]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import queue
 import shutil
-import socket
 import tempfile
 import time
 from typing import Any
@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 import tensorcast as tc
-from benchlib import write_json
+from benchlib import Table, free_port, parse_args, parser, pick, write_json
 from tensorcast.integrations.torch_dcp import TensorCastReader, TensorCastWriter
 
 
@@ -133,12 +133,6 @@ def _rank(rank: int, world: int, port: int, address: str, mib: int, root: str, o
     dist.destroy_process_group()
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run(world: int, mib: int, cluster: tc.LocalCluster) -> dict[str, float]:
     ctx = mp.get_context("spawn")
     out, killed = ctx.Queue(), ctx.Event()
@@ -146,7 +140,7 @@ def run(world: int, mib: int, cluster: tc.LocalCluster) -> dict[str, float]:
     root = tempfile.mkdtemp(prefix="dcp-bench-", dir=os.environ.get("BENCH_DISK_DIR", "."))
     try:
         procs = [ctx.Process(target=_rank, args=(r, world, port, address, mib, root, out, killed))
-                 for port in [_port()] for r in range(world)]
+                 for port in [free_port()] for r in range(world)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + 600
@@ -182,18 +176,18 @@ def _lose_a_host(cluster: tc.LocalCluster) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="64 MiB over 2 ranks (under a minute)")
+    ap = parser(__doc__, "64 MiB over 2 ranks, under a minute")
     ap.add_argument("--mib", type=int, default=1024)
     ap.add_argument("--ranks", default="2,4")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    mib, ranks = (64, [2]) if args.quick else (args.mib, [int(x) for x in args.ranks.split(",")])
+    args = parse_args(ap)
+    mib, ranks = pick(args, (args.mib, [int(x) for x in args.ranks.split(",")]), (64, [2]), (8, [2]))
     results: dict[str, dict[str, float]] = {}
     with tc.LocalCluster(workers=2, memory_capacity=f"{max(1, 3 * mib // 1024 + 1)}GiB") as cluster:
         for world in ranks:
             results[str(world)] = run(world, mib, cluster)
-    print(f"{'ranks':>5} {'row':<14} {'TensorCast s':>12} {'FileSystem s':>12} {'FS/TC':>7} {'TC/memcpy':>9}")
+    table = Table(("ranks", ">5"), ("row", "<14"), ("TensorCast s", ">12.4f"), ("FileSystem s", ">12.4f"),
+                  ("FS/TC", ">7.2f"), ("TC/memcpy", ">9.2f"))
+    table.header()
     for ranks_run, r in results.items():
         for row, tc_key, fs_key in (("sync stall", "tc_sync_stall", "fs_sync_stall"),
                                     ("async stall", "tc_async_stall", "fs_async_stall"),
@@ -201,9 +195,9 @@ def main() -> None:
                                     ("reshard-load", "tc_reshard_load", "fs_reshard_load"),
                                     ("cold load", "tc_load", "fs_cold_load"),
                                     ("recovery", "tc_recovery", "fs_cold_load")):
-            print(f"{ranks_run:>5} {row:<14} {r[tc_key]:>12.4f} {r[fs_key]:>12.4f} {r[fs_key] / r[tc_key]:>7.2f} "
-                  f"{r[tc_key] / r['memcpy']:>9.2f}")
-        print(f"{ranks_run:>5} {'memcpy':<14} {r['memcpy']:>12.4f}   durable on disk: {r['tc_durable']:.4f} s")
+            table.row(ranks_run, row, r[tc_key], r[fs_key], r[fs_key] / r[tc_key], r[tc_key] / r["memcpy"])
+        table.row(ranks_run, "memcpy", r["memcpy"], "", "", "")
+        table.row(ranks_run, "durable (disk)", r["tc_durable"], "", "", "")
     write_json(args.json, "checkpoint", args.quick, mib=mib, results=results)
 
 

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from benchlib import read_exactly
 from weight_sync_model import (
     GiB,
     cpu_by_pid,
@@ -102,15 +103,6 @@ def rank_server(spec_path: str) -> None:
         print(json.dumps({"seconds": time.perf_counter() - t0, "copied_bytes": loaded}), flush=True)
 
 
-def _read_exact(resp: http.client.HTTPResponse, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = resp.readinto(view[got:])
-        if not n:
-            raise ConnectionError("the file server closed the stream early")
-        got += n
-
-
 def load_over_tcp(url: str, files: list[str], bound: dict[str, Any], rank: int, world: int) -> int:
     """Stream each safetensors file from ``url`` (host A) and copy this rank's part of every tensor as it
     arrives; one buffer, the size of the largest tensor, is reused."""
@@ -127,9 +119,9 @@ def load_over_tcp(url: str, files: list[str], bound: dict[str, Any], rank: int, 
             if resp.status != 200:
                 raise ConnectionError(f"GET {fname}: HTTP {resp.status}")
             head = bytearray(8)
-            _read_exact(resp, memoryview(head))
+            read_exactly(resp.readinto, memoryview(head))
             header = bytearray(int.from_bytes(head, "little"))
-            _read_exact(resp, memoryview(header))
+            read_exactly(resp.readinto, memoryview(header))
             metas = json.loads(header)
             metas.pop("__metadata__", None)
             pos = 0
@@ -138,7 +130,7 @@ def load_over_tcp(url: str, files: list[str], bound: dict[str, Any], rank: int, 
                 assert start == pos and meta["dtype"] == "BF16", (name, start, pos, meta["dtype"])
                 if buf.numel() < stop - start:
                     buf = torch.empty(stop - start, dtype=torch.uint8)
-                _read_exact(resp, memoryview(buf.numpy().data)[: stop - start])
+                read_exactly(resp.readinto, memoryview(buf.numpy().data)[: stop - start])
                 full = buf[: stop - start].view(torch.bfloat16).view(meta["shape"])
                 part = shard_of(name, full, rank, world)
                 bound[name].copy_(part)

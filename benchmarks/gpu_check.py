@@ -13,12 +13,14 @@ reaches the GPU against ``safetensors`` and times, in one run:
 - the same for one tensor-parallel rank (TP=2, rank 1) of the checkpoint.
 Ratios are to ``load_file(device="cuda:0")``.
 
-Usage: python benchmarks/gpu_check.py [--quick] [--json PATH]
+``--smoke`` (a 64 MiB checkpoint of a narrow model) still needs a CUDA device: there is no CPU path to smoke, and
+``benchmarks/smoke.py`` skips this benchmark on a host without one.
+
+Usage: python benchmarks/gpu_check.py [--quick | --smoke] [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
@@ -34,8 +36,8 @@ from tensorcast.cuda import cuda_available
 from tensorcast.transport import h2d
 
 sys.path.insert(0, str(Path(__file__).parent))
-from benchlib import write_json
-from weights_load import make_checkpoint
+from benchlib import Table, parse_args, parser, pick, write_json
+from weights_load import LLAMA, LLAMA_SMOKE, make_checkpoint
 
 GiB = 1 << 30
 
@@ -57,10 +59,7 @@ def check(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], label: str
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    args = parse_args(parser(__doc__, "a 0.5 GiB checkpoint"))
     if not cuda_available():
         print(f"no CUDA device here (torch {torch.__version__}, torch.cuda.is_available() is False): "
               "the GPU path cannot be checked on this host")
@@ -68,7 +67,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}")
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="tc-gpu-") as tmp:
-        path = make_checkpoint(Path(tmp), GiB // 2 if args.quick else 2 * GiB)
+        path = make_checkpoint(Path(tmp), pick(args, 2 * GiB, GiB // 2, 64 << 20),
+                               pick(args, LLAMA, LLAMA, LLAMA_SMOKE))
         files = sorted(path.glob("*.safetensors"))
         ref: dict[str, torch.Tensor] = {}
         for f in files:
@@ -115,9 +115,10 @@ def main() -> None:
             check(out, {k: v.clone() for k, v in cpu_view.items()}, "warm tp ipc")
             del out
     base = res["safetensors load_file(device=cuda)"]
-    print(f"{'path':<58} {'seconds':>9} {'GB/s':>8} {'x load_file':>12}")
+    table = Table(("path", "<58"), ("seconds", ">9.4f"), ("GB/s", ">8.2f"), ("x load_file", ">12.3f"))
+    table.header()
     for name, secs in res.items():
-        print(f"{name:<58} {secs:9.4f} {total / secs / 1e9:8.2f} {secs / base:12.3f}")
+        table.row(name, secs, total / secs / 1e9, secs / base)
         rows.append({"path": name, "seconds": secs, "ratio_to_load_file_cuda": secs / base})
     print("\nall tensors on the GPU matched safetensors")
     write_json(args.json, "gpu_check", args.quick, device=torch.cuda.get_device_name(0), checkpoint_bytes=total,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU path check on a CUDA host: pipelined H2D from a checkpoint, and the CUDA IPC warm hand-off.
 # Needs torch with CUDA in the environment (pip install -e ".[dev]" with a CUDA torch wheel).
-# Usage: benchmarks/gpu_check.sh [--quick] [--json PATH]
+# Usage: benchmarks/gpu_check.sh [--quick | --smoke] [--json PATH]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python}"

@@ -27,16 +27,17 @@ times slower than its steady state, which best-of-a-few would otherwise report. 
 
 ``--metrics off`` runs with metrics recording off (``benchmarks/metrics_cost.py`` compares both in one run).
 
-Usage: python benchmarks/kv_pages.py [--quick] [--json PATH] [--metrics on|off]
+``--smoke``: 64 KiB pages only, batches of 32, 1 and 2 workers, one call timed (figures meaningless; every
+system's row).
+
+Usage: python benchmarks/kv_pages.py [--quick | --smoke] [--json PATH] [--metrics on|off]
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -47,7 +48,7 @@ import msgspec
 import numpy as np
 
 import tensorcast as tc
-from benchlib import best_of, metrics_switch, write_json
+from benchlib import Table, best_of, free_port, metrics_switch, parse_args, parser, pick, write_json
 from tensorcast.client.kv import AsyncKV
 from tensorcast.client.sync import KV
 from tensorcast.kv.blocks import BlockRegions
@@ -55,12 +56,6 @@ from tensorcast.kv.blocks import BlockRegions
 KiB, MiB = 1 << 10, 1 << 20
 EXISTS_BATCH = 256
 WARMUP = 5
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def make_pages(n: int, size: int, seed: int) -> tuple[list[str], list[np.ndarray]]:
@@ -238,33 +233,29 @@ def _mooncake_blocks(store: Any, page: int, n: int, regions: int, reps: int) -> 
             "blocks_get_pages_s": n / t_get, "blocks_get_GBps": n * page / t_get / 1e9}
 
 
-HDR = (f"{'system':<30} {'page':>7} {'pages':>6} {'put pages/s':>12} {'put GB/s':>9} {'get pages/s':>12} "
-       f"{'get GB/s':>9} {'exists keys/s':>14}")
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json", default=None)
+    ap = parser(__doc__)
     ap.add_argument("--metrics", choices=["on", "off"], default="on", help="metrics recording (default on)")
-    args = ap.parse_args()
+    args = parse_args(ap)
     on = args.metrics == "on"
-    reps = 3 if args.quick else 5
+    reps = pick(args, 5, 3, 1)
     # (page bytes, pages per batch, regions of a block: e.g. 16 layers x K/V, 32 layers x K/V)
-    cases = [(64 * KiB, 256 if args.quick else 1024, 32), (2 * MiB, 32 if args.quick else 128, 64)]
-    worker_counts = [1, 2] if args.quick else [1, 2, 4]
+    cases = pick(args, [(64 * KiB, 1024, 32), (2 * MiB, 128, 64)], [(64 * KiB, 256, 32), (2 * MiB, 32, 64)],
+                 [(64 * KiB, 32, 32)])  # --smoke: one page size (every system and row; a cluster is seconds)
+    worker_counts = pick(args, [1, 2, 4], [1, 2], [1, 2])
     rows: list[dict[str, Any]] = []
-    print(HDR)
-    print("-" * len(HDR))
+    table = Table(("system", "<30"), ("page", ">7"), ("pages", ">6"), ("put pages/s", ">12,.0f"),
+                  ("put GB/s", ">9.2f"), ("get pages/s", ">12,.0f"), ("get GB/s", ">9.2f"),
+                  ("exists keys/s", ">14,.0f"))
+    table.header()
 
     def show(name: str, page: int, n: int, r: dict[str, float]) -> None:
         rows.append({"system": name, "page_bytes": page, "pages": n, **r})
-        print(f"{name:<30} {page // KiB:>5}Ki {n:>6} {r['put_pages_s']:>12,.0f} {r['put_GBps']:>9.2f} "
-              f"{r['get_pages_s']:>12,.0f} {r['get_GBps']:>9.2f} {r['exists_keys_s']:>14,.0f}")
+        table.row(name, f"{page // KiB}Ki", n, r["put_pages_s"], r["put_GBps"], r["get_pages_s"], r["get_GBps"],
+                  r["exists_keys_s"])
         if "blocks_get_pages_s" in r:
-            print(f"{'  ...as blocks of ' + str(r['regions']) + ' regions':<30} {'':>7} {'':>6} "
-                  f"{r['blocks_put_pages_s']:>12,.0f} {r['blocks_put_GBps']:>9.2f} {r['blocks_get_pages_s']:>12,.0f} "
-                  f"{r['blocks_get_GBps']:>9.2f} {'':>14}")
+            table.row(f"  ...as blocks of {r['regions']} regions", "", "", r["blocks_put_pages_s"],
+                      r["blocks_put_GBps"], r["blocks_get_pages_s"], r["blocks_get_GBps"], "")
 
     for page, n, regions in cases:
         for w in worker_counts:

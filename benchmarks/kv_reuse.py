@@ -50,32 +50,39 @@ of the local hit.
 LMCache only with ``--lmcache-path`` (~5 min here, half of it engine start-up). Full: N=2,4; L=1k,2k,4k,8k;
 2 rounds x 5 repetitions; every system (~25 min here).
 
-Usage: python benchmarks/kv_reuse.py [--quick] [--instances 2,4] [--lengths 1024,8192] [--rounds R] [--reps K]
-       [--systems tensorcast,mooncake,lmcache,offloading] [--json PATH] [--plot PATH] [--lmcache-path DIR]
+``--smoke``: N=2, L=64,128, one round, one repetition, 0.2 s settle, a two-layer model (figures meaningless;
+every system that runs here, and every row). Needs vLLM like the rest (``benchmarks/smoke.py`` skips it without).
+
+The stores' set-up is in ``kv_reuse_stores.py``, the statistics, goals, table and figure in ``kv_reuse_report.py``.
+
+Usage: python benchmarks/kv_reuse.py [--quick | --smoke] [--instances 2,4] [--lengths 1024,8192] [--rounds R]
+       [--reps K] [--systems tensorcast,mooncake,lmcache,offloading] [--json PATH] [--plot PATH] [--lmcache-path DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import re
 import shutil
-import socket
-import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchlib import mem_available, pyplot, write_json
+from benchlib import free_port, mem_available, parse_args, parser, pick, write_json
+from kv_reuse_report import report
+from kv_reuse_stores import (
+    MOONCAKE_TCP,
+    lmcache_env,
+    lmcache_pythonpath,
+    lmcache_server,
+    mooncake_master,
+    probe_lmcache,
+)
 from tensorcast.testing import running_cluster
 from tensorcast.testing.vllm_engine import SMOLLM2_135M, EngineProcess, llama_dir
 
@@ -86,20 +93,10 @@ MODELS: dict[str, dict[str, Any]] = {
     # Qwen2-0.5B's dimensions (without its q/k/v biases) on Llama: ~4x the compute per token of the above.
     "llama-0.5b": {"layers": 24, "hidden": 896, "heads": 14, "kv_heads": 2, "intermediate": 4864,
                    "vocab": 151936, "tie_embeddings": True},
+    # --smoke's: two layers, head_dim 64 (what vLLM's CPU backend takes, as ``tiny_llama_dir``).
+    "tiny": {"layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2, "intermediate": 512, "vocab": 512,
+             "tie_embeddings": True},
 }
-
-
-# Mooncake's TCP transport: listen on loopback only; and queue a whole prompt's pages per peer, as its users
-# tune it (with the defaults, an 8k-token prompt's 255 pages were partly rejected, "TCP lane queue-full",
-# and vLLM recomputed them: first-token times of 4-15 s instead of a fraction of one).
-MOONCAKE_TCP = {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
-                "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535", "MC_TCP_ADMISSION_TIMEOUT_MS": "120000"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Prompts:
@@ -126,19 +123,6 @@ def at_once(engines: list[EngineProcess], prompts: list[list[int]],
 
 def ttft(r: dict[str, Any]) -> float:
     return float(r["ttft"] if r.get("ttft") else r["seconds"])
-
-
-def log_error(path: Path | None, pattern: str) -> str | None:
-    """The exception line after ``pattern`` in an engine's log (a connector that started degraded)."""
-    if path is None or not path.exists():
-        return None
-    text = path.read_text(errors="replace")
-    at = text.find(pattern)
-    if at < 0:
-        return None
-    after = text[at:].splitlines()
-    exc = next((ln.strip() for ln in after[1:40] if re.match(r"\s*\w+(Error|Exception): ", ln)), after[0])
-    return f"{pattern}: {exc}"
 
 
 ENGINE_BYTES = 2 << 30  # an instance's own memory at 8k tokens here (1 GiB of KV cache, weights, vLLM)
@@ -254,202 +238,35 @@ def run_interleaved(started: dict[str, list[EngineProcess]], prompts: Prompts, l
     return rows
 
 
-@contextlib.contextmanager
-def mooncake_master(work: Path) -> Iterator[Path]:
-    """A ``mooncake_master`` on loopback with its HTTP metadata server, and the config file vLLM reads."""
-    master = shutil.which("mooncake_master") or os.path.join(os.path.dirname(sys.executable), "mooncake_master")
-    if not os.path.exists(master):
-        raise FileNotFoundError("mooncake_master not found: pip install mooncake-transfer-engine-non-cuda "
-                                "(and Debian libibverbs1)")
-    rpc, http = free_port(), free_port()
-    with open(work / "mooncake_master.log", "wb") as log:
-        proc = subprocess.Popen([master, f"--rpc_port={rpc}", "--enable_http_metadata_server=true",
-                                 "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={http}",
-                                 "--rpc_address=127.0.0.1", f"--metrics_port={free_port()}"],
-                                stdout=log, stderr=subprocess.STDOUT)
-    try:
-        time.sleep(1.5)
-        if proc.poll() is not None:
-            raise RuntimeError(f"mooncake_master exited ({proc.returncode}); see {work / 'mooncake_master.log'}")
-        config = work / f"mooncake-{rpc}.json"
-        # Embedded mode: every instance lends a segment to the pool (enough for a run's pages); the local
-        # buffer stages a request's pages (the CPU build registers no KV cache memory with the engine).
-        config.write_text(json.dumps({
-            "metadata_server": f"http://127.0.0.1:{http}/metadata", "master_server_address": f"127.0.0.1:{rpc}",
-            "protocol": "tcp", "device_name": "", "global_segment_size": "1GB", "local_buffer_size": "512MB"}))
-        yield config
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-@contextlib.contextmanager
-def lmcache_server(work: Path, pythonpath: str) -> Iterator[str]:
-    """LMCache's own KV server (``lm://``), the remote store its instances share."""
-    port = free_port()
-    with open(work / "lmcache_server.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port)],
-                                env={**os.environ, "PYTHONPATH": pythonpath}, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        time.sleep(3)
-        yield f"lm://127.0.0.1:{port}"
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-def lmcache_pythonpath(extra: str | None) -> str | None:
-    """PYTHONPATH under which ``lmcache`` imports (the venv's, or ``extra`` in front), or None."""
-    path = os.pathsep.join(p for p in [extra, os.environ.get("PYTHONPATH")] if p)
-    probe = subprocess.run([sys.executable, "-c", "import lmcache.integration.vllm.vllm_v1_adapter"],
-                           env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True)
-    return path if probe.returncode == 0 else None
-
-
-def summarize(rows: list[dict[str, Any]], instances: list[int], lengths: list[int]) -> list[dict[str, Any]]:
-    """Per N and L: each system's TTFT (over its samples the best, the median and the worst) and TensorCast's
-    ratios to the baselines of the same run, from the best samples (as ``benchlib.best_of``: the least
-    disturbed on a shared, noisy host) and from the medians."""
-    def stat(system: str, n: int, length: int, key: str) -> dict[str, float] | None:
-        # A sample: one prefill, or one repetition's mean over the instances that ran at once.
-        vals = [statistics.fmean(rep) for r in rows if r["system"] == system and r["n"] == n
-                and r["length"] == length and key in r for rep in (r[key] if isinstance(r[key], list) else [[r[key]]])]
-        if not vals:
-            return None
-        return {"best": min(vals), "median": statistics.median(vals), "max": max(vals), "samples": len(vals)}
-
-    out = []
-    for n in instances:
-        for length in lengths:
-            s: dict[str, Any] = {"n": n, "length": length, "ttft": {}}
-            for name, (system, key) in {"recompute_alone": ("tensorcast", "prefill_ttft"),
-                                        "recompute": ("tensorcast", "recompute_ttft"),
-                                        "local_hit": ("tensorcast", "local_hit_ttft"),
-                                        "tensorcast": ("tensorcast", "reuse_ttft"),
-                                        "mooncake": ("mooncake", "reuse_ttft"),
-                                        "lmcache": ("lmcache", "reuse_ttft")}.items():
-                v = stat(system, n, length, key)
-                if v is not None:
-                    s["ttft"][name] = v
-            for which in ("best", "median"):
-                t = {k: v[which] for k, v in s["ttft"].items()}
-                if "tensorcast" not in t:
-                    continue
-                tc, ratios = t["tensorcast"], {}
-                if "recompute" in t:
-                    ratios["reduction_vs_recompute"] = 1 - tc / t["recompute"]
-                if "recompute_alone" in t:
-                    ratios["reduction_vs_recompute_alone"] = 1 - tc / t["recompute_alone"]
-                if "mooncake" in t:
-                    ratios["tensorcast_over_mooncake"] = tc / t["mooncake"]
-                if "local_hit" in t:
-                    ratios["tensorcast_over_local_hit"] = tc / t["local_hit"]
-                s[which] = ratios
-            out.append(s)
-    return out
-
-
-def print_table(summary: list[dict[str, Any]]) -> None:
-    cols = ["recompute_alone", "recompute", "local_hit", "tensorcast", "mooncake", "lmcache"]
-    ratios = [("TC cut", "reduction_vs_recompute", _pct), ("TC cut(alone)", "reduction_vs_recompute_alone", _pct),
-              ("TC/mooncake", "tensorcast_over_mooncake", _x), ("TC/local hit", "tensorcast_over_local_hit", _x)]
-    hdr = (f"{'N':>2} {'tokens':>6} " + " ".join(f"{c:>16}" for c in cols)
-           + "".join(f" {name:>15}" for name, _, _ in ratios))
-    print("\nTTFT, seconds: best sample (median sample); a sample is one prefill, or the mean over the instances"
-          "\nthat ran at once in one repetition; ratios from the best (from the medians)")
-    print(hdr)
-    print("-" * len(hdr))
-    for s in summary:
-        cells = []
-        for c in cols:
-            v = s["ttft"].get(c)
-            cells.append(f"{v['best']:>7.3f} ({v['median']:>6.3f})" if v else f"{'-':>16}")
-        rs = [f"{fmt(s.get('best', {}).get(key)) + ' (' + fmt(s.get('median', {}).get(key)) + ')':>15}"
-              for _, key, fmt in ratios]
-        print(f"{s['n']:>2} {s['length']:>6} " + " ".join(cells) + "".join(f" {r}" for r in rs))
-
-
-def goals(summary: list[dict[str, Any]], instances: list[int], lengths: list[int], which: str) -> dict[str, Any]:
-    """The three goals, per N, from this run's ``which`` ("best" or "median") values (met: True/False; None:
-    not measured)."""
-    out: dict[str, Any] = {}
-    for n in instances:
-        rows = [s.get(which, {}) for s in summary if s["n"] == n]
-        longest: dict[str, Any] = next(
-            (s.get(which, {}) for s in summary if s["n"] == n and s["length"] == max(lengths)), {})
-        red = longest.get("reduction_vs_recompute")
-        mc = [s.get("tensorcast_over_mooncake") for s in rows]
-        lh = [s.get("tensorcast_over_local_hit") for s in rows]
-        out[f"N={n}"] = {
-            "reduction_at_longest_ge_87.5pct": None if red is None else red >= 0.875,
-            "reduction_at_longest": red,
-            "reduction_at_longest_vs_alone": longest.get("reduction_vs_recompute_alone"),
-            "no_worse_than_mooncake_every_length": None if None in mc or not mc else all(r <= 1.0 for r in mc),
-            "worst_over_mooncake": None if None in mc or not mc else max(mc),
-            "within_1.5x_local_hit": None if None in lh or not lh else all(r <= 1.5 for r in lh),
-            "worst_over_local_hit": None if None in lh or not lh else max(lh)}
-    return out
-
-
-def plot(path: str, summary: list[dict[str, Any]], instances: list[int]) -> str | None:
-    plt = pyplot()
-    if plt is None:
-        return "matplotlib is not installed: no plot (pip install matplotlib)"
-    fig, axes = plt.subplots(1, len(instances), figsize=(6 * len(instances), 4.5), squeeze=False)
-    styles = {"recompute": ("recompute (same concurrency)", "k", "o"), "recompute_alone": ("recompute alone", "0.5",
-              "o"), "local_hit": ("own prefix-cache hit (limit)", "g", "s"), "tensorcast": ("TensorCast", "C0", "D"),
-              "mooncake": ("Mooncake Store connector", "C1", "^"), "lmcache": ("LMCache connector", "C3", "v")}
-    for ax, n in zip(axes[0], instances, strict=True):
-        rows = [s for s in summary if s["n"] == n]
-        for key, (label, color, marker) in styles.items():
-            pts = [(s["length"], s["ttft"][key]) for s in rows if key in s["ttft"]]
-            if not pts:
-                continue
-            xs = [p[0] for p in pts]
-            best = [p[1]["best"] for p in pts]
-            worst = [p[1]["max"] - b for b, p in zip(best, pts, strict=True)]
-            ax.errorbar(xs, best, yerr=[[0.0] * len(best), worst], label=label, color=color, marker=marker,
-                        capsize=3)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks([s["length"] for s in rows], [str(s["length"]) for s in rows])
-        ax.set_xlabel("prompt tokens")
-        ax.set_ylabel("TTFT (s): best sample, bar to the worst")
-        ax.set_title(f"{n} vLLM CPU instances: 1 prefills, {n - 1} reuse at once")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return None
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="N=2, L=1k,2k, 2 rounds")
-    ap.add_argument("--instances", default=None, help="comma-separated N (default 2,4; quick 2)")
+    ap = parser(__doc__, "N=2, L=1k,2k, 2 rounds, ~5 min")
+    ap.add_argument("--instances", default=None, help="comma-separated N (default 2,4; quick, smoke 2)")
     ap.add_argument("--lengths", default=None, help="prompt tokens, multiples of 32 (default 1024,2048,4096,8192;"
-                                                    " quick 1024,2048)")
-    ap.add_argument("--rounds", type=int, default=None, help="fresh prefixes per length (default 2)")
+                                                    " quick 1024,2048; smoke 64,128)")
+    ap.add_argument("--rounds", type=int, default=None, help="fresh prefixes per length (default 2; smoke 1)")
     ap.add_argument("--systems", default="tensorcast,mooncake,lmcache,offloading")
-    ap.add_argument("--model", choices=sorted(MODELS), default="smollm2-135m")
+    ap.add_argument("--model", choices=sorted(MODELS), default=None, help="default smollm2-135m (smoke: tiny)")
     ap.add_argument("--model-dir", default=None, help="where the random model is written (kept; reused if "
                                                       "present); default: a temporary directory")
-    ap.add_argument("--reps", type=int, default=5, help="reuse (and local hit) samples per prefill (default 5)")
-    ap.add_argument("--settle", type=float, default=1.5, help="idle seconds before each measured request")
+    ap.add_argument("--reps", type=int, default=None,
+                    help="reuse (and local hit) samples per prefill (default 5; smoke 1)")
+    ap.add_argument("--settle", type=float, default=None,
+                    help="idle seconds before each measured request (default 1.5; smoke 0.2)")
     ap.add_argument("--lmcache-path", default=os.environ.get("KV_REUSE_LMCACHE_PATH"),
                     help="a directory with LMCache (pip install --target DIR --no-deps lmcache ...), put on the "
                          "engines' PYTHONPATH only")
-    ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="PNG path (needs matplotlib)")
     ap.add_argument("--keep-logs", default=None, help="a directory for the engines' logs (default: a temporary "
                                                       "one, removed: the JSON has every error)")
-    args = ap.parse_args()
-    instances = [int(x) for x in (args.instances or ("2" if args.quick else "2,4")).split(",")]
-    lengths = [int(x) for x in (args.lengths or ("1024,2048" if args.quick else "1024,2048,4096,8192")).split(",")]
+    args = parse_args(ap)
+    instances = [int(x) for x in (args.instances or pick(args, "2,4", "2", "2")).split(",")]
+    lengths = [int(x) for x in (args.lengths or pick(args, "1024,2048,4096,8192", "1024,2048", "64,128")).split(",")]
     if any(n < 2 for n in instances) or any(L % PAGE or L < 2 * PAGE for L in lengths):
         ap.error("instances >= 2; lengths multiples of 32, >= 64")
-    systems = args.systems.split(",")
-    rounds = args.rounds or 2
+    args.model = args.model or pick(args, "smollm2-135m", "smollm2-135m", "tiny")
+    args.reps = args.reps or pick(args, 5, 5, 1)
+    args.settle = pick(args, 1.5, 1.5, 0.2) if args.settle is None else args.settle
+    rounds = args.rounds or pick(args, 2, 2, 1)
     t_start = time.monotonic()
     work = Path(args.keep_logs or tempfile.mkdtemp(prefix="kv_reuse-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -460,97 +277,14 @@ def main() -> None:
         t0 = time.monotonic()
         llama_dir(model, max_positions=max(max_len, 8192 + 2 * PAGE), dtype="bfloat16", **shape)
         print(f"model {args.model} (random weights, bf16) written in {time.monotonic() - t0:.0f}s", flush=True)
-    prompts = Prompts(shape["vocab"])
-    # One process per instance (vLLM's engine core and worker in it): vLLM's default three processes take
-    # ~1 GiB more per instance; and fewer hops per step on this oversubscribed host mean less scheduling
-    # noise in a short request's TTFT. The same for every system.
-    common = {"kv_role": "kv_both", "enable_prefix_caching": True, "max_model_len": max_len, "dtype": "bfloat16",
-              "log_stats": True, "single_process": True}
     rows: list[dict[str, Any]] = []
     status: dict[str, Any] = {}  # per system: "ran", or the exact error of what did not
-    lmcache_path = lmcache_pythonpath(args.lmcache_path) if "lmcache" in systems and (
-        args.lmcache_path or not args.quick) else None
-    if "lmcache" in systems and lmcache_path is None:
-        status["lmcache"] = ("not run: lmcache does not import here (it pins numpy<=2.2.6: install it with pip "
-                             "install --target DIR --no-deps and pass --lmcache-path DIR)"
-                             if args.lmcache_path or not args.quick else "not run (--quick without --lmcache-path)")
     try:
-        if "offloading" in systems:
-            status["offloading"] = bench_offloading(model, work, prompts, lengths, args.settle, max_len, rows)
-        if lmcache_path is not None:
-            status["lmcache"] = probe_lmcache(model, work, lmcache_path, max_len)
-        for n in instances:
-            print(f"N={n}: starting {n} instances per system", flush=True)
-            with running_cluster(workers=n, hosts=n) as cluster, contextlib.ExitStack() as stack:
-                groups: dict[str, list[dict[str, Any]]] = {}
-                if "tensorcast" in systems:
-                    groups["tensorcast"] = [{"model_dir": model, "address": cluster.address,
-                                             "host_id": cluster.host_id_of(i), "log_path": work / f"tc{n}-{i}.log",
-                                             **common} for i in range(n)]
-                if "mooncake" in systems:
-                    try:
-                        config = stack.enter_context(mooncake_master(work))
-                        groups["mooncake"] = [{
-                            "model_dir": model, "address": cluster.address, "host_id": cluster.host_id_of(i),
-                            "log_path": work / f"mc{n}-{i}.log", "connector": "MooncakeStoreConnector",
-                            # A distinct lookup socket and transfer-engine name per instance on one host.
-                            "extra": {"lookup_rpc_port": free_port()},
-                            "env": {"MOONCAKE_CONFIG_PATH": str(config),
-                                    "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": f"127.0.0.1:{free_port()}",
-                                    **MOONCAKE_TCP},
-                            **common} for i in range(n)]
-                    except (OSError, RuntimeError) as exc:
-                        status["mooncake"] = f"not run: {exc}"
-                if lmcache_path is not None and status.get("lmcache") == "ran":
-                    url = stack.enter_context(lmcache_server(work, lmcache_path))
-                    groups["lmcache"] = [{
-                        "model_dir": model, "address": cluster.address, "host_id": cluster.host_id_of(i),
-                        "log_path": work / f"lmc{n}-{i}.log", "connector": "LMCacheConnectorV1",
-                        "env": lmcache_env(lmcache_path, url), **common} for i in range(n)]
-                # Groups start together where memory allows (start-up dominates; idle engines cost ~1.5% of a
-                # core each) and take turns; otherwise one after the other.
-                for batch in batches(groups, n):
-                    started = start_groups({k: groups[k] for k in batch}, stack, status, n)
-                    failed: dict[str, str] = {}
-                    got = run_interleaved(started, prompts, lengths, rounds, args.settle, args.reps, failed)
-                    rows += got
-                    for name, engines in started.items():
-                        for e in engines:
-                            e.close()
-                        if name in failed:
-                            status[name] = f"N={n}: {failed[name]}"
-                        elif all(c == 0 for r in got if r["system"] == name for rep in r["reuse_cached"]
-                                 for c in rep):
-                            status[name] = f"N={n}: started but reused nothing (every reuse recomputed)"
-                        else:
-                            status.setdefault(name, "ran")
-            # What is measured so far survives an interrupted run.
-            write_json(args.json, "kv_reuse", args.quick, partial=True, systems=status, rows=rows)
+        run_all(args, model, work, Prompts(shape["vocab"]), instances, lengths, rounds, max_len, rows, status)
     finally:
         if not args.keep_logs:
             shutil.rmtree(work, ignore_errors=True)
-    summary = summarize(rows, instances, lengths)
-    print_table(summary)
-    for r in rows:
-        if r["system"] == "offloading":
-            print(f"offloading, 1 instance, {r['length']} tokens: first {r['prefill_ttft']:.3f}s, same prefix again "
-                  f"{r['reuse_ttft'][0][0]:.3f}s ({r['reuse_cached'][0][0]} tokens from its store)")
-    met = {which: goals(summary, instances, lengths, which) for which in ("best", "median")}
-    print("\nGoals (TensorCast; from the best-of values, then from the medians):")
-    for label, g in [(f"{n} {w}", g) for w in met for n, g in met[w].items()]:
-        print(f"  {label}: reduction at {max(lengths)} tokens {_pct(g['reduction_at_longest'])} vs recompute at the "
-              f"same concurrency ({_pct(g['reduction_at_longest_vs_alone'])} vs alone; goal >= 87.5%): "
-              f"{_met(g['reduction_at_longest_ge_87.5pct'])}; no worse than Mooncake at every length (worst "
-              f"{_x(g['worst_over_mooncake'])}): {_met(g['no_worse_than_mooncake_every_length'])}; within 1.5x of the "
-              f"local hit (worst {_x(g['worst_over_local_hit'])}): {_met(g['within_1.5x_local_hit'])}")
-    print("\nSystems:")
-    for name, st in status.items():
-        print(f"  {name}: {st}")
-    matches = [r["first_token_match"] for r in rows if r["system"] != "offloading"]
-    print(f"first token after reuse equals the prefill's: {sum(matches)}/{len(matches)}")
-    note = plot(args.plot, summary, instances) if args.plot else None
-    if note:
-        print(note)
+    summary, met, note = report(rows, status, instances, lengths, args.plot)
     write_json(args.json, "kv_reuse", args.quick, model=args.model, model_shape=shape, dtype="bfloat16",
                instances=instances, lengths=lengths, rounds=rounds, settle_s=args.settle, question_tokens=PAGE,
                systems=status, goals=met, summary=summary, rows=rows, plot=note or args.plot,
@@ -558,25 +292,71 @@ def main() -> None:
     print(f"total {time.monotonic() - t_start:.0f}s")
 
 
-def lmcache_env(pythonpath: str, url: str) -> dict[str, str]:
-    # Everything in LMCache's own CPU memory and its lm:// server (the store the instances share).
-    return {"PYTHONPATH": pythonpath, "LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "False",
-            "LMCACHE_MAX_LOCAL_CPU_SIZE": "1", "LMCACHE_REMOTE_URL": url, "LMCACHE_REMOTE_SERDE": "naive"}
-
-
-def probe_lmcache(model: Path, work: Path, pythonpath: str, max_len: int) -> str:
-    """One LMCache instance: does it start, and start with its engine (not in its degraded, recompute-only
-    mode)? Cheaper than starting N to find out."""
-    with lmcache_server(work, pythonpath) as url:
-        try:
-            with EngineProcess(model, address="-", host_id="-", kv_role="kv_both", connector="LMCacheConnectorV1",
-                               env=lmcache_env(pythonpath, url), max_model_len=max_len, dtype="bfloat16",
-                               single_process=True, log_path=work / "lmcache-probe.log"):
-                pass
-        except Exception as exc:
-            return f"did not start: {exc}"
-    degraded = log_error(work / "lmcache-probe.log", "Failed to initialize LMCacheManager components")
-    return f"starts degraded (recomputes everything): {degraded}" if degraded else "ran"
+def run_all(args: argparse.Namespace, model: Path, work: Path, prompts: Prompts, instances: list[int],
+            lengths: list[int], rounds: int, max_len: int, rows: list[dict[str, Any]], status: dict[str, Any]) -> None:
+    """Every system at every N: the OffloadingConnector and the LMCache probe first, then for each N a cluster
+    and each system's N engines. Appends to ``rows``; ``status`` gets each system's outcome."""
+    systems = args.systems.split(",")
+    # One process per instance (vLLM's engine core and worker in it): vLLM's default three processes take
+    # ~1 GiB more per instance; and fewer hops per step on this oversubscribed host mean less scheduling
+    # noise in a short request's TTFT. The same for every system.
+    common = {"kv_role": "kv_both", "enable_prefix_caching": True, "max_model_len": max_len, "dtype": "bfloat16",
+              "log_stats": True, "single_process": True}
+    lmcache_path = lmcache_pythonpath(args.lmcache_path) if "lmcache" in systems and (
+        args.lmcache_path or not args.quick) else None
+    if "lmcache" in systems and lmcache_path is None:
+        status["lmcache"] = ("not run: lmcache does not import here (it pins numpy<=2.2.6: install it with pip "
+                             "install --target DIR --no-deps and pass --lmcache-path DIR)"
+                             if args.lmcache_path or not args.quick else "not run (--quick without --lmcache-path)")
+    if "offloading" in systems:
+        status["offloading"] = bench_offloading(model, work, prompts, lengths, args.settle, max_len, rows)
+    if lmcache_path is not None:
+        status["lmcache"] = probe_lmcache(model, work, lmcache_path, max_len)
+    for n in instances:
+        print(f"N={n}: starting {n} instances per system", flush=True)
+        with running_cluster(workers=n, hosts=n) as cluster, contextlib.ExitStack() as stack:
+            groups: dict[str, list[dict[str, Any]]] = {}
+            if "tensorcast" in systems:
+                groups["tensorcast"] = [{"model_dir": model, "address": cluster.address,
+                                         "host_id": cluster.host_id_of(i), "log_path": work / f"tc{n}-{i}.log",
+                                         **common} for i in range(n)]
+            if "mooncake" in systems:
+                try:
+                    config = stack.enter_context(mooncake_master(work))
+                    groups["mooncake"] = [{
+                        "model_dir": model, "address": cluster.address, "host_id": cluster.host_id_of(i),
+                        "log_path": work / f"mc{n}-{i}.log", "connector": "MooncakeStoreConnector",
+                        # A distinct lookup socket and transfer-engine name per instance on one host.
+                        "extra": {"lookup_rpc_port": free_port()},
+                        "env": {"MOONCAKE_CONFIG_PATH": str(config),
+                                "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": f"127.0.0.1:{free_port()}", **MOONCAKE_TCP},
+                        **common} for i in range(n)]
+                except (OSError, RuntimeError) as exc:
+                    status["mooncake"] = f"not run: {exc}"
+            if lmcache_path is not None and status.get("lmcache") == "ran":
+                url = stack.enter_context(lmcache_server(work, lmcache_path))
+                groups["lmcache"] = [{
+                    "model_dir": model, "address": cluster.address, "host_id": cluster.host_id_of(i),
+                    "log_path": work / f"lmc{n}-{i}.log", "connector": "LMCacheConnectorV1",
+                    "env": lmcache_env(lmcache_path, url), **common} for i in range(n)]
+            # Groups start together where memory allows (start-up dominates; idle engines cost ~1.5% of a
+            # core each) and take turns; otherwise one after the other.
+            for batch in batches(groups, n):
+                started = start_groups({k: groups[k] for k in batch}, stack, status, n)
+                failed: dict[str, str] = {}
+                got = run_interleaved(started, prompts, lengths, rounds, args.settle, args.reps, failed)
+                rows += got
+                for name, engines in started.items():
+                    for e in engines:
+                        e.close()
+                    if name in failed:
+                        status[name] = f"N={n}: {failed[name]}"
+                    elif all(c == 0 for r in got if r["system"] == name for rep in r["reuse_cached"] for c in rep):
+                        status[name] = f"N={n}: started but reused nothing (every reuse recomputed)"
+                    else:
+                        status.setdefault(name, "ran")
+        # What is measured so far survives an interrupted run.
+        write_json(args.json, "kv_reuse", args.quick, partial=True, systems=status, rows=rows)
 
 
 def bench_offloading(model: Path, work: Path, prompts: Prompts, lengths: list[int], settle: float, max_len: int,
@@ -598,18 +378,6 @@ def bench_offloading(model: Path, work: Path, prompts: Prompts, lengths: list[in
                          "reuse_ttft": [[ttft(again)]], "reuse_cached": [[again["num_cached_tokens"]]],
                          "first_token_match": None})
     return "ran"
-
-
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{100 * v:.1f}%"
-
-
-def _x(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}x"
-
-
-def _met(v: bool | None) -> str:
-    return "not measured" if v is None else "met" if v else "NOT met"
 
 
 if __name__ == "__main__":

@@ -10,21 +10,20 @@ against a raw socket: ``benchmarks/transfer.py --netns``.)
 
 Needs Debian ``etcd-server`` for the etcd columns (SQLite only otherwise, saying so).
 
-Usage: python benchmarks/metadata.py [--quick] [--json PATH]
+``--smoke``: 32 operations of each kind, one lease TTL (1 s), every backend (figures meaningless).
+
+Usage: python benchmarks/metadata.py [--quick | --smoke] [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import time
 from typing import Any
 
-import numpy as np
-
 import tensorcast as tc
-from benchlib import write_json
+from benchlib import Table, parse_args, parser, pct, pick, write_json
 from tensorcast.config import Config
 from tensorcast.kv.hrw import assignment
 from tensorcast.records import ArtifactInfo, TensorMeta, WorkerInfo, WorkerLoad
@@ -37,10 +36,6 @@ from tensorcast.wire.messages import (
     Heartbeat,
     RegisterWorker,
 )
-
-
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q))
 
 
 async def _metadata_ops(address: str, n: int) -> dict[str, float]:
@@ -121,34 +116,35 @@ def _wait_assigned(c: tc.Client, homes: set[str], timeout: float) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer operations and TTLs (about a minute)")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    n = 200 if args.quick else 1000
+    args = parse_args(parser(__doc__, "fewer operations and TTLs, about a minute"))
+    n = pick(args, 1000, 200, 32)
     backends = ["sqlite"] + (["etcd-1", "etcd-3"] if etcd_binary() else [])
     if not etcd_binary():
         print("etcd not installed (apt-get install etcd-server): SQLite only")
     meta = {b: bench_metadata(b, n) for b in backends}
     ops = list(meta["sqlite"])
-    print(f"{'metadata op (one GS process)':<28}" + "".join(f"{b:>12}" for b in backends))
+    table = Table(("metadata op (one GS process)", "<28"), *((b, ">11.2f") for b in backends))
+    table.header()
     for op in ops:
-        print(f"{op:<28}" + "".join(f"{meta[b][op]:>12.2f}" for b in backends))
+        table.row(op, *(meta[b][op] for b in backends))
     for b in backends[1:]:
         ratios = [meta[b][o] / meta["sqlite"][o] for o in ops if o.endswith("ops/s")]
         print(f"{b}: ops/s {min(ratios):.2f}-{max(ratios):.2f}x SQLite")
 
-    ttls = [1.0, 2.0] if args.quick else [1.0, 2.0, 4.0]
+    ttls = pick(args, [1.0, 2.0, 4.0], [1.0, 2.0], [1.0])
     stores = {"sqlite": None} | ({"etcd-3": "etcd"} if etcd_binary() else {})
     failover: list[dict[str, float | str]] = []
-    print(f"\n{'lease TTL s':>11} {'backend':>8} {'failover s':>11} {'bound (TTL + renew) s':>22}")
+    print()
+    table = Table(("lease TTL s", ">11.1f"), ("backend", ">8"), ("failover s", ">11.2f"),
+                  ("bound (TTL + renew) s", ">22.2f"))
+    table.header()
     for ttl in ttls:
         for name, kind in stores.items():
             with contextlib.ExitStack() as stack:
                 urls = stack.enter_context(EtcdCluster(3)).endpoints if kind else None
                 seconds = bench_failover(ttl, urls)
             failover.append({"ttl": ttl, "backend": name, "seconds": seconds, "bound": ttl * 1.25})
-            print(f"{ttl:>11.1f} {name:>8} {seconds:>11.2f} {ttl * 1.25:>22.2f}")
+            table.row(ttl, name, seconds, ttl * 1.25)
 
     write_json(args.json, "metadata", args.quick, metadata=meta, failover=failover)
 

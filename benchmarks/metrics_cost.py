@@ -7,34 +7,36 @@ On a small shared host those ratios swing by more than the effect measured, so t
 deterministic part: what recording costs per request (both ends, timed over many calls) as a share of the
 smallest request's round trip measured in the same run (a one-key KV exists).
 
-Usage: python benchmarks/metrics_cost.py [--quick] [--json PATH]
+``--smoke``: one round (metrics on, then off) of 4 KiB and 1 MiB puts and gets and 32 KV pages, a small worker
+stock, one call timed (figures meaningless).
+
+Usage: python benchmarks/metrics_cost.py [--quick | --smoke] [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from typing import Any
 
-from benchlib import write_json
+from benchlib import Table, parse_args, parser, pick, write_json
 from kv_pages import bench_tensorcast
-from put_get import measure
+from put_get import SMOKE_CONFIG, measure
 
 KiB, MiB = 1 << 10, 1 << 20
 
 
-def one_round(on: bool, sizes: list[int], pages: int) -> dict[str, float]:
+def one_round(on: bool, sizes: list[int], pages: int, smoke: bool = False) -> dict[str, float]:
     """Throughputs (higher is better) of every case, metrics ``on`` or off."""
     out: dict[str, float] = {}
-    for r in measure(sizes, on):
+    for r in measure(sizes, on, 1, SMOKE_CONFIG) if smoke else measure(sizes, on):
         size = r["size"]
         label = f"{int(size) // KiB} KiB" if size < MiB else f"{int(size) // MiB} MiB"
         out[f"put shm {label}"] = 1 / r["put_local_s"]
         out[f"put tcp {label}"] = 1 / r["put_remote_s"]
         out[f"get shm {label}"] = 1 / r["get_local_s"]
         out[f"get tcp {label}"] = 1 / r["get_remote_s"]
-    kv = bench_tensorcast(1, 64 * KiB, pages, 3, "shard-homes", on)
+    kv = bench_tensorcast(1, 64 * KiB, pages, 1 if smoke else 3, "shard-homes", on)
     out["_rtt_ms"] = kv["index_rtt_ms"]
     out["kv put 64 KiB pages"] = kv["put_pages_s"]
     out["kv get 64 KiB pages"] = kv["get_pages_s"]
@@ -43,33 +45,29 @@ def one_round(on: bool, sizes: list[int], pages: int) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="two rounds of small cases (about a minute)")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    rounds = 2 if args.quick else 5
-    sizes = [4 * KiB, 1 * MiB, 16 * MiB] if args.quick else [4 * KiB, 1 * MiB, 16 * MiB, 64 * MiB]
-    pages = 256 if args.quick else 1024
+    args = parse_args(parser(__doc__, "two rounds of small cases, about a minute"))
+    rounds = pick(args, 5, 2, 1)
+    sizes = pick(args, [4 * KiB, 1 * MiB, 16 * MiB, 64 * MiB], [4 * KiB, 1 * MiB, 16 * MiB], [4 * KiB, 1 * MiB])
+    pages = pick(args, 1024, 256, 32)
     ratios: dict[str, list[float]] = {}
     rtts: list[float] = []
     for i in range(rounds):
         order = (True, False) if i % 2 == 0 else (False, True)
-        results = {on: one_round(on, sizes, pages) for on in order}
+        results = {on: one_round(on, sizes, pages, args.smoke) for on in order}
         rtts.append(results[True].pop("_rtt_ms"))
         results[False].pop("_rtt_ms")
         for case, on_value in results[True].items():
             ratios.setdefault(case, []).append(on_value / results[False][case])
     rows: list[dict[str, Any]] = []
-    hdr = f"{'case':<24} {'on/off (median)':>16} {'range':>15}"
-    print(hdr)
-    print("-" * len(hdr))
+    table = Table(("case", "<24"), ("on/off (median)", ">16.3f"), ("range", ">15"))
+    table.header()
     for case, rs in ratios.items():
         med = statistics.median(rs)
         rows.append({"case": case, "on_over_off_median": med, "min": min(rs), "max": max(rs), "rounds": rs})
-        print(f"{case:<24} {med:>16.3f} {min(rs):>7.3f}-{max(rs):<7.3f}")
+        table.row(case, med, f"{min(rs):>7.3f}-{max(rs):<7.3f}")
     meds = [r["on_over_off_median"] for r in rows]
     print(f"\nmedian over cases {statistics.median(meds):.3f}; worst case {min(meds):.3f} (goal: within 0.97-1.03)")
-    per_request = recording_cost_us()
+    per_request = recording_cost_us(pick(args, 200_000, 200_000, 20_000))
     rtt_us = statistics.median(rtts) * 1e3
     print(f"recording per request, both ends: {per_request:.2f} us = {100 * per_request / rtt_us:.2f}% of the "
           f"smallest request's round trip here ({rtt_us:.0f} us)")

@@ -4,35 +4,34 @@ Steps are prefetches of an artifact already present on the target (a no-op on th
 measured is the machinery: plan validation and scheduling on the gateway vs one caller round trip each.
 Also: list_workers() and list_instances() calls per second from one caller (a router polling signals).
 
-Usage: python benchmarks/plan_overhead.py [--quick] [--json PATH]
+``--smoke``: plans of 1 and 10 steps, once each, and 20 polls (figures meaningless; every row).
+
+Usage: python benchmarks/plan_overhead.py [--quick | --smoke] [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
 
 import tensorcast as tc
-from benchlib import write_json
+from benchlib import Table, parse_args, parser, pick, write_json
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    step_counts = [1, 10, 50] if args.quick else [1, 10, 50, 200]
-    reps = 3 if args.quick else 5
-    polls = 300 if args.quick else 2000
+    args = parse_args(parser(__doc__))
+    step_counts = pick(args, [1, 10, 50, 200], [1, 10, 50], [1, 10])
+    reps = pick(args, 5, 3, 1)
+    polls = pick(args, 2000, 300, 20)
     rows = []
     with tc.LocalCluster(workers=2) as cluster, tc.connect(cluster.address) as client:
         cluster.start_instance("inst-a", "w0", ["--seed", "0"])
         art = client.put(np.arange(1024), on="w0")
         art.prefetch(to="w1").result(timeout=30)
-        print(f"{'steps':>6} {'one-by-one ms':>14} {'plan k=1 ms':>12} {'plan k=8 ms':>12} "
-              f"{'per step (plan k=8) ms':>23}")
+        table = Table(("steps", ">6"), ("one-by-one ms", ">14.2f"), ("plan k=1 ms", ">12.2f"),
+                      ("plan k=8 ms", ">12.2f"), ("per step (plan k=8) ms", ">23.3f"))
+        table.header()
         for n in step_counts:
             def one_by_one(n: int = n) -> float:
                 t0 = time.perf_counter()
@@ -53,7 +52,7 @@ def main() -> None:
             t_p8 = min(planned(8) for _ in range(reps))
             rows.append({"steps": n, "one_by_one_s": t_seq, "plan_k1_s": t_p1, "plan_k8_s": t_p8,
                          "plan_k8_per_step_s": t_p8 / n, "speedup_k8": t_seq / t_p8})
-            print(f"{n:>6} {t_seq * 1e3:>14.2f} {t_p1 * 1e3:>12.2f} {t_p8 * 1e3:>12.2f} {t_p8 / n * 1e3:>23.3f}")
+            table.row(n, t_seq * 1e3, t_p1 * 1e3, t_p8 * 1e3, t_p8 / n * 1e3)
 
         signals = {}
         for name, fn in (("list_workers", client.list_workers), ("list_instances", client.list_instances)):

@@ -30,12 +30,15 @@ clusters alike but for TLS (both with a token), their calls interleaved: put and
 TLS); ratio = median plain / median TLS (1: free); then the price of opening a connection
 (``tlslib.handshakes``): without a token, with the challenge-response, with TLS too.
 
-Usage: python benchmarks/put_get.py [--quick] [--tls] [--json PATH] [--metrics on|off] [--set KEY=VALUE ...]
+``--smoke``: two sizes (4 KiB, one request; 1 MiB, through shared memory), 200 small tensors, a worker stock of
+64 MiB (figures meaningless; every path and row).
+
+Usage: python benchmarks/put_get.py [--quick | --smoke] [--tls] [--json PATH] [--metrics on|off]
+       [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import re
 import statistics
@@ -48,13 +51,15 @@ import numpy as np
 
 import tensorcast as tc
 import tlslib
-from benchlib import fmt_size, metrics_switch, shm_pages, write_json
+from benchlib import SMOKE_STOCK, Table, fmt_size, metrics_switch, parse_args, parser, pick, shm_pages, write_json
 
 SMALL, SMALL_COUNT = 4 << 10, 2000
 # Same-host reads (tensor(), ray.get) of one object, at every size: each takes microseconds once the first few
 # reads have set up their mapping (the first asks the worker where the bytes are), so a median of 3-5 would
 # report those first reads rather than the reads of a client in service.
 GET_REPS = 30
+# --smoke: a small stock (the untimed puts that write it through are then few), refilled soon after a put.
+SMOKE_CONFIG = {"worker.prefault_bytes": "64MiB", **SMOKE_STOCK}
 
 
 def count(size: int, reps: int) -> int:
@@ -80,19 +85,19 @@ def fresh(data: np.ndarray[Any, Any], i: int) -> np.ndarray[Any, Any]:
     return data
 
 
-def warm_puts(size: int) -> int:
+def warm_puts(cluster: tc.LocalCluster, size: int) -> int:
     """Untimed puts of ``size`` before the timed ones: enough to write through the worker's pre-faulted stock
     once (a client in service has, and keeps its mappings of it: ``client.write_maps``), at least one (the
     first request after a quiet spell). A small put's bytes travel with its request: one is enough."""
     if size <= 256 << 10:
         return 1
-    worker = tc.Config().worker
+    worker = cluster.client_config().worker  # the cluster's, ``--set`` included
     return max(1, min(1000, (worker.prefault_bytes + worker.prefault_chunk_bytes) // size))
 
 
 def _quiet(cluster: tc.LocalCluster) -> None:
     """Let the worker refill its pre-faulted stock (it does so after a quiet spell)."""
-    time.sleep(tc.Config().worker.prefault_idle_seconds + 1.0)
+    time.sleep(cluster.client_config().worker.prefault_idle_seconds + 1.0)
 
 
 def gs_commits(cluster: tc.LocalCluster) -> tuple[float, float]:
@@ -124,7 +129,7 @@ def measure(sizes: list[int], metrics_on: bool = True, reps: int = 5,
             counter = iter(range(1 << 30))
             t_copy = times(lambda: np.copyto(dst, data), n)  # noqa: B023
             _quiet(cluster)
-            for _ in range(warm_puts(size)):  # untimed: as in service, the client has written the stock before
+            for _ in range(warm_puts(cluster, size)):  # untimed: as in service, the client has written the stock before
                 local.delete(local.put(fresh(data, next(counter))).id)
             gs0 = gs_commits(cluster)
             t_put = times(lambda: local.put(fresh(data, next(counter))), n, lambda a: local.delete(a.id))  # noqa: B023
@@ -156,15 +161,15 @@ def _row(size: int, t_copy: list[float], t_put: list[float], t_put_remote: list[
     }
 
 
-def measure_many_small(metrics_on: bool = True, reps: int = 3,
-                       overrides: dict[str, str] | None = None) -> dict[str, float]:
-    """One artifact of ``SMALL_COUNT`` tensors of ``SMALL`` bytes: put (tensors/s) and tensor_dict."""
+def measure_many_small(metrics_on: bool = True, reps: int = 3, overrides: dict[str, str] | None = None,
+                       n_small: int = SMALL_COUNT) -> dict[str, float]:
+    """One artifact of ``n_small`` tensors of ``SMALL`` bytes: put (tensors/s) and tensor_dict."""
     rng = np.random.default_rng(0)
     config = {**metrics_switch(metrics_on), **(overrides or {})}
     with tc.LocalCluster(workers=1, memory_capacity="6GiB", config=config) as cluster, \
             tc.connect(cluster.address) as client:
         _quiet(cluster)
-        sets = [{f"t{i}": rng.integers(0, 255, SMALL, dtype=np.uint8) for i in range(SMALL_COUNT)} for _ in range(reps)]
+        sets = [{f"t{i}": rng.integers(0, 255, SMALL, dtype=np.uint8) for i in range(n_small)} for _ in range(reps)]
         puts = iter(sets)
         arts: list[Any] = []
         t_put = times(lambda: client.put(next(puts)), reps, arts.append)
@@ -173,13 +178,13 @@ def measure_many_small(metrics_on: bool = True, reps: int = 3,
         assert all(np.array_equal(got[k], v) for k, v in list(sets[-1].items())[:100])
         for a in arts:
             client.delete(a.id)
-    return {"tensors": SMALL_COUNT, "tensor_bytes": SMALL, "put_s": statistics.median(t_put),
-            "put_tensors_per_s": SMALL_COUNT / statistics.median(t_put), "tensor_dict_s": statistics.median(t_get)}
+    return {"tensors": n_small, "tensor_bytes": SMALL, "put_s": statistics.median(t_put),
+            "put_tensors_per_s": n_small / statistics.median(t_put), "tensor_dict_s": statistics.median(t_get)}
 
 
-def measure_ray(sizes: list[int], reps: int = 5) -> dict[str, Any] | None:
-    """``ray.put`` / ``ray.get`` of the same arrays, and ``SMALL_COUNT`` puts of ``SMALL`` bytes one by one;
-    None when Ray is not installed."""
+def measure_ray(sizes: list[int], reps: int = 5, n_small: int = SMALL_COUNT) -> dict[str, Any] | None:
+    """``ray.put`` / ``ray.get`` of the same arrays, and ``n_small`` puts of ``SMALL`` bytes one by one; None when
+    Ray is not installed."""
     try:
         import ray
     except ImportError:
@@ -198,8 +203,8 @@ def measure_ray(sizes: list[int], reps: int = 5) -> dict[str, Any] | None:
                          "put_best_s": min(t_put), "get_best_s": min(t_get)})
         small = np.ones(SMALL, np.uint8)
         t0 = time.perf_counter()
-        many = [ray.put(small) for _ in range(SMALL_COUNT)]
-        rate = SMALL_COUNT / (time.perf_counter() - t0)
+        many = [ray.put(small) for _ in range(n_small)]
+        rate = n_small / (time.perf_counter() - t0)
         del many
         return {"version": ray.__version__, "rows": rows, "small_puts_per_s": rate}
     finally:
@@ -209,30 +214,26 @@ def measure_ray(sizes: list[int], reps: int = 5) -> dict[str, Any] | None:
 def show(rows: list[dict[str, float]], ray: dict[str, Any] | None, small: dict[str, float]) -> None:
     """The table, with each TensorCast row's ratios to memcpy and Ray (added to ``rows``)."""
     by_size = {r["size"]: r for r in ray["rows"]} if ray else {}
-    hdr = (f"{'size':>8} {'memcpy GB/s':>11} {'put ms':>7} {'put GB/s':>9} {'x memcpy':>8} {'gs ms':>6} "
-           f"{'ray put ms':>10} {'x ray':>6} "
-           f"{'put tcp':>8} {'get ms':>7} {'ray.get ms':>10} {'x ray':>6} {'get tcp GB/s':>12}")
-    print(hdr)
-    print("-" * len(hdr))
+    table = Table(("size", ">8"), ("memcpy GB/s", ">11.2f"), ("put ms", ">7.3f"), ("put GB/s", ">9.2f"),
+                  ("x memcpy", ">8.2f"), ("gs ms", ">6.2f"), ("ray put ms", ">10.3f"), ("x ray", ">6.2f"),
+                  ("put tcp", ">8.2f"), ("get ms", ">7.3f"), ("ray.get ms", ">10.3f"), ("x ray", ">6.2f"),
+                  ("get tcp GB/s", ">12.2f"))
+    table.header()
     for r in rows:
         rr = by_size.get(r["size"])
         if rr:
             r["ray_put_GBps"] = r["size"] / rr["put_s"] / 1e9
             r["put_local_vs_ray"] = rr["put_s"] / r["put_local_s"]
             r["get_local_vs_ray"] = rr["get_s"] / r["get_local_s"]
-        na = f"{'-':>10} {'-':>6}"
-        ray_put = f"{rr['put_s'] * 1e3:>10.3f} {r['put_local_vs_ray']:>6.2f}" if rr else na
-        ray_get = f"{rr['get_s'] * 1e3:>10.3f} {r['get_local_vs_ray']:>6.2f}" if rr else f"{'-':>10} {'-':>6}"
-        print(f"{fmt_size(int(r['size'])):>8} {r['memcpy_GBps']:>11.2f} {r['put_local_s'] * 1e3:>7.3f} "
-              f"{r['put_local_GBps']:>9.2f} "
-              f"{r['put_local_vs_memcpy']:>8.2f} {r.get('gs_commit_s', 0) * 1e3:>6.2f} {ray_put} "
-              f"{r['put_remote_GBps']:>8.2f} {r['get_local_s'] * 1e3:>7.3f} "
-              f"{ray_get} {r['get_remote_GBps']:>12.2f}")
+        table.row(fmt_size(int(r["size"])), r["memcpy_GBps"], r["put_local_s"] * 1e3, r["put_local_GBps"],
+                  r["put_local_vs_memcpy"], r.get("gs_commit_s", 0) * 1e3, rr["put_s"] * 1e3 if rr else None,
+                  r.get("put_local_vs_ray"), r["put_remote_GBps"], r["get_local_s"] * 1e3,
+                  rr["get_s"] * 1e3 if rr else None, r.get("get_local_vs_ray"), r["get_remote_GBps"])
     first, last = rows[0], rows[-1]
     print(f"\nsame-host tensor(): {first['get_local_s'] * 1e3:.3f} ms at {fmt_size(int(first['size']))}, "
           f"{last['get_local_s'] * 1e3:.3f} ms at {fmt_size(int(last['size']))} (mapped, not copied)")
-    line = (f"{SMALL_COUNT} tensors of {fmt_size(SMALL)} in one artifact: put {small['put_tensors_per_s']:,.0f} "
-            f"tensors/s, tensor_dict {small['tensor_dict_s'] * 1e3:.1f} ms")
+    line = (f"{small['tensors']:.0f} tensors of {fmt_size(SMALL)} in one artifact: put "
+            f"{small['put_tensors_per_s']:,.0f} tensors/s, tensor_dict {small['tensor_dict_s'] * 1e3:.1f} ms")
     if ray:
         small["vs_ray_puts"] = small["put_tensors_per_s"] / ray["small_puts_per_s"]
         line += f"; ray.put one by one {ray['small_puts_per_s']:,.0f}/s (x{small['vs_ray_puts']:.1f})"
@@ -285,37 +286,38 @@ def measure_tls(sizes: list[int], reps: int) -> list[dict[str, float]]:
             for pair in clients.values():
                 for client in pair.values():
                     client.close()
-    print(f"{'size':>8} " + " ".join(f"{p + ' plain/TLS':>20}" for p in paths))
+    table = Table(("size", ">8"), *((f"{p} plain/TLS", ">20.2f") for p in paths))
+    table.header()
     for r in rows:
-        print(f"{fmt_size(int(r['size'])):>8} " + " ".join(f"{r[p + '_ratio']:>20.2f}" for p in paths))
+        table.row(fmt_size(int(r["size"])), *(r[f"{p}_ratio"] for p in paths))
     return rows
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (about a minute)")
+    ap = parser(__doc__, "fewer sizes and repetitions, about a minute")
     ap.add_argument("--tls", action="store_true", help="TLS against plain text, and what opening a connection "
                     "costs, instead of the default comparison")
-    ap.add_argument("--json", default=None, help="write results to this JSON file")
     ap.add_argument("--metrics", choices=["on", "off"], default="on", help="metrics recording (default on)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="cluster configuration, e.g. gs.sqlite_synchronous=NORMAL (repeatable)")
-    args = ap.parse_args()
-    overrides = dict(kv.split("=", 1) for kv in args.set)
+    args = parse_args(ap)
+    overrides = {**(SMOKE_CONFIG if args.smoke else {}), **dict(kv.split("=", 1) for kv in args.set)}
     if args.tls:
-        tls_rows = measure_tls([4 << 10, 1 << 20, 16 << 20] + ([] if args.quick else [64 << 20, 256 << 20]),
-                               5 if args.quick else 9)
+        tls_rows = measure_tls(pick(args, [4 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20],
+                                    [4 << 10, 1 << 20, 16 << 20], [4 << 10, 1 << 20]), pick(args, 9, 5, 1))
         write_json(args.json, "put_get-tls", args.quick, rows=tls_rows,
-                   handshakes=tlslib.handshakes(20 if args.quick else 100))
+                   handshakes=tlslib.handshakes(pick(args, 100, 20, 3)))
         return
 
-    sizes = [4 << 10, 1 << 20, 16 << 20, 64 << 20] + ([] if args.quick else [256 << 20])
-    reps = 5 if args.quick else 9
+    sizes = pick(args, [4 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20], [4 << 10, 1 << 20, 16 << 20, 64 << 20],
+                 [4 << 10, 1 << 20])
+    reps = pick(args, 9, 5, 1)
+    small_count = pick(args, SMALL_COUNT, SMALL_COUNT, 200)
     # TensorCast first, Ray after: on a VM whose freed memory goes back to the hypervisor, whatever runs after
     # another system's shutdown touches cold memory for a while (measured: 2-3x slower large puts).
     rows = measure(sizes, args.metrics == "on", reps, overrides)
-    small = measure_many_small(args.metrics == "on", overrides=overrides)
-    ray = measure_ray(sizes, reps)
+    small = measure_many_small(args.metrics == "on", pick(args, 3, 3, 1), overrides, small_count)
+    ray = measure_ray(sizes, reps, small_count)
     show(rows, ray, small)
     print(shm_pages())
     write_json(args.json, "put_get", args.quick, metrics=args.metrics, config=overrides, rows=rows, many_small=small,

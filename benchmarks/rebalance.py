@@ -33,9 +33,12 @@ slow, at 128 / 256 / 256 sessions) are reported next to what the simulator gives
 replay scales the trace's lengths by ``--trace-scale`` (1/32 by default: at 1/16 the placeholder CPU model
 cannot keep up with the trace's ~3 requests/s) and keeps its arrival times.
 
-Usage: python benchmarks/rebalance.py --sim [--quick] [--json PATH] [--plot PREFIX] [--trace PATH]
+``--sim --smoke``: 4 and 8 sessions of short sessions for 2 lifetimes (figures meaningless; every preset and
+policy); ``benchmarks/smoke.py`` passes a small generated trace, for the replay's path.
+
+Usage: python benchmarks/rebalance.py --sim [--quick | --smoke] [--json PATH] [--plot PREFIX] [--trace PATH]
        [--cost PATH] [--scale S] [--seed N] [--interval S] [--gap N] [--max-moves N] [--cooldown S]
-       python benchmarks/rebalance.py --live [--quick] [--json PATH] [--plot PREFIX] [--sessions 8,16,32]
+       python benchmarks/rebalance.py --live [--quick | --smoke] [--json PATH] [--plot PREFIX] [--sessions 8,16,32]
        [--gaps fast|medium|slow] [--gap N] ... (``rebalance_live.py --help``)
        python benchmarks/rebalance.py --fit LIVE_JSON [--cost-out COST_JSON]   (then --sim --cost COST_JSON)
 """
@@ -51,7 +54,7 @@ import time
 from typing import Any
 
 import rebalance_live
-from benchlib import pyplot, write_json
+from benchlib import Table, parse_args, parser, pick, pyplot, write_json
 from live_driver import SHARED_KV
 from sim_check import check_live
 from tensorcast.errors import InvalidArgument
@@ -76,6 +79,7 @@ from tensorcast.workloads import AgentWorkload, load_trace
 PRESETS = ("fast", "medium", "slow")
 SESSIONS = (16, 32, 64, 128, 256)
 QUICK_SESSIONS = (16, 64)
+SMOKE_SESSIONS = (4, 8)
 POLICIES = ("power-of-two", "cache-aware", "load-aware+shared", "sticky+shared", "tensorcast", "tensorcast-local")
 BASELINE, OURS = "load-aware+shared", ("tensorcast", "tensorcast-local")
 KV_TOKENS_AT_SCALE_1 = 1 << 19  # per instance: 32768 tokens at the default scale 1/16
@@ -122,23 +126,22 @@ def run_point(policy_name: str, wl: AgentWorkload, sessions: int, config: SimCon
             "sessions_started": result.sessions, "warmup_s": life, "horizon_s": arrivals.horizon_s}
 
 
-HDR = (f"{'preset':<7} {'sess':>5} {'policy':<18} {'turns':>6} {'med TTFT s':>10} {'p90 TTFT s':>10} "
-       f"{'hit':>6} {'local':>6} {'store':>6} {'moved':>6} {'MB moved':>9} {'load gap':>8} {'wall s':>7}")
+TABLE = Table(("preset", "<7"), ("sess", ">5"), ("policy", "<18"), ("turns", ">6.0f"), ("med TTFT s", ">10.3f"),
+              ("p90 TTFT s", ">10.3f"), ("hit", ">6.3f"), ("local", ">6.3f"), ("store", ">6.3f"), ("moved", ">6.0f"),
+              ("MB moved", ">9.1f"), ("load gap", ">8.2f"), ("wall s", ">7.2f"))
 
 
 def show(preset: str, row: dict[str, Any]) -> None:
-    print(f"{preset:<7} {row['sessions']:>5} {row['policy']:<18} {row['turns']:>6.0f} {row['median_ttft_s']:>10.3f} "
-          f"{row['p90_ttft_s']:>10.3f} {row['hit_rate']:>6.3f} {row['local_hit_rate']:>6.3f} "
-          f"{row['store_hit_rate']:>6.3f} {row['sessions_moved']:>6.0f} {row['bytes_moved'] / 1e6:>9.1f} "
-          f"{row['mean_load_gap']:>8.2f} {row['wall_s']:>7.2f}", flush=True)
+    TABLE.row(preset, row["sessions"], row["policy"], row["turns"], row["median_ttft_s"], row["p90_ttft_s"],
+              row["hit_rate"], row["local_hit_rate"], row["store_hit_rate"], row["sessions_moved"],
+              row["bytes_moved"] / 1e6, row["mean_load_gap"], row["wall_s"])
 
 
 def run_sim(args: argparse.Namespace) -> dict[str, Any]:
     """Every preset x session count x policy; the table as it goes, then the comparison with the paper."""
     config = sim_config(args)
-    counts = QUICK_SESSIONS if args.quick else SESSIONS
-    print(HDR)
-    print("-" * len(HDR))
+    counts = pick(args, SESSIONS, QUICK_SESSIONS, SMOKE_SESSIONS)
+    TABLE.header()
     rows: list[dict[str, Any]] = []
     for preset in PRESETS:
         wl = workload(preset, args)
@@ -300,7 +303,7 @@ def run_trace(args: argparse.Namespace, config: SimConfig) -> list[dict[str, Any
     sessions = load_trace(args.trace, scale=args.trace_scale, limit=limit)
     print(f"trace replay: {sum(len(s.turns) for s in sessions)} requests in {len(sessions)} sessions, lengths x "
           f"{args.trace_scale}, arrival times as recorded")
-    print(HDR)
+    TABLE.header()
     rows = []
     for name in POLICIES:
         t0 = time.perf_counter()
@@ -339,7 +342,7 @@ def plot(rows: list[dict[str, Any]], prefix: str, cost: str | None) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, "--sim: 16 and 64 sessions, shorter sessions, about a minute; --live: 8 and 16 sessions")
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--sim", action="store_true", help="run the discrete-event simulator")
     mode.add_argument("--live", action="store_true", help="run on four live engine instances")
@@ -348,25 +351,16 @@ def main() -> None:
     mode.add_argument("--check", default=None, metavar="LIVE_JSON",
                       help="re-simulate a --live run's turns with --cost (else a model fitted to it) and compare TTFTs")
     ap.add_argument("--cost-out", default=None, help="with --fit: write the fitted cost model here")
-    ap.add_argument("--quick", action="store_true", help="16 and 64 sessions, shorter sessions (about a minute)")
-    ap.add_argument("--json", default=None, help="write the results as JSON here")
     ap.add_argument("--plot", default=None, metavar="PREFIX", help="write PREFIX_ttft.png and PREFIX_hit.png")
-    ap.add_argument("--trace", default=None, help="a Mooncake-format JSONL trace to replay (none by default)")
-    ap.add_argument("--trace-scale", type=float, default=1 / 32, help="trace token lengths x this (default 1/32)")
-    ap.add_argument("--trace-limit", type=int, default=None,
-                    help="first N requests of the trace (0: all; default 2000, live --quick 400)")
     ap.add_argument("--cost", default=None, help="a fitted cost model (CostModel.to_dict JSON)")
     ap.add_argument("--scale", type=float, default=1 / 16, help="agent workload token scale (default 1/16)")
-    ap.add_argument("--lifetimes", type=float, default=4.0, help="run length in mean session lifetimes")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--interval", type=float, default=0.5, help="rebalancer tick, seconds")
-    ap.add_argument("--gap", type=int, default=1, help="rebalancer gap in resident sessions that triggers a move")
-    ap.add_argument("--max-moves", type=int, default=2, help="rebalancer moves per tick at most")
-    ap.add_argument("--cooldown", type=float, default=60.0, help="seconds a moved session stays put")
+    ap.add_argument("--lifetimes", type=float, default=None,
+                    help="run length in mean session lifetimes (default 4; --quick 3, --smoke 2)")
+    rebalance_live.add_policy_arguments(ap)
     rebalance_live.add_live_arguments(ap)
-    args = ap.parse_args()
-    if args.quick and args.lifetimes == 4.0:
-        args.lifetimes = 3.0
+    args = parse_args(ap)
+    if args.lifetimes is None:
+        args.lifetimes = pick(args, 4.0, 3.0, 2.0)
     settings = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
     if args.fit:
         write_json(args.json, "rebalance", args.quick, mode="fit", source=args.fit, **fit_live(args.fit, args.cost_out))

@@ -1,7 +1,9 @@
 """Live evaluation of the routing and rebalancing policies: agent sessions replayed against 4 engine instances.
 
-Owns: the live half of ``benchmarks/rebalance.py`` (``run_live``, ``add_live_arguments``) and a standalone entry
-point (``python benchmarks/rebalance_live.py --quick --json PATH``). It starts a local cluster (4 workers, one
+Owns: the live half of ``benchmarks/rebalance.py`` (``run_live``, ``add_live_arguments``), the options both
+halves share (``add_policy_arguments``: the rebalancer's and the trace's) and a standalone entry point
+(``python benchmarks/rebalance_live.py --quick --json PATH``; ``--smoke``: 2 instances, not 4, and 3 sessions of
+~3 turns per policy, one repeat, a trace cut to 20 requests). It starts a local cluster (4 workers, one
 tiny seeded HF Llama instance per worker, all replicas of the same weights), connects one client to the
 gateway, and replays ``AgentWorkload`` sessions through each policy at N concurrent sessions:
 
@@ -47,6 +49,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -55,7 +58,7 @@ from typing import Any
 import numpy as np
 
 import tensorcast as tc
-from benchlib import pyplot, write_json
+from benchlib import Table, parse_args, parser, pick, pyplot, write_json
 from live_driver import VOCAB, RunRecord, run_policy
 from tensorcast.cluster import LocalCluster
 from tensorcast.errors import InvalidArgument
@@ -69,14 +72,29 @@ POLICIES = ("power-of-two", "cache-aware", "load-aware+shared", "sticky+shared",
 INSTANCES = 4
 SESSIONS = (8, 16, 32)
 QUICK_SESSIONS = (8, 16)
-HDR = (f"{'sess':>5} {'policy':<18} {'turns':>6} {'med TTFT s':>10} {'p90 TTFT s':>10} {'hit':>6} {'local':>6} "
-       f"{'store':>6} {'moved':>6} {'MB moved':>9} {'load gap':>8} {'wall s':>7}")
+SMOKE_SESSIONS = (3,)  # more sessions than (smoke) instances: one instance serves two
+TABLE = Table(("sess", ">5"), ("policy", "<18"), ("turns", ">6"), ("med TTFT s", ">10.3f"), ("p90 TTFT s", ">10.3f"),
+              ("hit", ">6.3f"), ("local", ">6.3f"), ("store", ">6.3f"), ("moved", ">6"), ("MB moved", ">9.2f"),
+              ("load gap", ">8.2f"), ("wall s", ">7.1f"))
 
 
 # ----------------------------------------------------------------- arguments
+def add_policy_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options the simulated and the live run share: the rebalancer's settings and the trace to replay."""
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--interval", type=float, default=0.5, help="rebalancer tick, workload seconds")
+    ap.add_argument("--gap", type=int, default=1, help="rebalancer gap in resident sessions that triggers a move")
+    ap.add_argument("--max-moves", type=int, default=2, help="rebalancer moves per tick at most")
+    ap.add_argument("--cooldown", type=float, default=60.0, help="workload seconds a moved session stays put")
+    ap.add_argument("--trace", default=None, help="also replay this Mooncake-format JSONL trace (none by default)")
+    ap.add_argument("--trace-scale", type=float, default=1 / 32, help="trace token lengths x this (default 1/32)")
+    ap.add_argument("--trace-limit", type=int, default=None,
+                    help="first N requests of the trace (0: all; default 2000, live --quick 400, live --smoke 20)")
+
+
 def add_live_arguments(ap: argparse.ArgumentParser) -> None:
-    """The options only the live run has (``rebalance.py`` adds --quick, --json, --plot, --seed, --interval,
-    --gap, --max-moves, --cooldown, the simulator's too; the standalone entry point adds them as well)."""
+    """The options only the live run has (the harness's --quick, --smoke and --json, --plot, and
+    ``add_policy_arguments``'s are added by ``rebalance.py`` and by the standalone entry point)."""
     ap.add_argument("--sessions", default=None, help="concurrent sessions, comma separated (default 8,16,32; "
                                                       "quick 8,16)")
     ap.add_argument("--gaps", default="fast", choices=("fast", "medium", "slow"), help="inter-turn gap preset")
@@ -98,11 +116,10 @@ def add_live_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
-    quick = bool(getattr(args, "quick", False))
-    counts = SESSIONS if not args.sessions else tuple(int(x) for x in args.sessions.split(","))
-    if quick and not args.sessions:
-        counts = QUICK_SESSIONS
-    mean_turns = args.live_turns if args.live_turns is not None else (6.0 if quick else 8.0)
+    quick = bool(args.quick)
+    counts = pick(args, SESSIONS, QUICK_SESSIONS, SMOKE_SESSIONS) if not args.sessions else \
+        tuple(int(x) for x in args.sessions.split(","))
+    mean_turns = args.live_turns if args.live_turns is not None else pick(args, 8.0, 6.0, 3.0)
     policies = tuple(p for p in args.policies.split(",") if p)
     unknown = sorted(set(policies) - set(POLICIES))
     if unknown or not policies:
@@ -111,6 +128,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         raise InvalidArgument("need --time-scale > 0, session counts >= 1 and --repeats >= 1")
     return {
         "quick": quick,
+        "instances": pick(args, INSTANCES, INSTANCES, 2),  # --smoke: half the start-up
         "sessions": counts,
         "policies": policies,
         "gaps": args.gaps,
@@ -118,8 +136,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "scale": args.live_scale if args.live_scale is not None else 0.1,
         "mean_turns": mean_turns,
         "max_turns": max(int(mean_turns) + 2, int(3 * mean_turns)),
-        "rounds": args.rounds if args.rounds is not None else 2,
-        "repeats": args.repeats if args.repeats is not None else (2 if quick else 3),
+        "rounds": args.rounds if args.rounds is not None else pick(args, 2, 2, 1),
+        "repeats": args.repeats if args.repeats is not None else pick(args, 3, 2, 1),
         "layers": args.layers,
         "kv_store": args.kv_store,
         "seed": getattr(args, "seed", 0),
@@ -129,9 +147,9 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "cooldown_s": getattr(args, "cooldown", 60.0),
         "trace": getattr(args, "trace", None),
         "trace_scale": getattr(args, "trace_scale", 1 / 32),
-        # The trace's first N requests (0: all): by default 2000, 400 with --quick (~140 s of trace).
+        # The trace's first N requests (0: all): by default 2000, 400 with --quick (~140 s of trace), 20 with --smoke.
         "trace_limit": trace_limit if (trace_limit := getattr(args, "trace_limit", None)) is not None else
-        (400 if quick else 2000),
+        pick(args, 2000, 400, 20),
     }
 
 
@@ -173,10 +191,9 @@ def summarize(name: str, n: int, s: dict[str, Any], runs: list[tuple[RunRecord, 
 
 
 def show(row: dict[str, Any]) -> None:
-    print(f"{row['sessions']:>5} {row['policy']:<18} {row['turns']:>6} {row['median_ttft_s']:>10.3f} "
-          f"{row['p90_ttft_s']:>10.3f} {row['hit_rate']:>6.3f} {row['local_hit_rate']:>6.3f} "
-          f"{row['store_hit_rate']:>6.3f} {row['sessions_moved']:>6} {row['bytes_moved'] / 1e6:>9.2f} "
-          f"{row['mean_load_gap']:>8.2f} {row['wall_s']:>7.1f}", flush=True)
+    TABLE.row(row["sessions"], row["policy"], row["turns"], row["median_ttft_s"], row["p90_ttft_s"], row["hit_rate"],
+              row["local_hit_rate"], row["store_hit_rate"], row["sessions_moved"], row["bytes_moved"] / 1e6,
+              row["mean_load_gap"], row["wall_s"])
 
 
 # ----------------------------------------------------------------- cluster and entry points
@@ -236,7 +253,7 @@ def run_live(args: argparse.Namespace) -> dict[str, Any]:
     policy and count), ``calibration_samples`` (per turn and per move) and the settings."""
     s = _settings(args)
     costs = measure_prefill(s["layers"])
-    print(f"live: {INSTANCES} HF tiny-llama instances ({s['layers']} layers, hidden 64, vocab {VOCAB}, float32, "
+    print(f"live: {s['instances']} HF tiny-llama instances ({s['layers']} layers, hidden 64, vocab {VOCAB}, float32, "
           f"1 thread each) on {platform.machine()} with {_cpus()} CPUs; prefill 256/1024/2048 tokens = "
           f"{costs['prefill_256_s'] * 1e3:.1f}/{costs['prefill_1024_s'] * 1e3:.1f}/"
           f"{costs['prefill_2048_s'] * 1e3:.1f} ms, decode {costs['decode_token_s'] * 1e3:.1f} ms/token")
@@ -248,14 +265,15 @@ def run_live(args: argparse.Namespace) -> dict[str, Any]:
     samples: list[dict[str, Any]] = []
     move_samples: list[dict[str, Any]] = []
     t0 = time.monotonic()
-    with LocalCluster(workers=INSTANCES) as cluster:
-        ids = [f"inst-{i}" for i in range(INSTANCES)]
+    with LocalCluster(workers=s["instances"]) as cluster:
+        ids = [f"inst-{i}" for i in range(s["instances"])]
         for i, inst_id in enumerate(ids):
             cluster.start_instance(inst_id, f"w{i}", ["--seed", "0", "--layers", str(s["layers"])] +
                                    (["--kv-store-in-background"] if s["kv_store"] == "background" else []))
         with tc.connect(cluster.address) as client:
             warm_up(client, ids)
-            print(f"cluster up and warm in {time.monotonic() - t0:.1f} s\n{HDR}", flush=True)
+            print(f"cluster up and warm in {time.monotonic() - t0:.1f} s", flush=True)
+            TABLE.header()
             runs: dict[tuple[int, str], list[tuple[RunRecord, float]]] = {}
             run_index = 0
             # Repeats go round every (sessions, policy) pair in turn, so slow spells of a shared host spread
@@ -299,7 +317,8 @@ def run_trace(client: tc.Client, ids: list[str], s: dict[str, Any],
     span = max((t.arrival_s or 0.0) for t in turns) * s["time_scale"]
     print(f"\nlive trace replay: {len(turns)} requests in {len(sessions)} sessions "
           f"({sum(len(x.turns) > 1 for x in sessions)} of more than one turn), lengths x {s['trace_scale']}, "
-          f"arrival times x {s['time_scale']} ({span:.0f} s); 'sess' = sessions in the trace\n{HDR}", flush=True)
+          f"arrival times x {s['time_scale']} ({span:.0f} s); 'sess' = sessions in the trace", flush=True)
+    TABLE.header()
     rows = []
     for k, name in enumerate(s["policies"]):
         rec, wall = run_policy(client, ids, name, len(sessions), s, run_index + k, trace=sessions)
@@ -367,27 +386,15 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 
 
 def _cpus() -> int:
-    import os
-
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="8 and 16 sessions, shorter sessions (a few minutes)")
-    ap.add_argument("--json", default=None, help="write the results as JSON here")
+    ap = parser(__doc__, "8 and 16 sessions, shorter sessions, a few minutes")
     ap.add_argument("--plot", default=None, help="write a PNG here")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--interval", type=float, default=0.5, help="rebalancer tick, workload seconds")
-    ap.add_argument("--gap", type=int, default=1, help="rebalancer gap in resident sessions that triggers a move")
-    ap.add_argument("--max-moves", type=int, default=2, help="rebalancer moves per tick at most")
-    ap.add_argument("--cooldown", type=float, default=60.0, help="workload seconds a moved session stays put")
-    ap.add_argument("--trace", default=None, help="also replay this Mooncake-format JSONL trace")
-    ap.add_argument("--trace-scale", type=float, default=1 / 32, help="trace token lengths x this (default 1/32)")
-    ap.add_argument("--trace-limit", type=int, default=None,
-                    help="first N requests of the trace (0: all; default 2000, --quick 400)")
+    add_policy_arguments(ap)
     add_live_arguments(ap)
-    args = ap.parse_args()
+    args = parse_args(ap)
     results = run_live(args)
     if args.plot:
         plot(results["rows"], args.plot)

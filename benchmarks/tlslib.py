@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 import tensorcast as tc
+from benchlib import Table
 from tensorcast.config import Config
 from tensorcast.transport.tcp import TcpTransport
 from tensorcast.wire.caller import Caller
@@ -83,8 +84,11 @@ def handshakes(n: int) -> list[dict[str, float]]:
         base = base or {"rpc": rpc, "data": data}
         rows.append({"mode": name, "rpc_connect_s": rpc, "data_connect_and_read_s": data,  # type: ignore[dict-item]
                      "rpc_vs_no_token": rpc / base["rpc"], "data_vs_no_token": data / base["data"]})
-    print(f"\n{'new connection':<14} {'RPC ms':>8} {'x':>6} {'data+4KiB ms':>13} {'x':>6}")
+    print()
+    table = Table(("new connection", "<14"), ("RPC ms", ">8.2f"), ("x", ">6.2f"), ("data+4KiB ms", ">13.2f"),
+                  ("x", ">6.2f"))
+    table.header()
     for r in rows:
-        print(f"{r['mode']:<14} {r['rpc_connect_s'] * 1e3:>8.2f} {r['rpc_vs_no_token']:>6.2f} "
-              f"{r['data_connect_and_read_s'] * 1e3:>13.2f} {r['data_vs_no_token']:>6.2f}")
+        table.row(r["mode"], r["rpc_connect_s"] * 1e3, r["rpc_vs_no_token"], r["data_connect_and_read_s"] * 1e3,
+                  r["data_vs_no_token"])
     return rows

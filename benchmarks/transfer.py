@@ -23,7 +23,10 @@ With ``--netns`` (needs root and iproute2), instead: between real hosts, each in
 streams, against a raw Python socket stream (``sendall`` from a touched buffer, ``recv_into`` a touched
 buffer, same stream counts) between the same two namespaces. Ratio = median ours / median raw, in GB/s.
 
-Usage: python benchmarks/transfer.py [--quick] [--tls] [--netns] [--json PATH]
+``--smoke``: 64 KiB and 1 MiB latency (10 calls), 16 MiB sustained, the 64 MiB TP view, 64 MiB same-host, one
+repetition; ``--tls --smoke``: 1 and 16 MiB; ``--netns --smoke``: 4 MiB (figures meaningless; every row).
+
+Usage: python benchmarks/transfer.py [--quick | --smoke] [--tls] [--netns] [--json PATH]
 """
 
 from __future__ import annotations
@@ -36,13 +39,14 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import tensorcast as tc
 import tlslib
-from benchlib import best_of, fmt_size, write_json
+from benchlib import Table, best_of, fmt_size, parse_args, parser, pct, pick, recv_exactly, write_json
 from tensorcast.netns import Hosts, netns_available
 
 MiB = 1 << 20
@@ -62,6 +66,26 @@ while True:
 """
 
 
+def raw_receive(addr: str, port: int, dest: np.ndarray[Any, Any], streams: int) -> float:
+    """Seconds to receive ``dest`` from a raw sender at ``addr:port`` (``_RAW_SENDER``) over ``streams``
+    connections, each asking for its range and receiving it into a touched buffer."""
+    size = len(dest)
+    per = -(-size // streams)
+
+    def one(lo: int, hi: int) -> None:
+        with socket.create_connection((addr, port)) as s:
+            s.sendall(f"{lo} {hi}".encode().ljust(64))
+            recv_exactly(s, memoryview(dest.data)[lo:hi])
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(lo, min(lo + per, size))) for lo in range(0, size, per)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
 class RawStream:
     """A sender process serving ranges of a touched buffer; the receiver ``recv_into`` a touched buffer."""
 
@@ -75,28 +99,7 @@ class RawStream:
         self.dest = np.ones(size, np.uint8)
 
     def run(self) -> float:
-        per = -(-self.size // self.streams)
-
-        def one(lo: int, hi: int) -> None:
-            s = socket.create_connection(("127.0.0.1", self.port))
-            s.sendall(f"{lo} {hi}".encode().ljust(64))
-            view = memoryview(self.dest.data)[lo:hi]
-            pos = 0
-            while pos < len(view):
-                n = s.recv_into(view[pos:])
-                if not n:
-                    raise ConnectionError("raw sender closed early")
-                pos += n
-            s.close()
-
-        t0 = time.perf_counter()
-        threads = [threading.Thread(target=one, args=(lo, min(lo + per, self.size)))
-                   for lo in range(0, self.size, per)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return time.perf_counter() - t0
+        return raw_receive("127.0.0.1", self.port, self.dest, self.streams)
 
     def close(self) -> None:
         self.proc.kill()
@@ -127,9 +130,7 @@ def raw_latencies(size: int, n: int) -> list[float]:
         for _ in range(n):
             t0 = time.perf_counter()
             sock.sendall(b"x")
-            pos = 0
-            while pos < size:
-                pos += sock.recv_into(view[pos:])
+            recv_exactly(sock, view)
             out.append(time.perf_counter() - t0)
         sock.close()
         return out
@@ -138,13 +139,10 @@ def raw_latencies(size: int, n: int) -> list[float]:
         proc.wait()
 
 
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q))
-
-
 def bench_latency(client: tc.Client, sizes: list[int], n: int) -> list[dict[str, float]]:
-    print(f"{'size':>8} {'call p50 ms':>12} {'call p99':>9} {'transfer p50':>13} {'transfer p99':>13} "
-          f"{'raw p50':>8} {'raw p99':>8}")
+    table = Table(("size", ">8"), ("call p50 ms", ">12.2f"), ("call p99", ">9.2f"), ("transfer p50", ">13.2f"),
+                  ("transfer p99", ">13.2f"), ("raw p50", ">8.2f"), ("raw p99", ">8.2f"))
+    table.header()
     rows = []
     for size in sizes:
         art = client.put(np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8), on="w0")
@@ -161,15 +159,15 @@ def bench_latency(client: tc.Client, sizes: list[int], n: int) -> list[dict[str,
                "transfer_p50_ms": pct(moves, 50) * 1e3, "transfer_p99_ms": pct(moves, 99) * 1e3,
                "raw_p50_ms": pct(raw, 50) * 1e3, "raw_p99_ms": pct(raw, 99) * 1e3}
         rows.append(row)
-        print(f"{fmt_size(size):>8} {row['call_p50_ms']:>12.2f} {row['call_p99_ms']:>9.2f} "
-              f"{row['transfer_p50_ms']:>13.2f} {row['transfer_p99_ms']:>13.2f} {row['raw_p50_ms']:>8.2f} "
-              f"{row['raw_p99_ms']:>8.2f}")
+        table.row(fmt_size(size), *(row[k] for k in ("call_p50_ms", "call_p99_ms", "transfer_p50_ms",
+                                                      "transfer_p99_ms", "raw_p50_ms", "raw_p99_ms")))
         client.delete(art.id)
     return rows
 
 
 def bench_sustained(client: tc.Client, sizes: list[int], reps: int) -> list[dict[str, float]]:
-    print(f"\n{'size':>8} {'streams':>7} {'raw GB/s':>9} {'ours GB/s':>10} {'min-max':>11} {'ours/raw':>9}")
+    print()
+    table = _throughput_table(("size", ">8"))
     rows = []
     for size in sizes:
         art = client.put(np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8), on="w0")
@@ -191,36 +189,36 @@ def bench_sustained(client: tc.Client, sizes: list[int], reps: int) -> list[dict
                    "ours_min_GBps": size / max(times) / 1e9, "ours_max_GBps": size / min(times) / 1e9,
                    "ratio": t_raw / t_ours}
             rows.append(row)
-            print(f"{fmt_size(size):>8} {streams:>7} {row['raw_GBps']:>9.2f} {row['ours_GBps']:>10.2f} "
-                  f"{row['ours_min_GBps']:>5.2f}-{row['ours_max_GBps']:<5.2f} {row['ratio']:>9.2f}")
+            _throughput_row(table, fmt_size(size), streams, row)
         client.delete(art.id)
     return rows
 
 
+def _throughput_table(first: tuple[str, str]) -> Table:
+    table = Table(first, ("streams", ">7"), ("raw GB/s", ">9.2f"), ("ours GB/s", ">10.2f"), ("min-max", ">11"),
+                  ("ours/raw", ">9.2f"))
+    table.header()
+    return table
+
+
+def _throughput_row(table: Table, label: str, streams: int, row: dict[str, float]) -> None:
+    table.row(label, streams, row["raw_GBps"], row["ours_GBps"],
+              f"{row['ours_min_GBps']:>5.2f}-{row['ours_max_GBps']:<5.2f}", row["ratio"])
+
+
 # The receiver of the same raw stream as RawStream (whose sender runs in the source host's namespace), in a
-# namespace of its own. A fixed port is free: each namespace has a network stack of its own.
+# namespace of its own: ``raw_receive``, from this file. A fixed port is free: each namespace has a network stack
+# of its own.
 _NETNS_PORT = 47000
 _RAW_NETNS_RECEIVER = r"""
-import socket, sys, threading, time, numpy as np
+import sys
+sys.path.insert(0, sys.argv[6])
+import numpy as np
+from transfer import raw_receive
 addr, port, size, streams, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 buf = np.ones(size, np.uint8)
-def one(lo, hi):
-    s = socket.create_connection((addr, port)); s.sendall(f"{lo} {hi}".encode().ljust(64))
-    view = memoryview(buf)[lo:hi]; got = 0
-    while got < len(view):
-        n = s.recv_into(view[got:])
-        if not n:
-            raise ConnectionError("raw sender closed early")
-        got += n
-    s.close()
-per, times = -(-size // streams), []
-for _ in range(reps):
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=one, args=(lo, min(lo + per, size))) for lo in range(0, size, per)]
-    for t in threads: t.start()
-    for t in threads: t.join()
-    times.append(time.perf_counter() - t0)
-print(sorted(times)[len(times) // 2])
+times = sorted(raw_receive(addr, port, buf, streams) for _ in range(reps))
+print(times[len(times) // 2])
 """
 
 
@@ -232,8 +230,8 @@ def raw_netns(net: Hosts, src: int, dst: int, size: int, streams: int, reps: int
     try:
         assert sender.stdout is not None and sender.stdout.readline().strip() == port
         recv = subprocess.run([*net.exec_args(dst), sys.executable, "-c", _RAW_NETNS_RECEIVER, addr, port,
-                               str(size), str(streams), str(reps)], capture_output=True, text=True, check=True,
-                              timeout=600)
+                               str(size), str(streams), str(reps), str(Path(__file__).parent)],
+                              capture_output=True, text=True, check=True, timeout=600)
         return float(recv.stdout.strip())
     finally:
         sender.kill()
@@ -243,8 +241,7 @@ def raw_netns(net: Hosts, src: int, dst: int, size: int, streams: int, reps: int
 def bench_netns(sizes: list[int], reps: int) -> list[dict[str, float]]:
     """Worker-to-worker prefetch between two namespaced hosts vs a raw socket between the same namespaces,
     with the same stream counts."""
-    print(f"{'between namespaced hosts':<24} {'streams':>7} {'raw GB/s':>9} {'ours GB/s':>10} {'min-max':>11} "
-          f"{'ours/raw':>9}")
+    table = _throughput_table(("between namespaced hosts", "<24"))
     rows = []
     with tc.LocalCluster(workers=2, hosts=2, netns=True, memory_capacity=f"{2 * max(sizes) + (1 << 30)}") \
             as cluster, tc.connect(cluster.address, cluster.token) as c:
@@ -268,20 +265,19 @@ def bench_netns(sizes: list[int], reps: int) -> list[dict[str, float]]:
                        "ours_GBps": size / t_ours / 1e9, "ours_min_GBps": size / max(times) / 1e9,
                        "ours_max_GBps": size / min(times) / 1e9, "ratio": t_raw / t_ours}
                 rows.append(row)
-                print(f"{fmt_size(size):<24} {streams:>7} {row['raw_GBps']:>9.2f} {row['ours_GBps']:>10.2f} "
-                      f"{row['ours_min_GBps']:>5.2f}-{row['ours_max_GBps']:<5.2f} {row['ratio']:>9.2f}")
+                _throughput_row(table, fmt_size(size), streams, row)
             c.delete(art.id)
     return rows
 
 
-def main_netns(quick: bool, json_path: str | None) -> None:
+def main_netns(args: argparse.Namespace) -> None:
     if not netns_available():
         raise SystemExit(f"--netns needs root and iproute2 to create network namespaces (uid {os.geteuid()})")
-    sizes = [16 * MiB, 64 * MiB, 256 * MiB] if quick else [16 * MiB, 64 * MiB, 256 * MiB, 1 << 30]
-    rows = bench_netns(sizes, 3 if quick else 5)
+    sizes = pick(args, [16 * MiB, 64 * MiB, 256 * MiB, 1 << 30], [16 * MiB, 64 * MiB, 256 * MiB], [4 * MiB])
+    rows = bench_netns(sizes, pick(args, 5, 3, 1))
     ratios = [r["ratio"] for r in rows]
     print(f"\nbetween namespaced hosts: ours/raw min {min(ratios):.2f}, median {float(np.median(ratios)):.2f}")
-    write_json(json_path, "transfer-netns", quick, netns_transfer=rows)
+    write_json(args.json, "transfer-netns", args.quick, netns_transfer=rows)
 
 
 def _prefetch_seconds(client: tc.Client, art: tc.Artifact, streams: int) -> float:
@@ -291,12 +287,14 @@ def _prefetch_seconds(client: tc.Client, art: tc.Artifact, streams: int) -> floa
     return time.perf_counter() - t0
 
 
-def main_tls(quick: bool, json_path: str | None) -> None:
+def main_tls(args: argparse.Namespace) -> None:
     """Worker-to-worker prefetch over TLS against plain text, the two clusters' runs interleaved."""
-    sizes = [MiB, 16 * MiB, 64 * MiB] if quick else [MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1 << 30]
-    reps = 5 if quick else 9
+    sizes = pick(args, [MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1 << 30], [MiB, 16 * MiB, 64 * MiB], [MiB, 16 * MiB])
+    reps = pick(args, 9, 5, 1)
     rows = []
-    print(f"{'size':>8} {'streams':>7} {'plain GB/s':>11} {'TLS GB/s':>9} {'plain/TLS time':>15}")
+    table = Table(("size", ">8"), ("streams", ">7"), ("plain GB/s", ">11.2f"), ("TLS GB/s", ">9.2f"),
+                  ("plain/TLS time", ">15.2f"))
+    table.header()
     with tlslib.pair(workers=2, hosts=2, memory_capacity=f"{2 * max(sizes) + (1 << 30)}",
                      config={"worker.prefault_bytes": "256MiB"}) as clusters:
         clients = {name: tlslib.connect(c) for name, c in clusters.items()}
@@ -315,48 +313,49 @@ def main_tls(quick: bool, json_path: str | None) -> None:
                     row = {"size": size, "streams": streams, "plain_GBps": size / plain / 1e9,
                            "tls_GBps": size / tls / 1e9, "ratio": plain / tls}
                     rows.append(row)
-                    print(f"{fmt_size(size):>8} {streams:>7} {row['plain_GBps']:>11.2f} {row['tls_GBps']:>9.2f} "
-                          f"{row['ratio']:>15.2f}")
+                    table.row(fmt_size(size), streams, row["plain_GBps"], row["tls_GBps"], row["ratio"])
                 for name, c in clients.items():
                     c.delete(arts[name].id)
         finally:
             for c in clients.values():
                 c.close()
-    shakes = tlslib.handshakes(20 if quick else 100)
+    shakes = tlslib.handshakes(pick(args, 100, 20, 3))
     big = [r["ratio"] for r in rows if r["size"] >= 16 * MiB]
     print(f"\nTLS on the data plane, >= 16 MiB: plain/TLS time min {min(big):.2f}, median {float(np.median(big)):.2f}")
-    write_json(json_path, "transfer-tls", quick, tls_transfer=rows, handshakes=shakes)
+    write_json(args.json, "transfer-tls", args.quick, tls_transfer=rows, handshakes=shakes)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
+    ap = parser(__doc__)
     ap.add_argument("--tls", action="store_true", help="TLS against plain text on the data plane, and what "
                     "opening a connection costs, instead of the default sections")
     ap.add_argument("--netns", action="store_true", help="between hosts in network namespaces (root): "
                     "prefetch vs a raw socket between the same namespaces, instead of the default sections")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    args = parse_args(ap)
     if args.tls:
-        main_tls(args.quick, args.json)
+        main_tls(args)
         return
     if args.netns:
-        main_netns(args.quick, args.json)
+        main_netns(args)
         return
-    sizes = [16 * MiB, 64 * MiB, 256 * MiB] if args.quick else [16 * MiB, 64 * MiB, 256 * MiB, 1 << 30, 4 << 30]
-    map_sizes = [64 * MiB, 256 * MiB, 1 << 30] if args.quick else [64 * MiB, 256 * MiB, 1 << 30, 4 << 30, 8 << 30]
-    reps = 3 if args.quick else 5
+    sizes = pick(args, [16 * MiB, 64 * MiB, 256 * MiB, 1 << 30, 4 << 30], [16 * MiB, 64 * MiB, 256 * MiB], [16 * MiB])
+    map_sizes = pick(args, [64 * MiB, 256 * MiB, 1 << 30, 4 << 30, 8 << 30], [64 * MiB, 256 * MiB, 1 << 30],
+                     [64 * MiB])
+    reps = pick(args, 5, 3, 1)
     results: dict[str, list[dict[str, float]]] = {"latency": [], "transfer": [], "same_host_tensor": [], "tp_view": []}
     far = tc.Config.from_flat({"client.host_id": "bench-far"})
-    with tc.LocalCluster(workers=2, hosts=2, memory_capacity="12GiB", config={"worker.prefault_bytes": "1GiB"}) \
+    with tc.LocalCluster(workers=2, hosts=2, memory_capacity="12GiB",
+                         config={"worker.prefault_bytes": pick(args, "1GiB", "1GiB", "64MiB")}) \
             as cluster, tc.connect(cluster.address) as client, tc.connect(cluster.address, config=far) as remote:
-        results["latency"] = bench_latency(client, [64 * 1024, MiB], 100 if args.quick else 300)
+        results["latency"] = bench_latency(client, [64 * 1024, MiB], pick(args, 300, 100, 10))
         results["transfer"] = bench_sustained(client, sizes, reps)
 
         # ---------------------------------------------------------- 3. TP view vs whole + slice
         w = np.random.default_rng(9).standard_normal((4096, 4096)).astype(np.float32)  # 64 MiB
         art = client.put({"w": w}, on="w0")
-        print(f"\n{'read (other host), 64 MiB fp32':<36} {'ms':>8} {'vs whole':>9}")
+        print()
+        table = Table(("read (other host), 64 MiB fp32", "<36"), ("ms", ">8.1f"), ("vs whole", ">9"))
+        table.header()
         t_whole = best_of(lambda: remote.artifact(art.id).tensor("w", like="numpy")[:1024], reps)
         for dim in (0, 1):
             def view(dim: int = dim) -> Any:
@@ -368,20 +367,22 @@ def main() -> None:
             t_view = best_of(view, reps)
             results["tp_view"].append({"dim": dim, "view_s": t_view, "whole_s": t_whole,
                                        "speedup": t_whole / t_view})
-            print(f"{f'TP rank 0/4 split dim {dim}':<36} {t_view * 1e3:>8.1f} {t_whole / t_view:>8.2f}x")
-        print(f"{'whole tensor then slice':<36} {t_whole * 1e3:>8.1f} {1.0:>8.2f}x")
+            table.row(f"TP rank 0/4 split dim {dim}", t_view * 1e3, f"{t_whole / t_view:.2f}x")
+        table.row("whole tensor then slice", t_whole * 1e3, f"{1.0:.2f}x")
 
     # ---------------------------------------------------------- 4. same-host tensor() (its own cluster: no stock)
     with tc.LocalCluster(workers=1, memory_capacity=f"{max(map_sizes) + (1 << 30)}",
                          config={"worker.prefault_bytes": 0}) as cluster, tc.connect(cluster.address) as client:
-        print(f"\n{'size':>8} {'tensor() ms':>12}")
+        print()
+        table = Table(("size", ">8"), ("tensor() ms", ">12.3f"))
+        table.header()
         for size in map_sizes:
             data = np.zeros(size, np.uint8)
             art = client.put(data)
             del data  # the caller's copy is gone before the reads
             t = best_of(lambda: client.artifact(art.id).tensor(like="numpy"), 5)  # noqa: B023
             results["same_host_tensor"].append({"size": size, "seconds": t})
-            print(f"{fmt_size(size):>8} {t * 1e3:>12.3f}")
+            table.row(fmt_size(size), t * 1e3)
             client.delete(art.id)
 
     big = [r for r in results["transfer"] if r["size"] >= 64 * MiB]

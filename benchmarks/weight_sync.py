@@ -73,11 +73,14 @@ stopped, except with ``--netns``). The run refuses to start when /proc/meminfo's
 the memory it needs, so as not to drive the host into its OOM killer.
 
 The model and the measuring helpers are in ``weight_sync_model.py``, the default updater (its save, rank
-processes and file server) in ``default_updater.py``; this file runs TensorCast's side, probes checkpoint-engine
-and reports.
+processes and file server) in ``default_updater.py``, the summary, table, goals and figure in
+``weight_sync_report.py``; this file runs TensorCast's side, probes checkpoint-engine and drives the run.
 
-Usage: python benchmarks/weight_sync.py [--quick] [--tp 1,2,4] [--reps N] [--size-gib G] [--stock model|default]
-       [--netns] [--files-dir DIR] [--json PATH] [--plot PATH] [--force]
+``--smoke``: a narrow Qwen2-shaped model of a few MiB (the same tensors), TP=2, one timed update per case, a
+small stock refilled soon (``benchlib.SMOKE_STOCK``) (figures meaningless; every system, kind and row).
+
+Usage: python benchmarks/weight_sync.py [--quick | --smoke] [--tp 1,2,4] [--reps N] [--size-gib G]
+       [--stock model|default] [--netns] [--files-dir DIR] [--json PATH] [--plot PATH] [--force]
 """
 
 from __future__ import annotations
@@ -87,7 +90,6 @@ import concurrent.futures
 import contextlib
 import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -98,12 +100,13 @@ from typing import Any
 
 import xxhash
 
-from benchlib import mem_available, pyplot, shm_pages, write_json
-from default_updater import SYSTEMS_DEFAULT, DefaultSide, file_server, run_default
+from benchlib import SMOKE_STOCK, mem_available, parse_args, parser, pick, shm_pages, write_json
+from default_updater import DefaultSide, file_server, run_default
 from weight_sync_model import (
     MODEL,
     QWEN_FULL,
     QWEN_QUICK,
+    QWEN_SMOKE,
     GiB,
     cpu_by_pid,
     cpu_by_role,
@@ -115,11 +118,11 @@ from weight_sync_model import (
     nbytes_of,
     pick_delta,
     qwen2_shapes,
-    ratio,
     shard_of,
     summarize,
     train_step,
 )
+from weight_sync_report import KINDS, fmt, report
 
 
 # ----------------------------------------------------------------------------------------------- TensorCast
@@ -252,9 +255,7 @@ class TensorCastSide:
         """Let both workers' pre-faulted stock refill: it starts after an idle spell, and the signal comes with
         heartbeats (only those sent after that spell count). Done when it is full, or has stopped growing for
         two heartbeats (size classes demanded by large tensors can keep it a little under its budget)."""
-        from tensorcast.config import Config
-
-        since = time.time() + Config().worker.prefault_idle_seconds + 0.2
+        since = time.time() + self.cluster.client_config().worker.prefault_idle_seconds + 0.2
         end = time.monotonic() + timeout
         last: tuple[int, ...] = ()
         steady = time.monotonic()
@@ -343,61 +344,6 @@ def probe_checkpoint_engine() -> dict[str, Any]:
             "where": where}
 
 
-# ----------------------------------------------------------------------------------------------- report
-# TensorCast's updates: every tensor changed; 10% changed, found by the publisher's check; the same 10%, named by
-# the caller (``publish(changed=...)``: a trainer that knows which parameters it trains, e.g. LoRA or frozen layers).
-KINDS = ("full", "delta", "named")
-LABELS = {"tensorcast_full": "TensorCast, full", "tensorcast_delta": "TensorCast, delta (10% of tensors)",
-          "tensorcast_named": "TensorCast, delta, changed tensors named",
-          "default_whole": "default updater, whole reads (page cache)",
-          "default_sliced": "default updater, sliced reads (page cache)",
-          "default_tcp": "default updater, whole files over TCP"}
-
-
-def plot(path: str, summary: list[dict[str, Any]], title: str, footnote: str) -> str | None:
-    plt = pyplot()
-    if plt is None:
-        return "matplotlib is not installed: no plot (pip install matplotlib)"
-    colors = {"tensorcast_full": "C0", "tensorcast_delta": "C9", "tensorcast_named": "C2", "default_whole": "0.25",
-              "default_sliced": "0.55", "default_tcp": "0.8"}
-    series = [(k, label, colors[k]) for k, label in LABELS.items()]
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    width = 0.8 / len(series)
-    for k, (key, label, color) in enumerate(series):
-        xs, ys, lo, hi = [], [], [], []
-        for i, s in enumerate(summary):
-            if key in s["times"]:
-                t = s["times"][key]
-                xs.append(i + (k - (len(series) - 1) / 2) * width)
-                ys.append(t["median"])
-                lo.append(t["median"] - t["min"])
-                hi.append(t["max"] - t["median"])
-        bars = ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=label, color=color)
-        if key.startswith("tensorcast"):
-            for b, s in zip(bars, [s for s in summary if key in s["times"]], strict=True):
-                r = s["ratios"].get(f"{key}_vs_default_whole")
-                if r:
-                    ax.annotate(f"{r['median']:.2f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
-                                ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(range(len(summary)), [f"TP={s['tp']}" for s in summary])
-    ax.set_ylabel("seconds per update (median; bar: range)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3)
-    ax.grid(True, axis="y", alpha=0.3)
-    fig.text(0.01, 0.01, footnote, fontsize=7)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=120)
-    return None
-
-
-def fmt(t: dict[str, float]) -> str:
-    return f"{t['median']:7.3f} s [{t['min']:.3f}-{t['max']:.3f}]"
-
-
-def fmt_ratio(r: dict[str, float] | None) -> str:
-    return "   n/a" if r is None else f"{r['median']:5.2f}x [{r['min']:.2f}-{r['max']:.2f}]"
-
-
 @contextlib.contextmanager
 def cluster_of(args: argparse.Namespace, capacity: int, config: dict[str, Any]) -> Iterator[Any]:
     if args.netns:
@@ -413,36 +359,35 @@ def cluster_of(args: argparse.Namespace, capacity: int, config: dict[str, Any]) 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a 0.5 GiB model, 2 repetitions")
-    ap.add_argument("--tp", default="1,2,4", help="comma-separated TP sizes (default 1,2,4)")
-    ap.add_argument("--reps", type=int, default=None, help="timed updates per case (default 3; quick 2)")
+    ap = parser(__doc__, "a 0.5 GiB model, 2 repetitions")
+    ap.add_argument("--tp", default=None, help="comma-separated TP sizes (default 1,2,4; smoke 2)")
+    ap.add_argument("--reps", type=int, default=None, help="timed updates per case (default 3; quick 2; smoke 1)")
     ap.add_argument("--size-gib", type=float, default=None, help="model size (default 2.0; quick 0.5)")
     ap.add_argument("--stock", choices=("model", "default"), default="model",
                     help="workers' pre-faulted stock: sized to the model (default) or the worker default")
     ap.add_argument("--netns", action="store_true", help="hosts in network namespaces (root)")
     ap.add_argument("--files-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
                     help="where the default updater's checkpoints go (default: /dev/shm, a tmpfs)")
-    ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="PNG path (needs matplotlib)")
     ap.add_argument("--force", action="store_true", help="run even if MemAvailable looks too small")
-    args = ap.parse_args()
+    args = parse_args(ap)
 
     import tensorcast as tc
     from tensorcast.netns import ROOT
     from tensorcast.tensors import normalize_tensors
 
-    tps = [int(x) for x in args.tp.split(",")]
-    reps = args.reps or (2 if args.quick else 3)
-    dims = QWEN_QUICK if args.quick else QWEN_FULL
-    target = int((args.size_gib or (0.5 if args.quick else 2.0)) * GiB)
+    # --smoke: TP=2 takes every path TP=1 does (and slices); each TP size starts its ranks, seconds each.
+    tps = [int(x) for x in (args.tp or pick(args, "1,2,4", "1,2,4", "2")).split(",")]
+    reps = args.reps or pick(args, 3, 2, 1)
+    dims = pick(args, QWEN_FULL, QWEN_QUICK, QWEN_SMOKE)
+    target = int((args.size_gib or pick(args, 2.0, 0.5, 1 / 256)) * GiB)
     layers = layers_for(dims, target)
     shapes = qwen2_shapes(dims, layers)
     total = sum(nbytes_of(s) for s in shapes.values())
     params = sum(math.prod(s) for s in shapes.values())
     delta = pick_delta(shapes)
     delta_bytes = sum(nbytes_of(shapes[n]) for n in delta)
-    chunk = 256 << 20  # worker.prefault_chunk_bytes: the stock fills in whole chunks
+    chunk = pick(args, 256 << 20, 256 << 20, 16 << 20)  # worker.prefault_chunk_bytes: the stock fills in chunks
     stock = (-(-total // chunk) + 1) * chunk if args.stock == "model" else tc.Config().worker.prefault_bytes
     need = 5 * total + (2 * stock - 2 * total if stock > total else 0) + int(2.5 * GiB)
     model_desc = (f"{dims['name']} shapes, {layers} of {dims['layers']} layers, {params / 1e9:.2f}B params, "
@@ -481,7 +426,8 @@ def main() -> None:
           f"{fmt(quick)} ({total / quick['median'] / 1e9:.1f} GB/s)\n")
 
     results: dict[int, dict[str, Any]] = {tp: {} for tp in tps}
-    config = {"worker.prefault_bytes": stock, "worker.prefault_chunk_bytes": chunk}
+    config = {"worker.prefault_bytes": stock, "worker.prefault_chunk_bytes": chunk,
+              **(SMOKE_STOCK if args.smoke else {})}
     def default_updater(on_b: list[str], bind: str) -> None:
         # The files are on this machine's filesystem, which every "host" shares.
         with tempfile.TemporaryDirectory(prefix="tc-weight-sync-", dir=args.files_dir) as tmp, \
@@ -509,73 +455,7 @@ def main() -> None:
     if not args.netns:  # once the cluster is gone: its workers' stock would hold memory the files need
         default_updater([], "127.0.0.1")
 
-    # ------------------------------------------------------------------ summary
-    summary: list[dict[str, Any]] = []
-    print(f"\nTime per update, from publish/save until every rank holds the new version; {model_desc}; "
-          f"median [range] of {reps}. Speed-up = the default updater's time / this one's (above 1: faster).")
-    print(f"{'TP':>3}  {'system':<44} {'seconds per update':>26} {'vs default (whole)':>22} "
-          f"{'vs default (TCP)':>22} {'CPU s':>8}")
-    for tp in tps:
-        r = results[tp]
-        times = {f"tensorcast_{k}": summarize([x["seconds"] for x in r["tensorcast"][k]]) for k in KINDS}
-        times.update({f"default_{k}": summarize([x["seconds"] for x in r["default"][k]]) for k in SYSTEMS_DEFAULT})
-        cpu = {f"tensorcast_{k}": summarize([x["cpu_s"] for x in r["tensorcast"][k]]) for k in KINDS}
-        cpu.update({f"default_{k}": summarize([x["cpu_s"] for x in r["default"][k]]) for k in SYSTEMS_DEFAULT})
-        between = summarize([x["between_cpu_s"] for k in KINDS for x in r["tensorcast"][k]])
-        ratios = {f"{a}_vs_{b}": ratio(times[b], times[a]) for a in times for b in times
-                  if a.startswith("tensorcast") and b.startswith("default")}
-        full = times["tensorcast_full"]
-        for kind in ("delta", "named"):
-            part = times[f"tensorcast_{kind}"]
-            ratios[f"{kind}_over_full"] = {"median": part["median"] / full["median"],
-                                           "min": part["min"] / full["max"], "max": part["max"] / full["min"]}
-        summary.append({"tp": tp, "times": times, "ratios": ratios, "cpu_s": cpu, "tensorcast_between_cpu_s": between})
-        for key, label in LABELS.items():
-            vs = [fmt_ratio(ratios.get(f"{key}_vs_{b}")) if key.startswith("tensorcast") else
-                  fmt_ratio(ratio(times[b], times[key])) for b in ("default_whole", "default_tcp")]
-            kind = key.removeprefix("tensorcast_")
-            extra = f"   ({kind}/full {ratios[f'{kind}_over_full']['median']:.1%})" \
-                if kind in ("delta", "named") else ""
-            print(f"{tp:>3}  {label:<44} {fmt(times[key]):>26} {vs[0]:>22} {vs[1]:>22} "
-                  f"{cpu[key]['median']:8.2f}{extra}")
-        print(f"{tp:>3}  {'checkpoint-engine ' + ckpt.get('version', ''):<44} "
-              f"{'runs' if ckpt['runs'] else 'did not run (see below)':>26}")
-    for tp in tps:  # where TensorCast's CPU goes, against the default updater's
-        parts = []
-        for label, rows in (("TensorCast full", results[tp]["tensorcast"]["full"]),
-                            ("delta", results[tp]["tensorcast"]["delta"]),
-                            ("default whole", results[tp]["default"]["whole"]),
-                            ("default TCP", results[tp]["default"]["tcp"])):
-            roles = sorted({k for x in rows for k in x["cpu_by"]})
-            parts.append(f"{label} " + " ".join(
-                f"{k} {statistics.median(x['cpu_by'].get(k, 0.0) for x in rows):.2f}" for k in roles))
-        print(f"CPU s by process, TP={tp} (medians): " + "; ".join(parts))
-    print("The default updater has no delta path (it rewrites and rereads everything): its delta time is its full "
-          "time.\nCPU s: user + system CPU seconds of every process involved during the update (median); TensorCast's "
-          "workers also re-fault their stock between updates, untimed: "
-          + ", ".join(f"TP={x['tp']} {x['tensorcast_between_cpu_s']['median']:.2f}" for x in summary) + " CPU s.")
-    print(f"checkpoint-engine {ckpt.get('version', '')}: {'runs' if ckpt['runs'] else 'error: ' + ckpt['error']}"
-          + (f" ({ckpt['where']})" if ckpt.get("where") else ""))
-    goals = {}
-    if 4 in tps:
-        s4 = next(x for x in summary if x["tp"] == 4)["ratios"]
-        for base in ("default_whole", "default_tcp"):
-            r4 = s4[f"tensorcast_full_vs_{base}"]
-            goals[f"tp4_full_vs_{base}_ge_2.63x"] = {**r4, "met": r4["median"] >= 2.63}
-            print(f"goal: TensorCast >= 2.63x the default updater ({LABELS[base].split(', ', 1)[1]}) at TP=4, full "
-                  f"update: {fmt_ratio(r4).strip()} -> {'met' if r4['median'] >= 2.63 else 'not met'}")
-    for kind, how in (("delta", "found by the publisher's check"), ("named", "named by the caller")):
-        worst = max(x["ratios"][f"{kind}_over_full"]["median"] for x in summary)
-        goals[f"{kind}_about_10pct_of_full"] = {"worst_tp_median": worst, "met": worst <= 0.15}
-        print(f"goal: a delta update ~10% of a full one ({delta_bytes / total:.1%} of the bytes change, {how}; met "
-              f"when <= 15%): worst TP {worst:.1%} -> {'met' if worst <= 0.15 else 'not met'}")
-    title = (f"Weight sync, {model_desc}\nhost A trainer -> host B TP engine "
-             f"({'netns' if args.netns else 'loopback TCP'}), 2 vCPU, no GPU")
-    foot = "labels: speed-up over the default updater (whole reads); checkpoint-engine: " + (
-        "runs" if ckpt["runs"] else f"did not run ({ckpt['error'][:60]})")
-    note = plot(args.plot, summary, title, foot) if args.plot else None
-    if note:
-        print(note)
+    summary, goals, note = report(results, reps, ckpt, model_desc, total, delta_bytes, args.netns, args.plot)
     print(shm_pages())
     write_json(args.json, "weight_sync", args.quick, model=model_desc, model_bytes=total, tensors=len(shapes),
                delta_tensors=len(delta), delta_bytes=delta_bytes, hosts="netns" if args.netns else "loopback",

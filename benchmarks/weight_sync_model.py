@@ -27,6 +27,9 @@ QWEN_FULL = {"name": "Qwen2.5-1.5B", "hidden": 1536, "heads": 12, "kv_heads": 2,
              "layers": 28}
 QWEN_QUICK = {"name": "Qwen2.5-0.5B", "hidden": 896, "heads": 14, "kv_heads": 2, "inter": 4864, "vocab": 151936,
               "layers": 24}
+# --smoke: the same tensors (names, biases, tied embeddings), a few MiB.
+QWEN_SMOKE = {"name": "narrow Qwen2", "hidden": 128, "heads": 4, "kv_heads": 2, "inter": 256, "vocab": 2048,
+              "layers": 4}
 
 
 # ----------------------------------------------------------------------------------------------- the model

