@@ -30,10 +30,12 @@ if TYPE_CHECKING:
     from tensorcast.config import Config
     from tensorcast.wire.caller import Caller
 
-__all__ = ["ProcessHandle", "exit_reason", "port_for", "settle_timeout", "stop_handles", "wait_settled"]
+__all__ = ["TERM_TIMEOUT", "ProcessHandle", "exit_reason", "port_for", "settle_timeout", "stop_handles", "wait_settled"]
 
 # Longest a worker may take to drain and exit after SIGTERM before it is killed.
 STOP_TIMEOUT = 60.0
+# Seconds a process told to stop (SIGTERM) may take before it is killed (each in turn: stop_handles).
+TERM_TIMEOUT = 10.0
 
 
 @dataclass
@@ -141,7 +143,7 @@ def exit_reason(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
-def stop_handles(handles: list[ProcessHandle], timeout: float = 10.0) -> None:
+def stop_handles(handles: list[ProcessHandle], timeout: float = TERM_TIMEOUT) -> None:
     """SIGTERM every running handle (unless it was told to stop already), then wait for each (SIGKILL after
     ``timeout``)."""
     for h in handles:
