@@ -1,5 +1,6 @@
 """vLLM plugins: ``--load-format tensorcast`` hands vLLM its weights from TensorCast; the KV connector
-``TensorCastConnector`` (``integrations.vllm_connector``) is registered here too.
+``TensorCastConnector`` (``integrations.vllm_connector``) and the ``tensorcast`` weight-transfer backend
+(``integrations.vllm_transfer``, both of vLLM's factories) are registered here too.
 
 Registered with vLLM's ``register_model_loader`` on a ``BaseModelLoader`` subclass, and exposed through
 the ``vllm.general_plugins`` entry point (``tensorcast = tensorcast.integrations.vllm:register``) so that
@@ -45,6 +46,7 @@ def register() -> None:
     with contextlib.suppress(ValueError):  # "already registered": by an earlier call in this process
         KVConnectorFactory.register_connector("TensorCastConnector", "tensorcast.integrations.vllm_connector",
                                               "TensorCastConnector")
+    _register_weight_transfer()
     from vllm.model_executor.model_loader import register_model_loader
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
@@ -109,3 +111,20 @@ def _file_order(meta: dict[str, str], tensors: dict[str, Any]) -> list[str]:
     except (OSError, ValueError, TensorCastError):
         where = {}
     return sorted(tensors, key=lambda n: (where[n].file, where[n].offset) if n in where else ("~", 0, n))
+
+
+def _register_weight_transfer() -> None:
+    """The ``tensorcast`` weight-transfer backend, both sides (``integrations.vllm_transfer``)."""
+    try:
+        from vllm.distributed.weight_transfer.factory import (
+            WeightTransferEngineFactory,
+            WeightTransferTrainerFactory,
+        )
+    except ImportError:  # a vLLM without native weight transfer
+        return
+    with contextlib.suppress(ValueError):
+        WeightTransferEngineFactory.register_engine("tensorcast", "tensorcast.integrations.vllm_transfer",
+                                                    "TensorCastWeightTransferEngine")
+    with contextlib.suppress(ValueError):
+        WeightTransferTrainerFactory.register_engine("tensorcast", "tensorcast.integrations.vllm_transfer_trainer",
+                                                     "TensorCastTrainerWeightTransferEngine")
