@@ -12,6 +12,11 @@ cd "$(dirname "$0")/.."
 
 PIP=("$@")
 [ "${#PIP[@]}" -gt 0 ] || PIP=(python -m pip)
+if [ "${#PIP[@]}" -ge 3 ] && [ "${PIP[1]}" = "-m" ]; then
+    PYTHON="${PIP[0]}"
+else
+    PYTHON="$(dirname "${PIP[0]}")/python"
+fi
 CONSTRAINTS="${CONSTRAINTS:-.venv/constraints.txt}"
 if [ ! -f "$CONSTRAINTS" ]; then
     CONSTRAINTS="$(mktemp)"
@@ -19,3 +24,9 @@ if [ ! -f "$CONSTRAINTS" ]; then
 fi
 "${PIP[@]}" install -q -c "$CONSTRAINTS" --no-deps "verl==0.9.1" "ray[default]>=2.41" hydra-core omegaconf \
     "antlr4-python3-runtime==4.9.3" codetiming "tensordict>=0.8,<=0.10.0" pylatexenc torchdata msgpack pyvers orjson
+# verl's wheel also installs its own test suite as a top-level package named `tests`, which shadows this
+# project's `tests` (the processes the DCP tests spawn import their job functions by that name): removed.
+site="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+if grep -q "^tests/__init__.py," "$site"/verl-0.9.1.dist-info/RECORD; then
+    rm -rf "$site/tests"
+fi
