@@ -55,9 +55,9 @@ def test_a_prefix_computed_by_one_instance_is_loaded_by_another(setup: dict[str,
     served = a.generate(first, 4)  # A computes and stores its pages
     assert served["num_cached_tokens"] == 0 and served["kv_transfer_params"] == {HANDOFF_PARAM: len(first) // PAGE}
     deadline = time.monotonic() + 30
-    # A's saves are asynchronous: B may ask before they landed (then it computes everything, correctly,
+    # A's saves are asynchronous: B may ask before all of them landed (then it computes the rest, correctly,
     # and stores nothing: it is a consumer), so ask again.
-    while (reused := b.generate(second, 12))["num_cached_tokens"] == 0:
+    while (reused := b.generate(second, 12))["num_cached_tokens"] < 8 * PAGE:
         assert reused["tokens"] == reference["tokens"]
         assert time.monotonic() < deadline, "B never found A's pages"
         time.sleep(0.2)
