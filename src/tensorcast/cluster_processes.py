@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -30,12 +31,18 @@ if TYPE_CHECKING:
     from tensorcast.config import Config
     from tensorcast.wire.caller import Caller
 
-__all__ = ["TERM_TIMEOUT", "ProcessHandle", "exit_reason", "port_for", "settle_timeout", "stop_handles", "wait_settled"]
+__all__ = ["KILL_GRACE", "TERM_TIMEOUT", "ProcessHandle", "exit_reason", "port_for", "settle_timeout", "stop_handles",
+           "wait_settled"]
+
+log = logging.getLogger("tensorcast.cluster")
 
 # Longest a worker may take to drain and exit after SIGTERM before it is killed.
 STOP_TIMEOUT = 60.0
 # Seconds a process told to stop (SIGTERM) may take before it is killed (each in turn: stop_handles).
 TERM_TIMEOUT = 10.0
+# Seconds a killed process may take to end: until the kernel has freed its memory, which for GiBs of shared
+# memory being faulted in on a busy host took more than 10 s (seen: a worker pre-faulting its stock).
+KILL_GRACE = 60.0
 
 
 @dataclass
@@ -126,7 +133,12 @@ class ProcessHandle:
             self.popen.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.popen.kill()
-            self.popen.wait(timeout=10)
+            try:
+                self.popen.wait(timeout=KILL_GRACE)
+            except subprocess.TimeoutExpired:  # still in the kernel: it can do nothing more; say so, go on
+                log.warning("%s (pid %d) was killed but had not ended %.0f s later", self.name, self.pid,
+                            KILL_GRACE)
+                return -signal.SIGKILL
         return int(self.popen.returncode)
 
     def close_log(self) -> None:

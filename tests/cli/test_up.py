@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 import tensorcast as tc
-from tensorcast.cluster_processes import TERM_TIMEOUT
+from tensorcast.cluster_processes import KILL_GRACE, TERM_TIMEOUT
 from tensorcast.testing.etcd import EtcdCluster
 from tensorcast.wire.messages import GetArtifact
 
@@ -88,8 +88,8 @@ def running_up(tmp_path: Path, *flags: str, env: dict[str, str] | None = None) -
         yield up, pids
     finally:
         up.proc.send_signal(signal.SIGINT)
-        try:  # up stops its processes one after the other, each given TERM_TIMEOUT before SIGKILL
-            rc = up.proc.wait(timeout=TERM_TIMEOUT * (len(pids) + 1) + 10)
+        try:  # up stops its processes one after the other, each given TERM_TIMEOUT, then KILL_GRACE once killed
+            rc = up.proc.wait(timeout=(TERM_TIMEOUT + KILL_GRACE) * len(pids) + 10)
         except subprocess.TimeoutExpired:
             up.proc.kill()
             raise

@@ -154,10 +154,14 @@ class SegmentStock:
 
     def refill(self, busy: Callable[[], bool] = lambda: False) -> int:
         """Pre-fault segments until the budget is used or ``busy()`` (blocking; ``busy`` is asked between
-        steps of a few MiB, so the hot path never waits long); returns bytes added. A segment cut short by
-        ``busy`` is kept with the pages it has."""
+        steps of a few MiB, so the hot path never waits long, and so is whether the stock was closed meanwhile);
+        returns bytes added. A segment cut short by ``busy`` is kept with the pages it has."""
         added = 0
-        while not busy() and (job := self._next_build()) is not None:
+
+        def stop() -> bool:  # a closing stock stops at once too: its worker is stopping, or being killed
+            return self._closed or busy()
+
+        while not stop() and (job := self._next_build()) is not None:
             size, into, dropped = job
             for seg in dropped:
                 seg.unlink()
@@ -167,7 +171,7 @@ class SegmentStock:
             except Exception as exc:  # a full /dev/shm: the stock is an optimisation, never an error
                 log.debug("prefault of %d bytes failed: %s", size, exc)
                 return added
-            complete = seg.prefault(busy)
+            complete = seg.prefault(stop)
             with self._lock:
                 if not self._closed:
                     # Behind the recycled ones (``recycle`` appends, takes pop): same-host writers keep those
