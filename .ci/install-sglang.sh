@@ -13,18 +13,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PIP=("$@")
-[ "${#PIP[@]}" -gt 0 ] || PIP=(python -m pip)
-if [ "${#PIP[@]}" -ge 3 ] && [ "${PIP[1]}" = "-m" ]; then
-    PYTHON="${PIP[0]}"
-else
-    PYTHON="$(dirname "${PIP[0]}")/python"
-fi
-CONSTRAINTS="${CONSTRAINTS:-.venv/constraints.txt}"
-if [ ! -f "$CONSTRAINTS" ]; then
-    CONSTRAINTS="$(mktemp)"
-    echo "torch==2.13.0" > "$CONSTRAINTS"
-fi
+# shellcheck source=.ci/pip-target.sh
+source .ci/pip-target.sh "$@"
 torch_before="$("$PYTHON" -c 'import torch; print(torch.__version__)')"
 
 "${PIP[@]}" install -q -c "$CONSTRAINTS" --no-deps "sglang==0.5.23"

@@ -10,18 +10,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PIP=("$@")
-[ "${#PIP[@]}" -gt 0 ] || PIP=(python -m pip)
-if [ "${#PIP[@]}" -ge 3 ] && [ "${PIP[1]}" = "-m" ]; then
-    PYTHON="${PIP[0]}"
-else
-    PYTHON="$(dirname "${PIP[0]}")/python"
-fi
-CONSTRAINTS="${CONSTRAINTS:-.venv/constraints.txt}"
-if [ ! -f "$CONSTRAINTS" ]; then
-    CONSTRAINTS="$(mktemp)"
-    echo "torch==2.13.0" > "$CONSTRAINTS"
-fi
+# shellcheck source=.ci/pip-target.sh
+source .ci/pip-target.sh "$@"
 "${PIP[@]}" install -q -c "$CONSTRAINTS" --no-deps "verl==0.9.1" "ray[default]>=2.41" hydra-core omegaconf \
     "antlr4-python3-runtime==4.9.3" codetiming "tensordict>=0.8,<=0.10.0" pylatexenc torchdata msgpack pyvers orjson
 # verl's wheel also installs its own test suite as a top-level package named `tests`, which shadows this
