@@ -28,7 +28,6 @@ import dataclasses
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,23 +71,6 @@ def step(state: dict[str, Any], fraction: float, seed: int) -> tuple[dict[str, A
     return out, changed
 
 
-class Source:
-    """A vLLM ``WeightSource`` over a state dict (built lazily: vLLM's base class is imported on use)."""
-
-    @staticmethod
-    def of(state: dict[str, Any]) -> Any:
-        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-
-        class StateSource(WeightSource):  # type: ignore[misc]
-            def metadata(self) -> list[Any]:
-                return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in state.items()]
-
-            def __iter__(self) -> Iterator[tuple[str, Any]]:
-                return iter(state.items())
-
-        return StateSource()
-
-
 def decode_rate(url: str, model: str, n: int) -> float:
     t0, tokens = time.perf_counter(), 0
     for i in range(n):
@@ -102,7 +84,7 @@ def built_in_errors(url: str, state: dict[str, Any]) -> dict[str, str]:
     """Each built-in backend's trainer side, constructed as a trainer would: the error it raises here."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from tensorcast.integrations.vllm_transfer_trainer import TensorCastHTTPClient
+    from tensorcast.integrations.vllm_transfer_trainer import StateDictSource, TensorCastHTTPClient
 
     out = {}
     for name in BUILT_INS:
@@ -111,7 +93,7 @@ def built_in_errors(url: str, state: dict[str, Any]) -> dict[str, str]:
             wanted = {f.name for f in dataclasses.fields(info_cls)}
             info = info_cls(**{k: v for k, v in _PROBE_ARGS.items() if k in wanted})
             WeightTransferTrainerFactory.trainer_init(info, client=TensorCastHTTPClient(url, timeout=30),
-                                                      source=Source.of(state))
+                                                      source=StateDictSource(state))
             out[name] = "constructed (not measured)"
         except Exception as exc:  # the point: report what a CPU host gets
             out[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
@@ -123,7 +105,11 @@ def run_tp(args: Any, tp: int, model_dir: Path, work: Path) -> list[dict[str, An
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from tensorcast.integrations.vllm import register
-    from tensorcast.integrations.vllm_transfer_trainer import TensorCastHTTPClient, TensorCastTrainerInitInfo
+    from tensorcast.integrations.vllm_transfer_trainer import (
+        StateDictSource,
+        TensorCastHTTPClient,
+        TensorCastTrainerInitInfo,
+    )
 
     register()
     state = load_file(str(model_dir / "model.safetensors"))
@@ -134,7 +120,7 @@ def run_tp(args: Any, tp: int, model_dir: Path, work: Path) -> list[dict[str, An
         trainer_info = TensorCastTrainerInitInfo(rank=0, address=cluster.address, model="bench-policy")
         source_state: dict[str, Any] = {}
         engine = WeightTransferTrainerFactory.trainer_init(
-            trainer_info, client=TensorCastHTTPClient(url, timeout=600), source=Source.of(source_state))
+            trainer_info, client=TensorCastHTTPClient(url, timeout=600), source=StateDictSource(source_state))
         errors = built_in_errors(url, state)
         idle = decode_rate(url, str(model_dir), args.decode)
         files = Path(tempfile.mkdtemp(prefix="tc-vllm-files-", dir="/dev/shm"))

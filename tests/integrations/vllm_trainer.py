@@ -18,29 +18,28 @@ def main() -> None:
     url, gateway, model, checkpoint = sys.argv[1:5]
     stall = int(sys.argv[6]) if len(sys.argv) > 6 and sys.argv[5] == "--stall-after" else None
     from safetensors.torch import load_file
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from tensorcast.integrations.vllm import register
-    from tensorcast.integrations.vllm_transfer_trainer import TensorCastHTTPClient, TensorCastTrainerInitInfo
+    from tensorcast.integrations.vllm_transfer_trainer import (
+        StateDictSource,
+        TensorCastHTTPClient,
+        TensorCastTrainerInitInfo,
+    )
 
     register()
-    state = load_file(checkpoint)
 
-    class Source(WeightSource):  # type: ignore[misc]
-        def metadata(self) -> list[Any]:
-            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in state.items()]
-
+    class Stalling(StateDictSource):  # type: ignore[misc]
         def __iter__(self) -> Iterator[tuple[str, Any]]:
-            for i, (name, t) in enumerate(state.items()):
+            for i, item in enumerate(self.state.items()):
                 if stall is not None and i == stall:
                     print("STALLED", flush=True)
                     time.sleep(3600)
-                yield name, t
+                yield item
 
     engine = WeightTransferTrainerFactory.trainer_init(
         TensorCastTrainerInitInfo(rank=0, address=gateway, model=model, timeout=120.0),
-        client=TensorCastHTTPClient(url, timeout=300), source=Source())
+        client=TensorCastHTTPClient(url, timeout=300), source=Stalling(load_file(checkpoint)))
     engine.send_weights()
     print("RESULT " + json.dumps(engine.last), flush=True)
     engine.shutdown()

@@ -93,17 +93,11 @@ class TensorCastCheckpointEngine(CheckpointEngineWithCache):  # type: ignore[mis
     # ----------------------------------------------------------------- rollout
     async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, Any]]:
         client = await self._connect()
-        publisher = client.publisher(self.model, keep_last=self.keep_last)
-        if global_steps is None:
-            version = await publisher.wait_newer(None, timeout=self.timeout)
-        else:
-            version = global_steps
-            newest = await publisher.wait_newer(global_steps - 1, timeout=self.timeout)
-            if newest is None or newest < global_steps:
-                version = None
-        if version is None:
+        than = None if global_steps is None else global_steps - 1
+        newest = await client.publisher(self.model).wait_newer(than, timeout=self.timeout)
+        if newest is None:
             raise DeadlineExceeded(f"no version {global_steps or ''} of {self.model} within {self.timeout:g} s")
-        for item in (await self._read(client, version)).items():
+        for item in (await self._read(client, newest if global_steps is None else global_steps)).items():
             yield item
 
     async def get_weights(self) -> AsyncIterator[tuple[str, Any]]:

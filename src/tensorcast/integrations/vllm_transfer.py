@@ -105,7 +105,8 @@ class TensorCastWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc
     def receive_weights(self, update_info: TensorCastUpdateInfo) -> None:
         init = self._require_init()
         model = update_info.model or init.model
-        if update_info.version < 1:
+        if not isinstance(update_info.version, int) or isinstance(update_info.version, bool) or \
+                update_info.version < 1:
             raise InvalidArgument(f"update_info needs a version >= 1, got {clip(update_info.version)}")
         self._staged = None
         t0 = time.perf_counter()

@@ -33,18 +33,20 @@ from __future__ import annotations
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 try:  # vLLM is optional
-    from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
+    from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine, WeightSource
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 except ImportError:  # pragma: no cover - exercised where vLLM is missing
-    TrainerInitInfo = TrainerWeightTransferEngine = HTTPVLLMWeightSyncClient = object
+    TrainerInitInfo = TrainerWeightTransferEngine = HTTPVLLMWeightSyncClient = WeightSource = object
 
 from tensorcast.errors import InvalidArgument
 
-__all__ = ["TensorCastHTTPClient", "TensorCastTrainerInitInfo", "TensorCastTrainerWeightTransferEngine"]
+__all__ = ["StateDictSource", "TensorCastHTTPClient", "TensorCastTrainerInitInfo",
+           "TensorCastTrainerWeightTransferEngine"]
 
 
 @dataclass
@@ -60,6 +62,22 @@ class TensorCastTrainerInitInfo(TrainerInitInfo):
     verify: bool = True  # the engine checks what it read against the published digests
     pause_mode: str = "wait"  # /pause?mode=: wait (drain in-flight requests) or abort them
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+class StateDictSource(WeightSource):  # type: ignore[misc,valid-type]
+    """A ``WeightSource`` over a ``{name: tensor}`` mapping, read again at each ``send_weights`` (update the
+    mapping between steps): for a trainer that holds a state dict rather than a module (``ModuleSource``)."""
+
+    def __init__(self, state: Mapping[str, Any]) -> None:
+        self.state = state
+
+    def metadata(self) -> list[Any]:
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
+        return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self.state.items()]
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return iter(self.state.items())
 
 
 class TensorCastHTTPClient(HTTPVLLMWeightSyncClient):  # type: ignore[misc,valid-type]

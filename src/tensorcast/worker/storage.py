@@ -33,7 +33,7 @@ from tensorcast.obs import metrics
 from tensorcast.pool.device import DeviceTier
 from tensorcast.pool.placement import PRESETS, resolve_placement
 from tensorcast.records import ArtifactInfo, SliceSpec, TensorMeta, WorkerInfo, WorkerLoad
-from tensorcast.transport.base import SourceLease
+from tensorcast.transport.base import SourceLease, Transport
 from tensorcast.transport.cuda_ipc import export_handle
 from tensorcast.transport.registry import make_transport
 from tensorcast.wire.messages import (
@@ -75,7 +75,8 @@ def nbytes_of(tensors: tuple[TensorMeta, ...]) -> int:
 
 
 class StorageRole:
-    def __init__(self, parts: WorkerParts) -> None:
+    def __init__(self, parts: WorkerParts, transport: Transport | None = None) -> None:
+        """``transport``: the data plane (default: the configured one, ``transport.kind``)."""
         self.parts = parts
         config = parts.config
         self.worker_id = parts.worker_id
@@ -84,9 +85,9 @@ class StorageRole:
         self.puts = PutManager(config.worker, self.store, self.trust)
         self.unrecorded = UnrecordedCopies(self.store, self.puts, parts.gs, self.drop)
         self.devices = DeviceTier(config.worker.device_capacity)
-        self.transport = make_transport(config.transport.kind, config.wire, token=config.token,
-                                        max_streams=config.transport.max_streams * 2, limits=config.transport,
-                                        tls=config.tls)
+        self.transport = transport or make_transport(
+            config.transport.kind, config.wire, token=config.token, max_streams=config.transport.max_streams * 2,
+            limits=config.transport, tls=config.tls)
         self.data_server = self.transport.serve(self.serve_source, corrupt_chunks=config.worker.fault_corrupt_chunks)
         self.replicator = Replicator(parts)
         self.fetcher = Fetcher(parts.worker_id, self.store, self.trust, self.transport, config.transport,

@@ -92,8 +92,7 @@ class SimWorker:
                                  caller=self.caller, gs=self.link,
                                  peers=Peers(worker_id, self.caller, self.link, registry), registry=registry,
                                  activity=Activity(), address=worker_id)
-        self.storage = StorageRole(self.parts)
-        self.storage.transport = self.storage.fetcher.transport = SimDataPlane(cluster.net, worker_id)
+        self.storage = StorageRole(self.parts, transport=SimDataPlane(cluster.net, worker_id))
         self.services: list[Role] = [s for build in ROLES.values() for s in build(self.parts, self.storage)]
         self.loading = next(s for s in self.services if isinstance(s, LoadingRole))
         self.gateway = next(s for s in self.services if isinstance(s, GatewayRole))
