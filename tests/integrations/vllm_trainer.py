@@ -1,9 +1,12 @@
 """Run by test_vllm_transfer.py as a trainer process: publishes a checkpoint's tensors through vLLM's
 ``WeightTransferTrainerFactory`` with the ``tensorcast`` backend, driving a ``vllm serve`` over its RL routes.
 
-``python vllm_trainer.py SERVER_URL GATEWAY MODEL CHECKPOINT [--stall-after N]`` prints ``RESULT {json}``
-(the engine's ``last``). ``--stall-after N``: the source stops after N tensors (the test kills the process
-there: a trainer dying mid-publish)."""
+``python vllm_trainer.py SERVER_URL GATEWAY MODEL CHECKPOINT [--stall-after N | --then-delta OUT]`` prints
+``RESULT {json}`` (the engine's ``last``). ``--stall-after N``: the source stops after N tensors (the test kills
+the process there: a trainer dying mid-publish). ``--then-delta OUT``: after the first update, rows 40 to 240
+of layer 0's MLP projections change and a second update follows (a sparse delta, the trainer naming the
+changed tensors); the state it sent is saved
+to OUT, and ``RESULT`` is the second update's, with ``first`` and the ``true_changed_bytes``."""
 
 from __future__ import annotations
 
@@ -16,8 +19,9 @@ from typing import Any
 
 def main() -> None:
     url, gateway, model, checkpoint = sys.argv[1:5]
-    stall = int(sys.argv[6]) if len(sys.argv) > 6 and sys.argv[5] == "--stall-after" else None
-    from safetensors.torch import load_file
+    option, value = (sys.argv[5], sys.argv[6]) if len(sys.argv) > 6 else (None, None)
+    stall = int(value) if option == "--stall-after" and value else None
+    from safetensors.torch import load_file, save_file
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from tensorcast.integrations.vllm import register
@@ -37,11 +41,23 @@ def main() -> None:
                     time.sleep(3600)
                 yield item
 
+    state = load_file(checkpoint)
     engine = WeightTransferTrainerFactory.trainer_init(
         TensorCastTrainerInitInfo(rank=0, address=gateway, model=model, timeout=120.0),
-        client=TensorCastHTTPClient(url, timeout=300), source=Stalling(load_file(checkpoint)))
+        client=TensorCastHTTPClient(url, timeout=300), source=Stalling(state))
     engine.send_weights()
-    print("RESULT " + json.dumps(engine.last), flush=True)
+    last = engine.last
+    if option == "--then-delta" and value:
+        changed, names = 0, [n for n in state if ".0.mlp." in n and n.endswith(("gate_proj.weight", "up_proj.weight"))]
+        for name in names:
+            state[name] = state[name].clone()
+            state[name][40:240] += 0.25
+            changed += state[name][40:240].nbytes
+        engine.source.changed = names  # the trainer knows: the other tensors are not read
+        engine.send_weights()
+        save_file(state, value)
+        last = {**engine.last, "first": last, "true_changed_bytes": changed}
+    print("RESULT " + json.dumps(last), flush=True)
     engine.shutdown()
 
 

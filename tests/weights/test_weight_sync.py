@@ -23,6 +23,7 @@ import tensorcast as tc
 from tensorcast.cluster import LocalCluster
 from tensorcast.errors import InvalidArgument, SwapAborted, VersionConflict
 from tensorcast.testing import running_cluster
+from tensorcast.weights.versions import DELTA_TENSOR
 
 MODEL = "qwen-tiny"
 RANKS = ["eng-r0", "eng-r1"]
@@ -140,7 +141,10 @@ def test_group_swaps_delta_and_gc(sync: tuple[LocalCluster, dict[int, dict[str, 
     assert (p3.version, p3.changed_tensors) == (3, len(changed))
     assert p3.changed_bytes == sum(published[3][n].nbytes for n in changed)
     written = shm_received(cluster, "w0") - before
-    assert p3.changed_bytes <= written <= p3.changed_bytes + 64  # plus the version tag's few bytes
+    # Plus the version tag's few bytes and the delta record (v3 is a delta from v2: which chunks changed).
+    assert p3.delta_base == 2 and p3.delta_bytes == p3.changed_bytes  # whole tensors changed: all their chunks
+    meta = p3.changed_bytes + 64 + trainer.artifact(p3.key).meta(DELTA_TENSOR).nbytes
+    assert p3.changed_bytes <= written <= meta
     assert p3.deleted == (1,) and pub.versions() == [2, 3]  # v1: beyond keep_last, unused
     result = ctl.group_swap(RANKS, MODEL, 3, expected=2, timeout=60)
     for r, rank in enumerate(RANKS):
@@ -148,7 +152,7 @@ def test_group_swaps_delta_and_gc(sync: tuple[LocalCluster, dict[int, dict[str, 
         assert (report["phase"], report["changed"]) == ("active", len(changed))
         assert report["copied_bytes"] == sum(rank_slice(n, published[3][n], r).nbytes for n in changed)
     # Only the changed tensors crossed to w1 (it held the rest from version 2).
-    assert p3.changed_bytes <= sum(r["fetched_bytes"] for r in result.ranks.values()) <= p3.changed_bytes + 64
+    assert p3.changed_bytes <= sum(r["fetched_bytes"] for r in result.ranks.values()) <= meta
     assert_holds(ctl, published[3], ptrs)
 
     # GC keeps keep_last versions plus those bindings use.

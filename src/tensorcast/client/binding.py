@@ -46,7 +46,7 @@ from tensorcast.views import TP, TPRules, sliced_shape
 from tensorcast.weights.group import FETCH_MODES
 from tensorcast.weights.rules import rules_for
 from tensorcast.weights.swap_state import NOOP, READY, Staged, SwapState
-from tensorcast.weights.versions import VERSION_TENSOR, check_holder, check_model, check_version, version_key
+from tensorcast.weights.versions import META_TENSORS, check_holder, check_model, check_version, version_key
 from tensorcast.wire.messages import GetArtifact
 
 __all__ = ["STAGING", "AsyncBinding", "SwapReport", "resolve_rules"]
@@ -244,8 +244,8 @@ class AsyncBinding:
 
         meta = {"binding": self.model, **({"tp": f"{self.tp.rank}/{self.tp.world_size}"} if self.tp else {})}
         # Whole only for a binding of every tensor (a pipeline stage's binding would pull the other stages').
-        whole = whole and {s for ss in self.sources.values() for s in ss} >= {t.name for t in info.tensors} - {
-            VERSION_TENSOR}
+        bound = {s for ss in self.sources.values() for s in ss}
+        whole = whole and bound >= {t.name for t in info.tensors} - META_TENSORS
         stats = await stage(self.client, info, jobs, like=self.like, via=self.via, meta=meta, ctx=ctx, absorb=absorb,
                             whole=whole)
         report.fetched_bytes, report.path = stats.fetched_bytes, stats.path

@@ -6,12 +6,15 @@ Owns: ``AsyncWeightPublisher`` — ``publish(state_dict, version=None)`` puts on
 deleted, by key (content another key still names stays). Tensors unchanged since an earlier version cost no
 copy: the pool is content-addressed per tensor, and the publisher knows every tensor's digest before the put
 begins, so that the worker that takes it skips each tensor whose digest it already holds (only changed tensors
-are copied, or sent from another host). A digest costs a BLAKE3 pass over the bytes; a tensor whose XXH3-128
-(about three times cheaper) equals the one it had at this publisher's previous publish keeps that publish's
-digest, and one the caller names as unchanged costs nothing. Also the listing every party shares: the versions
-of a model, the versions in use, and ``wait_newer`` (polling with a bounded backoff: 50 ms doubling to 1 s, up
-to the timeout). Does not own: the put protocol (``client.puts``), bindings (``client.binding``), the GC
-decision (``weights.versions``).
+are copied, or sent from another host). A digest costs a BLAKE3 pass over the bytes; a tensor whose chunks'
+XXH3-128 (about three times cheaper, ``weights.delta``) all equal those it had at this publisher's previous
+publish keeps that publish's digest, and one the caller names as unchanged costs nothing. The same one pass
+finds which chunks of a changed tensor changed: a version published after another (same tensors, at most half
+the bytes changed) carries a delta record (``weights.versions.DELTA_TENSOR``) that lets a reader holding the
+previous version read only those chunks. Also the listing every party shares: the versions of a model, the
+versions in use, and ``wait_newer`` (polling with a bounded backoff: 50 ms doubling to 1 s, up to the timeout).
+Does not own: the put protocol (``client.puts``), bindings (``client.binding``), the GC decision
+(``weights.versions``), chunking and delta records (``weights.delta``).
 """
 
 from __future__ import annotations
@@ -25,17 +28,19 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import xxhash
-
 from tensorcast.client.locality import Locality
 from tensorcast.client.puts import put_tensors
 from tensorcast.client.reads import Reader
 from tensorcast.client.write_maps import SegmentWriter
+from tensorcast.config import Config, WeightsConfig
 from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument, NotFound, clip
 from tensorcast.records import ArtifactInfo, Placement, WorkerInfo
 from tensorcast.tensors import TensorInput, normalize_tensors
+from tensorcast.weights.delta import Chunking, Delta, TensorChunks, chunk_digests, chunking, delta_between
 from tensorcast.weights.versions import (
+    DELTA_TENSOR,
+    META_TENSORS,
     VERSION_TENSOR,
     Backoff,
     check_model,
@@ -68,6 +73,7 @@ class ClientPort(Protocol):
     locality: Locality
     writer: SegmentWriter
     host_id: str
+    config: Config
 
     async def put(self, tensors: Any, key: str | None = None, *, ttl: float | None = None,
                   policy: str | Placement | None = None, on: str | None = None, timeout: float | None = None,
@@ -89,6 +95,8 @@ class Published:
     # the version tag's few bytes (``weights.versions.VERSION_TENSOR``), not counted here
     deleted: tuple[int, ...] = ()
     seconds: float = 0.0
+    delta_base: int | None = None  # the version this one carries a delta from (None: no delta record)
+    delta_bytes: int = 0  # the bytes of the changed chunks: what a reader holding delta_base reads (else all)
 
 
 async def list_keys(caller: Caller, prefix: str, ctx: CallContext | None = None) -> dict[str, ArtifactInfo]:
@@ -134,17 +142,17 @@ async def wait_newer(caller: Caller, model: str, than: int | None, timeout: floa
         attempt += 1
 
 
-def _xxh3_all(buffers: list[Any]) -> list[str]:
-    """XXH3-128 of each buffer, on several threads when there are many bytes (xxhash releases the GIL; one
-    thread reads ~8-12 GB/s here, two ~19 GB/s), largest first so that the threads finish together."""
-    if sum(b.nbytes for b in buffers) < _PARALLEL_CHECK_BYTES or len(buffers) < 2:
-        return [xxhash.xxh3_128_hexdigest(b.data) for b in buffers]
-    order = sorted(range(len(buffers)), key=lambda i: -buffers[i].nbytes)
-    out = [""] * len(buffers)
-    with concurrent.futures.ThreadPoolExecutor(min(_CHECK_THREADS, len(buffers))) as pool:
-        for i, digest in zip(order, pool.map(lambda i: xxhash.xxh3_128_hexdigest(buffers[i].data), order),
-                             strict=True):
-            out[i] = digest
+def _chunk_digests_all(tensors: list[tuple[Any, Chunking]]) -> list[bytes]:
+    """Each tensor's chunk digests (``weights.delta.chunk_digests``), on several threads when there are many
+    bytes (xxhash releases the GIL; one thread reads ~8-12 GB/s here, two ~19 GB/s), largest first so that the
+    threads finish together."""
+    if sum(data.nbytes for data, _ in tensors) < _PARALLEL_CHECK_BYTES or len(tensors) < 2:
+        return [chunk_digests(data, cut) for data, cut in tensors]
+    order = sorted(range(len(tensors)), key=lambda i: -tensors[i][0].nbytes)
+    out = [b""] * len(tensors)
+    with concurrent.futures.ThreadPoolExecutor(min(_CHECK_THREADS, len(tensors))) as pool:
+        for i, digests in zip(order, pool.map(lambda i: chunk_digests(*tensors[i]), order), strict=True):
+            out[i] = digests
     return out
 
 
@@ -161,8 +169,11 @@ class AsyncWeightPublisher:
         self.policy = policy
         self.on = on
         self.last: Published | None = None
-        # Per tensor name, what the previous publish found: (dtype, shape, XXH3-128, BLAKE3 digest).
-        self._seen: dict[str, tuple[str, tuple[int, ...], str, str]] = {}
+        config = getattr(client, "config", None)
+        self.chunk_bytes = (config.weights if config is not None else WeightsConfig()).delta_chunk_bytes
+        # Per tensor name, what the previous publish (version _seen_version) stored: its chunks, BLAKE3 digest.
+        self._seen: dict[str, tuple[TensorChunks, str]] = {}
+        self._seen_version: int | None = None
 
     async def publish(self, state_dict: Mapping[str, Any], version: int | None = None, *,
                       changed: Collection[str] | None = None, timeout: float | None = None) -> Published:
@@ -175,8 +186,8 @@ class AsyncWeightPublisher:
         its old content. Without it, each tensor is checked (XXH3-128 against the previous publish)."""
         if not isinstance(state_dict, Mapping) or not state_dict:
             raise InvalidArgument("publish takes a non-empty {name: tensor} mapping")
-        if VERSION_TENSOR in state_dict:
-            raise InvalidArgument(f"tensor name {VERSION_TENSOR!r} is reserved for the version tag")
+        if META_TENSORS & state_dict.keys():
+            raise InvalidArgument(f"tensor names {sorted(META_TENSORS)} are reserved (the version's tag and delta)")
         if changed is not None:
             changed = set(changed)
             unknown = changed - set(state_dict)
@@ -189,25 +200,34 @@ class AsyncWeightPublisher:
         if n in existing:
             raise InvalidArgument(f"version {n} of {self.model} exists already (versions are immutable)")
         key = version_key(self.model, n)
-        info = await self._put({**state_dict, VERSION_TENSOR: version_tag(self.model, n)}, key, ctx, changed)
+        info, delta = await self._put({**state_dict, VERSION_TENSOR: version_tag(self.model, n)}, key, n, ctx,
+                                      changed)
         known = {t.digest for v in existing.values() for t in v.tensors}
-        mine = [t for t in info.tensors if t.name != VERSION_TENSOR]  # the tag's few bytes are not counted
+        mine = [t for t in info.tensors if t.name not in META_TENSORS]  # the tag's and record's bytes not counted
         changed = {t.digest: t.nbytes for t in mine if t.digest not in known}
         deleted = await self._collect({**existing, n: info}, ctx)
+        layout = {t.name: (t.shape, t.nbytes) for t in mine}
         self.last = Published(version=n, key=key, artifact_id=info.id, nbytes=info.nbytes,
                               changed_tensors=sum(1 for t in mine if t.digest in changed),
                               changed_bytes=sum(changed.values()), deleted=tuple(deleted),
-                              seconds=time.perf_counter() - t0)
+                              seconds=time.perf_counter() - t0, delta_base=None if delta is None else delta.base,
+                              delta_bytes=sum(t.nbytes for t in mine) if delta is None else delta.nbytes(layout))
         return self.last
 
-    async def _put(self, tensors: Mapping[str, Any], key: str, ctx: CallContext,
-                   changed: Collection[str] | None) -> ArtifactInfo:
+    async def _put(self, tensors: Mapping[str, Any], key: str, version: int, ctx: CallContext,
+                   changed: Collection[str] | None) -> tuple[ArtifactInfo, Delta | None]:
         """Put with the digests of the tensors unchanged since the previous publish stated first, so that the
         worker skips them before any byte is copied; the changed ones (new bytes: nothing to skip) are hashed
-        while they are written (``PutBegin.digests_later``). Through another gateway if this one goes away,
-        like ``AsyncClient.put``. Remembers each tensor's checksums once the version is stored."""
+        while they are written (``PutBegin.digests_later``), and the delta from the previous publish rides
+        along. Through another gateway if this one goes away, like ``AsyncClient.put``. Remembers each
+        tensor's checksums once the version is stored."""
         inputs = await asyncio.to_thread(normalize_tensors, tensors)
-        quick = await asyncio.to_thread(self._reuse_digests, inputs, changed)
+        chunks = await asyncio.to_thread(self._reuse_digests, inputs, changed)
+        delta = None if self._seen_version is None else delta_between(
+            self._seen_version, {n: seen[0] for n, seen in self._seen.items()},  # the tag is not remembered
+            {n: c for n, c in chunks.items() if n != VERSION_TENSOR})
+        if delta is not None:  # in name order, like every put's tensors (the worker's segments follow it)
+            inputs = sorted(inputs + normalize_tensors({DELTA_TENSOR: delta.encode()}), key=lambda t: t.name)
         caller = self.client.caller
         while True:
             address = caller.address
@@ -223,27 +243,32 @@ class AsyncWeightPublisher:
                 if self.on is not None or not caller.fail_over(address):
                     raise
                 continue
-            self._remember(inputs, quick, {t.name: t.digest for t in info.tensors})
-            return info
+            self._remember(inputs, chunks, {t.name: t.digest for t in info.tensors}, version)
+            return info, delta
 
-    def _remember(self, inputs: list[TensorInput], quick: Mapping[str, str], stored: Mapping[str, str]) -> None:
-        """What the next publish compares against: each tensor's kind, XXH3-128 and stored BLAKE3 digest."""
-        self._seen = {t.name: (t.dtype, t.shape, quick[t.name], stored[t.name]) for t in inputs}
+    def _remember(self, inputs: list[TensorInput], chunks: Mapping[str, TensorChunks], stored: Mapping[str, str],
+                  version: int = 0) -> None:
+        """What the next publish compares against: each tensor's chunks and stored BLAKE3 digest."""
+        self._seen = {t.name: (chunks[t.name], stored[t.name]) for t in inputs if t.name not in META_TENSORS}
+        self._seen_version = version or None
 
-    def _reuse_digests(self, inputs: list[TensorInput], changed: Collection[str] | None) -> dict[str, str]:
+    def _reuse_digests(self, inputs: list[TensorInput], changed: Collection[str] | None) -> dict[str, TensorChunks]:
         """Give the inputs whose bytes are the previous publish's (``changed`` leaves them out, or their
-        XXH3-128 is unchanged) that publish's BLAKE3 digest; the others keep none (the put computes it).
-        Returns every input's XXH3-128."""
-        same = {t.name: b for t in inputs if (b := self._seen.get(t.name)) is not None and b[:2] == (t.dtype, t.shape)}
+        chunks' XXH3-128 are unchanged) that publish's BLAKE3 digest; the others keep none (the put computes
+        it). Returns every input's chunks (those ``changed`` leaves out: as they were, not read)."""
+        same = {t.name: b for t in inputs
+                if (b := self._seen.get(t.name)) is not None and b[0][:2] == (t.dtype, t.shape)}
         check = [t for t in inputs if t.name not in same or changed is None or t.name in changed]
-        quick = dict(zip((t.name for t in check), _xxh3_all([t.data for t in check]), strict=True))
+        cuts = [chunking(t.shape, t.nbytes, self.chunk_bytes) for t in check]
+        digests = _chunk_digests_all([(t.data, cut) for t, cut in zip(check, cuts, strict=True)])
+        out = {t.name: (t.dtype, t.shape, cut, d) for t, cut, d in zip(check, cuts, digests, strict=True)}
         for t in inputs:
             before = same.get(t.name)
             if before is not None:
-                quick.setdefault(t.name, before[2])  # not read (``changed`` leaves it out): as it was
-                if quick[t.name] == before[2]:
-                    t.digest = before[3]
-        return quick
+                now = out.setdefault(t.name, before[0])
+                if now[2:] == before[0][2:]:
+                    t.digest = before[1]
+        return out
 
     async def _collect(self, versions: Mapping[int, ArtifactInfo], ctx: CallContext | None) -> list[int]:
         in_use = await list_in_use(self.client.caller, self.model, ctx)

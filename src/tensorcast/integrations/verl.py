@@ -35,7 +35,7 @@ import tensorcast.aio as tca
 from tensorcast.config import Config
 from tensorcast.errors import DeadlineExceeded, InvalidArgument, NotFound
 from tensorcast.integrations.rollout_checks import check_digests
-from tensorcast.weights.versions import VERSION_TENSOR, version_key
+from tensorcast.weights.versions import META_TENSORS, version_key
 
 __all__ = ["TensorCastCheckpointEngine"]
 
@@ -111,7 +111,8 @@ class TensorCastCheckpointEngine(CheckpointEngineWithCache):  # type: ignore[mis
     async def _read(self, client: Any, version: int) -> dict[str, Any]:
         art = await client.artifact(version_key(self.model, version), timeout=self.timeout)
         tensors = await art.tensor_dict(like="torch")
-        tensors.pop(VERSION_TENSOR, None)
+        for name in META_TENSORS:
+            tensors.pop(name, None)  # the publisher's tag and delta record, not weights
         if self.verify:
             check_digests(art.info, tensors, f"{self.model} v{version}")
         self.last = {"version": version, "bytes": art.info.nbytes}

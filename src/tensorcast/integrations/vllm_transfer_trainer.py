@@ -15,7 +15,8 @@ What a trainer (TRL-, SkyRL- or slime-style, or a script) calls, through vLLM's 
 that does not load vLLM's plugins.) ``send_weights`` publishes the source as the model's next version
 (``client.publisher``: tensors whose bytes did not change since the last publish are neither copied nor
 hashed again, only their digests travel), then asks every rollout engine to stage it (``/start_weight_update``,
-``/update_weights``: the engine keeps serving the old weights meanwhile), pauses it (``/pause``: in-flight
+``/update_weights``: the engine keeps serving the old weights meanwhile; an engine serving the previous version
+reads only the chunks that changed, ``weights.delta``), pauses it (``/pause``: in-flight
 requests drained, prefix cache cleared), loads it (``/finish_weight_update``), and resumes it. Any rollout
 engine count and tensor-parallel size: each worker reads the version from the pool itself; no process group
 joins trainer and engine. A trainer that dies mid-publish never reached the engine: the old weights keep
@@ -33,7 +34,7 @@ from __future__ import annotations
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -66,10 +67,14 @@ class TensorCastTrainerInitInfo(TrainerInitInfo):
 
 class StateDictSource(WeightSource):  # type: ignore[misc,valid-type]
     """A ``WeightSource`` over a ``{name: tensor}`` mapping, read again at each ``send_weights`` (update the
-    mapping between steps): for a trainer that holds a state dict rather than a module (``ModuleSource``)."""
+    mapping between steps): for a trainer that holds a state dict rather than a module (``ModuleSource``).
+    ``changed``: the names of the tensors that changed since the previous ``send_weights``, when the trainer
+    knows them (frozen layers): the others are not read at all (``publish(changed=...)``: a promise; a
+    tensor left out that did change is published with its old content). None: every tensor is checked."""
 
-    def __init__(self, state: Mapping[str, Any]) -> None:
+    def __init__(self, state: Mapping[str, Any], changed: Collection[str] | None = None) -> None:
         self.state = state
+        self.changed = changed
 
     def metadata(self) -> list[Any]:
         from vllm.distributed.weight_transfer.base import ParamMeta
@@ -117,7 +122,8 @@ class TensorCastTrainerWeightTransferEngine(TrainerWeightTransferEngine):  # typ
         if engine.is_sender:
             import tensorcast as tc
 
-            config = tc.Config.from_flat({"client.timeout": init_info.timeout})
+            # The trainer's environment and config file apply (TENSORCAST_WEIGHTS_DELTA_CHUNK_BYTES, ...).
+            config = tc.Config.load(overrides={"client.timeout": init_info.timeout})
             engine._tc = tc.connect(init_info.address, init_info.token, config=config)
             engine._publisher = engine._tc.publisher(init_info.model, keep_last=init_info.keep_last,
                                                      policy=init_info.policy)
@@ -131,7 +137,8 @@ class TensorCastTrainerWeightTransferEngine(TrainerWeightTransferEngine):  # typ
         state = {name: _host(t) for name, t in self.source}  # every rank: the gathers are collectives
         if not self.is_sender:
             return
-        published = self._publisher.publish(state, timeout=self.info.timeout)
+        published = self._publisher.publish(state, changed=getattr(self.source, "changed", None),
+                                            timeout=self.info.timeout)
         t1 = time.perf_counter()
         self.client.start_weight_update()
         self.client.update_weights({"version": published.version, "model": self.info.model})
@@ -146,6 +153,7 @@ class TensorCastTrainerWeightTransferEngine(TrainerWeightTransferEngine):  # typ
                 resume()
         self.last = {"version": published.version, "bytes": published.nbytes,
                      "changed_bytes": published.changed_bytes, "changed_tensors": published.changed_tensors,
+                     "delta_base": published.delta_base, "delta_bytes": published.delta_bytes,
                      "publish_seconds": t1 - t0, "stage_seconds": t2 - t1,
                      "load_seconds": time.perf_counter() - t2}
 

@@ -30,7 +30,7 @@ from tensorcast.instance.binding import BindingAdaptor
 from tensorcast.instance.runtime import serve
 from tensorcast.log import setup_logging
 from tensorcast.testing.instance_process import run_until_signalled
-from tensorcast.weights.versions import VERSION_TENSOR
+from tensorcast.weights.versions import META_TENSORS
 
 __all__ = ["RankHooks", "main"]
 
@@ -99,7 +99,7 @@ def _allocate(client: tc.Client, model: str, tp: tc.TP, rules: str) -> dict[str,
     art = client.artifact(f"{model}@v{client.publisher(model).latest()}")
     view = art.view(tp=tp, rules=resolve_rules(rules, art.info))
     return {n: torch.zeros(view.shape(n), dtype=getattr(torch, art.meta(n).dtype))
-            for n in view.tensor_names if n != VERSION_TENSOR}
+            for n in view.tensor_names if n not in META_TENSORS}
 
 
 def main() -> None:

@@ -2,9 +2,10 @@
 
 Owns: the key scheme of published weight versions (``{model}@v{N}``) and of the records bindings keep on the
 versions they use (``{model}@use/v{N}/{holder}``, caller-leased), the small tag tensor that makes every version
-its own artifact, choosing the next version number, the garbage-collection decision (the newest ``keep_last``
-versions, plus every version some binding uses, are kept), and the bounded backoff of waits for a newer
-version. Does not own: storing, listing or deleting anything (``client.publisher``, ``client.binding``).
+its own artifact (and the reserved names of such tensors), choosing the next version number, the
+garbage-collection decision (the newest ``keep_last`` versions, plus every version some binding uses, are
+kept), and the bounded backoff of waits for a newer version. Does not own: storing, listing or deleting
+anything (``client.publisher``, ``client.binding``).
 
 Why a tag tensor: artifacts are content-addressed, so two versions with equal tensors (or two models with
 the same state dict) would be one artifact with several keys. Deleting one key would still keep the other
@@ -24,12 +25,15 @@ import numpy as np
 
 from tensorcast.errors import InvalidArgument, clip
 
-__all__ = ["VERSION_TENSOR", "Backoff", "check_holder", "check_model", "gc_decision", "next_version",
-           "parse_use_key", "parse_version_key", "use_key", "use_prefix", "use_tag", "version_key",
-           "version_prefix", "version_tag", "versions_in_use"]
+__all__ = ["DELTA_TENSOR", "META_TENSORS", "VERSION_TENSOR", "Backoff", "check_holder", "check_model",
+           "gc_decision", "next_version", "parse_use_key", "parse_version_key", "use_key", "use_prefix", "use_tag",
+           "version_key", "version_prefix", "version_tag", "versions_in_use"]
 
-# The tag tensor every published version carries (bindings never bind it).
+# The tag tensor every published version carries, and the delta record a version published after another by
+# the same publisher may carry (``weights.delta``). Neither is a weight: bindings and loaders skip them.
 VERSION_TENSOR = "__tensorcast_version__"
+DELTA_TENSOR = "__tensorcast_delta__"
+META_TENSORS = frozenset({VERSION_TENSOR, DELTA_TENSOR})
 _DIGITS = re.compile(r"[0-9]{1,18}")
 
 
