@@ -31,6 +31,7 @@ Usage: python benchmarks/vllm_weight_transfer.py [--quick | --smoke] [--reps N] 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import statistics
 import tempfile
@@ -90,6 +91,17 @@ def step(state: dict[str, Any], kind: str, fraction: float, seed: int) -> tuple[
     return out, changed
 
 
+def cpu_binding(tp: int) -> dict[str, str]:
+    """vLLM's CPU build binds each rank's threads to cores; with one NUMA node it must be told which: this
+    process's cores split among the ranks (shared round-robin when there are fewer cores than ranks)."""
+    if tp == 1:
+        return {}
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // tp)
+    groups = [[cores[(r * per + i) % len(cores)] for i in range(per)] for r in range(tp)]
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, g)) for g in groups)}
+
+
 def engine_reads(log: Path, version: int) -> int:
     """The bytes the engine's first worker read for ``version`` (its log line: "staged ... vN (mode, B bytes
     read)")."""
@@ -142,12 +154,11 @@ def run_tp(args: Any, tp: int, model_dir: Path, work: Path) -> list[dict[str, An
     rows: list[dict[str, Any]] = []
     with running_cluster(workers=1) as cluster, \
             vllm_server(model_dir, work / f"serve-tp{tp}.log", address=cluster.address,
-                        extra=["--tensor-parallel-size", str(tp)]) as url:
+                        extra=["--tensor-parallel-size", str(tp)], env=cpu_binding(tp)) as url:
         trainer_info = TensorCastTrainerInitInfo(rank=0, address=cluster.address, model="bench-policy")
         source_state: dict[str, Any] = {}
         engine = WeightTransferTrainerFactory.trainer_init(
             trainer_info, client=TensorCastHTTPClient(url, timeout=600), source=StateDictSource(source_state))
-        errors = built_in_errors(url, state)
         idle = decode_rate(url, str(model_dir), args.decode)
         files = Path(tempfile.mkdtemp(prefix="tc-vllm-files-", dir="/dev/shm"))
         seed = 1
@@ -189,6 +200,8 @@ def run_tp(args: Any, tp: int, model_dir: Path, work: Path) -> list[dict[str, An
         post(url + "/update_weights", {"update_info": {"version": version}})
         staged = decode_rate(url, str(model_dir), args.decode)
         post(url + "/finish_weight_update")
+        # Last: a built-in backend's trainer side may reach the server before it fails, and leave it unusable.
+        errors = built_in_errors(url, state)
         rows.append({"tp": tp, "kind": "decode", "idle_tok_s": idle, "staged_tok_s": staged,
                      "ratio": staged / idle, "built_in_errors": errors})
         engine.shutdown()
