@@ -1,7 +1,8 @@
 """Sparse deltas between weight versions: chunking and records (pure), and a publisher's delta read back by a
 rollout engine's reader (``integrations.rollout_delta``) over a real worker: only the changed chunks move,
 within 1.2x of the bytes that changed, and they rebuild the new version exactly on top of the old one; a
-checksum that does not match, a malformed record, or a record from another base is refused or ignored."""
+checksum that does not match, a malformed record, a record from another base, or one that leaves out a tensor
+whose digest changed is refused or ignored."""
 
 from __future__ import annotations
 
@@ -86,10 +87,12 @@ def test_delta_between_only_for_the_same_layout_and_a_small_change() -> None:
     + b'"]]}}}',  # repeated
     b'{"base": 1, "tensors": {"a": {"rows": 4, "chunks": [[0, "short"]]}}}',
     b'{"base": 1, "tensors": {"a": {"rows": 4, "chunks": []}}}',
+    b'{"base": 1, "tensors": {"__tensorcast_version__": {"rows": 4, "chunks": [[0, "' + b"0" * 32 + b'"]]}}}',
 ])
 def test_malformed_delta_records_are_typed_errors(doc: bytes) -> None:
     with pytest.raises(InvalidArgument, match="malformed delta record"):
-        Delta.decode(np.frombuffer(doc, dtype=np.uint8), {"a": ((64, 64), 64 * 64 * 4)})
+        Delta.decode(np.frombuffer(doc, dtype=np.uint8), {"a": ((64, 64), 64 * 64 * 4),
+                                                          "__tensorcast_version__": ((20,), 20)})
 
 
 def test_a_rollout_reads_only_the_changed_chunks_and_rebuilds_the_version(tmp_path: object) -> None:
@@ -116,8 +119,10 @@ def test_a_rollout_reads_only_the_changed_chunks_and_rebuilds_the_version(tmp_pa
         assert second.delta_base == first.version and changed <= second.delta_bytes <= 1.2 * changed
 
         art = client.artifact(version_key("m", second.version))
-        assert delta_of(art, None) is None and delta_of(art, second.version) is None  # not a delta from those
-        delta = delta_of(art, first.version)
+        base = client.artifact(version_key("m", first.version)).info
+        assert delta_of(art, None, None) is None and delta_of(art, first.version, None) is None  # base unknown
+        assert delta_of(art, second.version, art.info) is None  # not a delta from that version
+        delta = delta_of(art, first.version, base)
         assert delta is not None
         rows, moved = read_changed(art, delta)
         assert moved == second.delta_bytes
@@ -138,8 +143,15 @@ def test_a_rollout_reads_only_the_changed_chunks_and_rebuilds_the_version(tmp_pa
 
         # A version whose delta record is malformed: read as a whole version (delta_of says None).
         bad = np.frombuffer(json.dumps({"base": first.version, "tensors": {"w": {"rows": 0}}}).encode(), np.uint8)
-        client.put({**{n: t for n, t in state.items()}, DELTA_TENSOR: bad}, key="m-bad")
-        assert delta_of(client.artifact("m-bad"), first.version) is None
+        client.put({**state, DELTA_TENSOR: bad}, key="m-bad")
+        assert delta_of(client.artifact("m-bad"), first.version, base) is None
+        # A well-formed record that leaves out a tensor that changed ("scale"): inconsistent with the base's
+        # digests, so not trusted (old bytes would keep serving).
+        partial = Delta(first.version, {"embed": delta.tensors["embed"]})
+        client.put({**state, DELTA_TENSOR: partial.encode()}, key="m-partial")
+        assert delta_of(client.artifact("m-partial"), first.version, base) is None
+        client.put({**state, "scale": old["scale"], DELTA_TENSOR: partial.encode()}, key="m-consistent")
+        assert delta_of(client.artifact("m-consistent"), first.version, base) == partial
 
         # A publish after most bytes changed carries no record.
         third = pub.publish({n: t + 1.0 for n, t in state.items()})

@@ -1,7 +1,8 @@
 """Reading a weight version as a rollout engine that holds the version before it: what changed only.
 
 Owns ``delta_of`` (a version's delta record, ``weights.delta``, when it applies to an engine serving version
-``active``; None otherwise: no record, another base, a malformed one, and the engine reads the whole version),
+``active`` and agrees with that version's record: every tensor it leaves out has its old digest; None
+otherwise: no record, another base, a malformed or inconsistent one, and the engine reads the whole version),
 ``read_changed`` (per changed tensor its changed runs of rows: mapped pool pages on the same host, no copy;
 one ranged fetch per run from another host; every chunk checked against the record's XXH3-128, so that what
 landed is what was published), and ``touched_layers`` (the tensors of every layer a delta touches, for an
@@ -22,8 +23,9 @@ import xxhash
 
 from tensorcast.errors import InvalidArgument, clip
 from tensorcast.integrations.rollout_checks import raw_bytes
+from tensorcast.records import ArtifactInfo
 from tensorcast.weights.delta import Delta, runs, with_rows
-from tensorcast.weights.versions import DELTA_TENSOR
+from tensorcast.weights.versions import DELTA_TENSOR, META_TENSORS
 
 __all__ = ["ChangedRows", "delta_of", "layer_of", "read_changed", "touched_layers"]
 
@@ -41,9 +43,12 @@ class ChangedRows:
     rows: Any  # a torch tensor of shape (rows, *shape[1:]), or the scalar
 
 
-def delta_of(art: Any, active: int | None) -> Delta | None:
-    """``art``'s delta record if it is a delta from ``active`` (an ``Artifact`` handle of a version)."""
-    if active is None or DELTA_TENSOR not in art.tensor_names:
+def delta_of(art: Any, active: int | None, base: ArtifactInfo | None) -> Delta | None:
+    """``art``'s delta record (``art``: an ``Artifact`` handle of a version) if it is a delta from version
+    ``active``, whose record is ``base``, and consistent with it: every tensor the record leaves out has the
+    digest it had in ``base`` (a record that missed a change would otherwise leave old bytes serving). None
+    otherwise, or when ``base`` is unknown (collected meanwhile): the reader reads the whole version."""
+    if active is None or base is None or DELTA_TENSOR not in art.tensor_names:
         return None
     layout = {t.name: (tuple(t.shape), t.nbytes) for t in art.info.tensors}
     try:
@@ -51,7 +56,16 @@ def delta_of(art: Any, active: int | None) -> Delta | None:
     except InvalidArgument as exc:
         log.warning("ignoring the delta record of %s (reading the whole version): %s", art.id, exc)
         return None
-    return delta if delta.base == active else None
+    if delta.base != active:
+        return None
+    before = {t.name: t.digest for t in base.tensors if t.name not in META_TENSORS}
+    now = {t.name: t.digest for t in art.info.tensors if t.name not in META_TENSORS}
+    stale = sorted(n for n in now if n not in delta.tensors and before.get(n) != now[n])
+    if stale or before.keys() != now.keys():
+        log.warning("ignoring the delta record of %s (reading the whole version): it leaves out changed tensors, "
+                    "e.g. %s", art.id, clip(stale[:1] or sorted(before.keys() ^ now.keys())[:1]))
+        return None
+    return delta
 
 
 def read_changed(art: Any, delta: Delta, verify: bool = True) -> tuple[list[ChangedRows], int]:

@@ -57,7 +57,7 @@ try:  # vLLM is optional: the checks below are tested without it
 except ImportError:  # pragma: no cover - exercised where vLLM is missing
     WeightTransferEngine = WeightTransferInitInfo = WeightTransferUpdateInfo = object
 
-from tensorcast.errors import InvalidArgument, clip
+from tensorcast.errors import InvalidArgument, NotFound, clip
 from tensorcast.integrations.rollout_checks import Layout, check_compatible, check_digests, layout_of_info
 from tensorcast.integrations.rollout_delta import ChangedRows, delta_of, read_changed, touched_layers
 from tensorcast.weights.versions import META_TENSORS, version_key
@@ -83,6 +83,7 @@ class TensorCastUpdateInfo(WeightTransferUpdateInfo):
 @dataclass
 class _Staged:
     version: int
+    model: str
     art: Any  # the version's Artifact handle
     mode: str = "full"  # full, layers (the tensors of the layers a delta touches) or rows
     tensors: dict[str, Any] | None = None  # full and layers, or
@@ -104,6 +105,7 @@ class TensorCastWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc
         self._loaded: Layout | None = None
         self._patches_work = True  # until a loader refuses vLLM's checkpoint patches
         self.active_version: int | None = None
+        self._active_model = ""
         self.last_update: dict[str, Any] = {}
 
     # ----------------------------------------------------------------- vLLM's hooks
@@ -137,8 +139,9 @@ class TensorCastWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc
         t0 = time.perf_counter()
         art = self._client.artifact(version_key(model, update_info.version), timeout=init.timeout)
         check_compatible(self._loaded, layout_of_info(art.info))  # a wrong model is refused before any read
-        staged = _Staged(update_info.version, art)
-        delta = delta_of(art, self.active_version)
+        staged = _Staged(update_info.version, model, art)
+        active = self.active_version if self._active_model == model else None
+        delta = delta_of(art, active, self._info_of(model, active, init))
         read = 0
         if delta is not None and self._patchable():
             rows, read = read_changed(art, delta, init.verify)
@@ -181,7 +184,7 @@ class TensorCastWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc
         elif staged.tensors:  # a delta that changed nothing (the same weights again) leaves the model as it is
             self._reload(staged.tensors, partial=staged.mode == "layers")
         self._loaded = self._loaded or layout_of_info(staged.art.info)
-        self.active_version = staged.version
+        self.active_version, self._active_model = staged.version, staged.model
         self.last_update["load_seconds"] = time.perf_counter() - t0
         log.info("TensorCast: loaded v%d (%s) in %.2f s", staged.version, self.last_update["mode"],
                  self.last_update["load_seconds"])
@@ -197,6 +200,15 @@ class TensorCastWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc
         if self._init is None or self._client is None:
             raise InvalidArgument("init_weight_transfer_engine first")
         return self._init
+
+    def _info_of(self, model: str, version: int | None, init: TensorCastInitInfo) -> Any:
+        """Version ``version``'s record (its tensors' digests), None if there is none (any longer)."""
+        if version is None:
+            return None
+        try:
+            return self._client.artifact(version_key(model, version), timeout=init.timeout).info
+        except NotFound:
+            return None
 
     def _read(self, art: Any, names: list[str] | None, verify: bool) -> dict[str, Any]:
         """The version's weights (``names`` of them), checked against their digests."""

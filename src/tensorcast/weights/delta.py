@@ -25,7 +25,7 @@ import numpy as np
 import xxhash
 
 from tensorcast.errors import InvalidArgument, clip
-from tensorcast.weights.versions import check_version
+from tensorcast.weights.versions import META_TENSORS, check_version
 
 __all__ = ["DIGEST_BYTES", "MAX_DELTA_FRACTION", "Chunking", "Delta", "TensorChunks", "changed_chunks",
            "chunk_digests", "chunking", "delta_between", "runs"]
@@ -123,6 +123,8 @@ class Delta:
             base = check_version(doc["base"], "a delta's base")
             tensors: dict[str, tuple[int, tuple[tuple[int, str], ...]]] = {}
             for name, entry in doc["tensors"].items():
+                if name in META_TENSORS:
+                    raise ValueError(f"{name!r} is not a weight")
                 shape, nbytes = layout[name]
                 per_chunk = entry["rows"]
                 if not isinstance(per_chunk, int) or per_chunk < 1:
