@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -171,7 +171,7 @@ class WeightsConfig(msgspec.Struct, frozen=True, kw_only=True):
     # A publisher checksums each tensor in chunks of about this many bytes (whole rows), so that a version
     # records which chunks changed since the previous one and a reader holding that one reads those only
     # (weights.delta). Smaller: finer deltas, a larger record (16 bytes of checksum per chunk at the publisher).
-    delta_chunk_bytes: int = 256 * 1024
+    delta_chunk_bytes: Annotated[int, msgspec.Meta(ge=1)] = 256 * 1024
 
 
 class TransportConfig(msgspec.Struct, frozen=True, kw_only=True):

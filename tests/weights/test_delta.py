@@ -170,3 +170,12 @@ def test_layers_a_delta_touches() -> None:
     assert touched_layers(["model.layers.1.mlp.up_proj.weight"], names) == ["model.layers.1.mlp.up_proj.weight"]
     assert touched_layers(["model.layers.0.mlp.up_proj.weight", "model.norm.weight"], names) == [
         "model.layers.0.input_norm.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight"]
+
+
+@pytest.mark.parametrize("value", [0, -1, "0B"])
+def test_a_chunk_size_below_one_byte_is_refused_when_the_config_loads(value: object) -> None:
+    import tensorcast as tc
+
+    with pytest.raises(InvalidArgument, match="delta_chunk_bytes"):
+        tc.Config.from_flat({"weights.delta_chunk_bytes": value})
+    assert tc.Config.from_flat({"weights.delta_chunk_bytes": "64KiB"}).weights.delta_chunk_bytes == 65536
