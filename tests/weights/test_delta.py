@@ -88,6 +88,11 @@ def test_delta_between_only_for_the_same_layout_and_a_small_change() -> None:
     b'{"base": 1, "tensors": {"a": {"rows": 4, "chunks": [[0, "short"]]}}}',
     b'{"base": 1, "tensors": {"a": {"rows": 4, "chunks": []}}}',
     b'{"base": 1, "tensors": {"__tensorcast_version__": {"rows": 4, "chunks": [[0, "' + b"0" * 32 + b'"]]}}}',
+    b'{"base": 1, "tensors": {"a": {"rows": true, "chunks": [[0, "' + b"0" * 32 + b'"]]}}}',
+    b'{"base": 1, "tensors": {"a": {"rows": 4, "chunks": [[1.5, "' + b"0" * 32 + b'"]]}}}',
+    b'{"base": 1, "tensors": {"a": {"rows": 4, "chunks": [["1", "' + b"0" * 32 + b'"]]}}}',
+    b'{"base": 1, "tensors": {"a": {"rows": 4, "chunks": [[1, "' + b"z" * 32 + b'"]]}}}',  # not hex
+    b"[" * 100000 + b"]" * 100000,  # nested deeper than the parser recurses
 ])
 def test_malformed_delta_records_are_typed_errors(doc: bytes) -> None:
     with pytest.raises(InvalidArgument, match="malformed delta record"):

@@ -222,9 +222,10 @@ class AsyncWeightPublisher:
         along. Through another gateway if this one goes away, like ``AsyncClient.put``. Remembers each
         tensor's checksums once the version is stored."""
         inputs = await asyncio.to_thread(normalize_tensors, tensors)
-        chunks = await asyncio.to_thread(self._reuse_digests, inputs, changed)
-        delta = None if self._seen_version is None else delta_between(
-            self._seen_version, {n: seen[0] for n, seen in self._seen.items()},  # the tag is not remembered
+        seen, seen_version = self._seen, self._seen_version  # one snapshot, should publishes overlap
+        chunks = await asyncio.to_thread(self._reuse_digests, inputs, changed, seen)
+        delta = None if seen_version is None else delta_between(
+            seen_version, {n: s[0] for n, s in seen.items()},  # the tag is not remembered
             {n: c for n, c in chunks.items() if n != VERSION_TENSOR})
         if delta is not None:  # in name order, like every put's tensors (the worker's segments follow it)
             inputs = sorted(inputs + normalize_tensors({DELTA_TENSOR: delta.encode()}), key=lambda t: t.name)
@@ -252,12 +253,14 @@ class AsyncWeightPublisher:
         self._seen = {t.name: (chunks[t.name], stored[t.name]) for t in inputs if t.name not in META_TENSORS}
         self._seen_version = version or None
 
-    def _reuse_digests(self, inputs: list[TensorInput], changed: Collection[str] | None) -> dict[str, TensorChunks]:
+    def _reuse_digests(self, inputs: list[TensorInput], changed: Collection[str] | None,
+                       seen: Mapping[str, tuple[TensorChunks, str]] | None = None) -> dict[str, TensorChunks]:
         """Give the inputs whose bytes are the previous publish's (``changed`` leaves them out, or their
         chunks' XXH3-128 are unchanged) that publish's BLAKE3 digest; the others keep none (the put computes
-        it). Returns every input's chunks (those ``changed`` leaves out: as they were, not read)."""
-        same = {t.name: b for t in inputs
-                if (b := self._seen.get(t.name)) is not None and b[0][:2] == (t.dtype, t.shape)}
+        it). Returns every input's chunks (those ``changed`` leaves out: as they were, not read). ``seen``: what
+        the previous publish stored (default: this publisher's, now)."""
+        seen = self._seen if seen is None else seen
+        same = {t.name: b for t in inputs if (b := seen.get(t.name)) is not None and b[0][:2] == (t.dtype, t.shape)}
         check = [t for t in inputs if t.name not in same or changed is None or t.name in changed]
         cuts = [chunking(t.shape, t.nbytes, self.chunk_bytes) for t in check]
         digests = _chunk_digests_all([(t.data, cut) for t, cut in zip(check, cuts, strict=True)])

@@ -47,7 +47,7 @@ def delta_of(art: Any, active: int | None, base: ArtifactInfo | None) -> Delta |
     """``art``'s delta record (``art``: an ``Artifact`` handle of a version) if it is a delta from version
     ``active``, whose record is ``base``, and consistent with it: every tensor the record leaves out has the
     digest it had in ``base`` (a record that missed a change would otherwise leave old bytes serving). None
-    otherwise, or when ``base`` is unknown (collected meanwhile): the reader reads the whole version."""
+    otherwise, or when ``base`` is None (nothing served yet): the reader reads the whole version."""
     if active is None or base is None or DELTA_TENSOR not in art.tensor_names:
         return None
     layout = {t.name: (tuple(t.shape), t.nbytes) for t in art.info.tensors}

@@ -24,8 +24,8 @@ routes (``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_we
   two steps of the engine: no step sees a mix; a layers delta reloads those layers only (the others keep their
   tensors). A rows delta is written in place through vLLM's checkpoint patches
   (``load_checkpoint_weight_patches``: the model's own loaders map checkpoint rows to this rank's parameters,
-  packed ones included); should a loader refuse the patch, the whole version is loaded instead, and every
-  later update too. The trainer pauses the engine around it (``/pause``, in-flight requests drained, the
+  packed ones included); should vLLM refuse the patch, the whole version is loaded instead, and later deltas
+  reload layers. The trainer pauses the engine around it (``/pause``, in-flight requests drained, the
   prefix cache cleared: cached KV came from the old weights) and resumes it after. The engine knows the
   version it loaded itself: weights loaded by another route meanwhile (``reload_weights``) must be the same.
 
@@ -57,7 +57,7 @@ try:  # vLLM is optional: the checks below are tested without it
 except ImportError:  # pragma: no cover - exercised where vLLM is missing
     WeightTransferEngine = WeightTransferInitInfo = WeightTransferUpdateInfo = object
 
-from tensorcast.errors import InvalidArgument, NotFound, clip
+from tensorcast.errors import InvalidArgument, clip
 from tensorcast.integrations.rollout_checks import Layout, check_compatible, check_digests, layout_of_info
 from tensorcast.integrations.rollout_delta import ChangedRows, delta_of, read_changed, touched_layers
 from tensorcast.weights.versions import META_TENSORS, version_key
@@ -106,6 +106,7 @@ class TensorCastWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc
         self._patches_work = True  # until a loader refuses vLLM's checkpoint patches
         self.active_version: int | None = None
         self._active_model = ""
+        self._active_info: Any = None  # the served version's record: a delta's consistency is checked against it
         self.last_update: dict[str, Any] = {}
 
     # ----------------------------------------------------------------- vLLM's hooks
@@ -119,6 +120,8 @@ class TensorCastWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc
         if not init_info.timeout > 0:
             raise InvalidArgument(f"timeout must be > 0, got {clip(init_info.timeout)}")
         self.shutdown()
+        # Another cluster, or this one wiped, may number other weights alike: the next update is a whole one.
+        self.active_version, self._active_info = None, None
         self._client = tc.connect(address, config=tc.Config.from_flat({"client.timeout": init_info.timeout}))
         self._init = init_info
 
@@ -141,7 +144,7 @@ class TensorCastWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc
         check_compatible(self._loaded, layout_of_info(art.info))  # a wrong model is refused before any read
         staged = _Staged(update_info.version, model, art)
         active = self.active_version if self._active_model == model else None
-        delta = delta_of(art, active, self._info_of(model, active, init))
+        delta = delta_of(art, active, self._active_info)
         read = 0
         if delta is not None and self._patchable():
             rows, read = read_changed(art, delta, init.verify)
@@ -169,12 +172,13 @@ class TensorCastWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc
                                   "not called): the model is unchanged")
         staged, self._staged = self._staged, None
         t0 = time.perf_counter()
-        self.active_version = None  # until this load completes: a load that fails midway leaves a mix, and the
-        # next update must then be a whole version, not a delta from the one served before
-        if staged.rows is not None:
+        # Until this load completes: one that fails midway leaves a mix, and the next update must then be a
+        # whole version, not a delta from the one served before.
+        self.active_version, self._active_info = None, None
+        if staged.rows:
             try:
                 self._patch(staged.rows)
-            except (NotImplementedError, ValueError, TypeError, AttributeError) as exc:
+            except (NotImplementedError, ValueError, TypeError, AttributeError, ImportError, RuntimeError) as exc:
                 # Some parameters may be patched already: the whole version overwrites every one of them.
                 log.warning("TensorCast: vLLM's checkpoint patches refused (%s); loading the whole version now, "
                             "and reloading layers on later deltas", exc)
@@ -182,9 +186,10 @@ class TensorCastWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc
                 self.last_update["mode"] = "full"
                 self._reload(self._read(staged.art, None, self._require_init().verify))
         elif staged.tensors:  # a delta that changed nothing (the same weights again) leaves the model as it is
+            # (no rows, or no layer touched)
             self._reload(staged.tensors, partial=staged.mode == "layers")
         self._loaded = self._loaded or layout_of_info(staged.art.info)
-        self.active_version, self._active_model = staged.version, staged.model
+        self.active_version, self._active_model, self._active_info = staged.version, staged.model, staged.art.info
         self.last_update["load_seconds"] = time.perf_counter() - t0
         log.info("TensorCast: loaded v%d (%s) in %.2f s", staged.version, self.last_update["mode"],
                  self.last_update["load_seconds"])
@@ -200,15 +205,6 @@ class TensorCastWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc
         if self._init is None or self._client is None:
             raise InvalidArgument("init_weight_transfer_engine first")
         return self._init
-
-    def _info_of(self, model: str, version: int | None, init: TensorCastInitInfo) -> Any:
-        """Version ``version``'s record (its tensors' digests), None if there is none (any longer)."""
-        if version is None:
-            return None
-        try:
-            return self._client.artifact(version_key(model, version), timeout=init.timeout).info
-        except NotFound:
-            return None
 
     def _read(self, art: Any, names: list[str] | None, verify: bool) -> dict[str, Any]:
         """The version's weights (``names`` of them), checked against their digests."""

@@ -58,7 +58,7 @@ class TensorCastWeightSync:
 
     def tensorcast_prepare(self, model: str, version: int | None = None, address: str | None = None) -> int:
         from tensorcast.errors import NotFound
-        from tensorcast.weights.versions import version_key
+        from tensorcast.weights.versions import META_TENSORS, version_key
 
         client = self._tc(address)
         if version is None:
@@ -68,7 +68,8 @@ class TensorCastWeightSync:
         t0 = time.perf_counter()
         art = client.artifact(version_key(model, version))
         tensors = art.tensor_dict(like="torch")
-        tensors.pop("__tensorcast_version__", None)  # the publisher's tag, not a weight
+        for name in META_TENSORS:
+            tensors.pop(name, None)  # the publisher's tag and delta record, not weights
         self._tc_prepared = (version, tensors)
         log.info("TensorCast: prepared %s v%d (%d tensors, %d bytes) in %.2f s via %s", model, version, len(tensors),
                  art.nbytes, time.perf_counter() - t0, art.last_diagnostics.transport if art.last_diagnostics else "?")

@@ -11,7 +11,8 @@ Why rows: a flat byte range inside a row is not something vLLM's loaders or a vi
 is, at any tensor-parallel split along either dimension (the loader maps checkpoint coordinates). A tensor of
 one huge row is one chunk. Why XXH3-128 rather than the pool's BLAKE3: it runs at memory speed on one core (the
 publisher's one pass over the bytes), and it guards against torn or misplaced bytes, not against the publisher.
-Does not own: publishing (``client.publisher``), reading or applying a delta (``integrations.vllm_transfer``).
+Does not own: publishing (``client.publisher``), reading a delta (``integrations.rollout_delta``) or applying
+one (``integrations.vllm_transfer``).
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ def chunking(shape: Sequence[int], nbytes: int, chunk_bytes: int) -> Chunking:
 
 # What a publisher keeps of each tensor it published: (dtype, shape, its chunking, its chunk digests).
 TensorChunks = tuple[str, tuple[int, ...], Chunking, bytes]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def with_rows(shape: Sequence[int], nbytes: int, per_chunk: int) -> Chunking:
@@ -127,16 +132,17 @@ class Delta:
                     raise ValueError(f"{name!r} is not a weight")
                 shape, nbytes = layout[name]
                 per_chunk = entry["rows"]
-                if not isinstance(per_chunk, int) or per_chunk < 1:
+                if not _is_int(per_chunk) or per_chunk < 1:
                     raise ValueError(f"tensor {name!r}: rows per chunk {per_chunk!r}")
                 cut = with_rows(shape, nbytes, per_chunk)
-                chunks = tuple((int(i), str(h)) for i, h in entry["chunks"])
-                if not chunks or \
-                        any(not 0 <= i < cut.count or len(h) != 2 * DIGEST_BYTES for i, h in chunks) or \
+                chunks = tuple((i, h) for i, h in entry["chunks"])
+                if not chunks or any(not _is_int(i) or not isinstance(h, str) for i, h in chunks):
+                    raise ValueError(f"tensor {name!r}: chunks are [index, hex digest] pairs")
+                if any(not 0 <= i < cut.count or len(bytes.fromhex(h)) != DIGEST_BYTES for i, h in chunks) or \
                         [i for i, _ in chunks] != sorted({i for i, _ in chunks}):
                     raise ValueError(f"tensor {name!r}: chunks out of range, unsorted or repeated")
                 tensors[name] = (per_chunk, chunks)
-        except (ValueError, KeyError, TypeError, AttributeError, InvalidArgument) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError, InvalidArgument) as exc:
             raise InvalidArgument(f"malformed delta record: {clip(str(exc))}") from exc
         return cls(base, tensors)
 
