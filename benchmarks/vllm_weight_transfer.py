@@ -31,7 +31,6 @@ Usage: python benchmarks/vllm_weight_transfer.py [--quick | --smoke] [--reps N] 
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import statistics
 import tempfile
@@ -91,17 +90,6 @@ def step(state: dict[str, Any], kind: str, fraction: float, seed: int) -> tuple[
     return out, changed
 
 
-def cpu_binding(tp: int) -> dict[str, str]:
-    """vLLM's CPU build binds each rank's threads to cores; with one NUMA node it must be told which: this
-    process's cores split among the ranks (shared round-robin when there are fewer cores than ranks)."""
-    if tp == 1:
-        return {}
-    cores = sorted(os.sched_getaffinity(0))
-    per = max(1, len(cores) // tp)
-    groups = [[cores[(r * per + i) % len(cores)] for i in range(per)] for r in range(tp)]
-    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, g)) for g in groups)}
-
-
 def engine_reads(log: Path, version: int) -> int:
     """The bytes the engine's first worker read for ``version`` (its log line: "staged ... vN (mode, B bytes
     read)")."""
@@ -153,8 +141,7 @@ def run_tp(args: Any, tp: int, model_dir: Path, work: Path) -> list[dict[str, An
     state = load_file(str(model_dir / "model.safetensors"))
     rows: list[dict[str, Any]] = []
     with running_cluster(workers=1) as cluster, \
-            vllm_server(model_dir, work / f"serve-tp{tp}.log", address=cluster.address,
-                        extra=["--tensor-parallel-size", str(tp)], env=cpu_binding(tp)) as url:
+            vllm_server(model_dir, work / f"serve-tp{tp}.log", address=cluster.address, tp=tp) as url:
         trainer_info = TensorCastTrainerInitInfo(rank=0, address=cluster.address, model="bench-policy")
         source_state: dict[str, Any] = {}
         engine = WeightTransferTrainerFactory.trainer_init(

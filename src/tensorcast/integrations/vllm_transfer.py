@@ -130,7 +130,37 @@ class TensorCastWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class would synchronize the accelerator: nothing runs on it until finish.
-        self.receive_weights(self.parse_update_info(update_info))
+        error: Exception | None = None
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except Exception as exc:  # every rank learns of every failure below, then one raises
+            error = exc
+        self._agree(error)
+
+    def _agree(self, error: Exception | None) -> None:
+        """All ranks of this engine stage the update or none does, and one error answers for them. vLLM's
+        multiprocess executor reads the ranks' answers in rank order and stops at the first failure, leaving
+        the others' answers to be taken for the next call's (vLLM 0.32): so the ranks exchange their outcome,
+        every one drops its staged version if any failed, and only the last rank raises."""
+        group, rank, size = _engine_ranks()
+        if size == 1:
+            if error is not None:
+                raise error
+            return
+        import torch.distributed as dist
+
+        outcomes: list[Any] = [None] * size
+        dist.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}", group=group)
+        failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
+        if not failed:
+            return
+        self._staged = None
+        if rank == size - 1:
+            if error is not None:
+                raise error
+            r, outcome = failed[0]
+            raise InvalidArgument(f"rank {r} of this engine could not stage the update (the model is unchanged): "
+                                  f"{clip(outcome)}")
 
     def receive_weights(self, update_info: TensorCastUpdateInfo) -> None:
         init = self._require_init()
@@ -262,6 +292,21 @@ class TensorCastWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc
             patches.append(CheckpointWeightPatch(name=name, shape=shape, dtype=values.dtype, values=values,
                                                  indices=index.to(self.device)))
         load_checkpoint_weight_patches(self.model, patches, validate_unique_indices=False)
+
+
+def _engine_ranks() -> tuple[Any, int, int]:
+    """This engine's tensor-parallel ranks (the workers its executor answers for, without pipeline stages):
+    (their CPU process group, this rank, how many). One rank where vLLM's groups are not set up, and with
+    pipeline parallelism (not covered: there the first failure answers, as in vLLM)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        if get_pp_group().world_size != 1:
+            return None, 0, 1
+        group = get_tp_group()
+        return group.cpu_group, group.rank_in_group, group.world_size
+    except (ImportError, AssertionError, AttributeError):
+        return None, 0, 1
 
 
 def _patchable_rows(t: Any) -> bool:

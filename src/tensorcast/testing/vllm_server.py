@@ -25,7 +25,7 @@ from typing import Any
 
 from tensorcast.errors import Unavailable
 
-__all__ = ["post", "vllm_server", "with_tokenizer"]
+__all__ = ["cpu_binding", "post", "vllm_server", "with_tokenizer"]
 
 
 def with_tokenizer(model_dir: Path) -> Path:
@@ -56,19 +56,33 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def cpu_binding(tp: int) -> dict[str, str]:
+    """vLLM's CPU build binds each rank's threads to cores and, with one NUMA node, must be told which
+    (``VLLM_CPU_OMP_THREADS_BIND``): this process's cores split among the ranks (shared round-robin when there
+    are fewer cores than ranks). Nothing for one rank."""
+    if tp == 1:
+        return {}
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // tp)
+    groups = [[cores[(r * per + i) % len(cores)] for i in range(per)] for r in range(tp)]
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, g)) for g in groups)}
+
+
 @contextlib.contextmanager
 def vllm_server(model_dir: Path, log: Path, *, address: str = "", transfer: str | None = "tensorcast",
                 extra: Sequence[str] = (), startup_timeout: float = 600.0,
-                env: dict[str, str] | None = None) -> Iterator[str]:
+                env: dict[str, str] | None = None, tp: int = 1) -> Iterator[str]:
     """Serve ``model_dir`` (float32, eager, 256 tokens); yields its base URL. ``transfer``: the weight-transfer
-    backend (None: none); ``address``: the cluster's gateway (``TENSORCAST_ADDRESS``)."""
+    backend (None: none); ``address``: the cluster's gateway (``TENSORCAST_ADDRESS``); ``tp``: tensor-parallel
+    ranks (their threads bound to this process's cores, ``cpu_binding``)."""
     port = _free_port()
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "256",
-            "--enforce-eager", "--max-logprobs", "5", *extra]
+            "--enforce-eager", "--max-logprobs", "5", "--tensor-parallel-size", str(tp), *extra]
     if transfer is not None:
         args += ["--weight-transfer-config", json.dumps({"backend": transfer})]
-    environ = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+    environ = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **cpu_binding(tp),
+               **(env or {})}
     if address:
         environ["TENSORCAST_ADDRESS"] = address
     with log.open("w") as out:
