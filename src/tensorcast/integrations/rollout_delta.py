@@ -72,9 +72,9 @@ def read_changed(art: Any, delta: Delta, verify: bool = True) -> tuple[list[Chan
     """The changed rows of ``art`` per ``delta`` and the bytes read. The k-th run of every tensor is read in
     the k-th view (a round trip each), so that a delta spread over many tensors costs few round trips."""
     metas = {t.name: t for t in art.info.tensors}
-    plan = {name: (with_rows(tuple(metas[name].shape), metas[name].nbytes, per_chunk), chunks)
+    plan = {name: (with_rows(tuple(metas[name].shape), metas[name].nbytes, per_chunk), dict(chunks))
             for name, (per_chunk, chunks) in delta.tensors.items()}
-    spans = {name: runs([i for i, _ in chunks]) for name, (_, chunks) in plan.items()}
+    spans = {name: runs(sorted(expected)) for name, (_, expected) in plan.items()}
     out: list[ChangedRows] = []
     moved = 0
     for k in range(max((len(r) for r in spans.values()), default=0)):
@@ -85,13 +85,12 @@ def read_changed(art: Any, delta: Delta, verify: bool = True) -> tuple[list[Chan
                 slices[name] = [(0, slice(r0, r1))] if metas[name].shape else []
         got = art.view(slices).tensor_dict(like="torch")
         for name in slices:
-            cut, chunks = plan[name]
+            cut, expected = plan[name]
             first, end = spans[name][k]
             data = raw_bytes(got[name])
             moved += int(data.nbytes)
             mv = data.data
             if verify:
-                expected = dict(chunks)
                 step = cut.per_chunk * cut.row_bytes
                 for i in range(first, end):
                     if xxhash.xxh3_128_hexdigest(mv[(i - first) * step:(i - first + 1) * step]) != expected[i]:

@@ -59,11 +59,16 @@ class Chunking:
         return (r1 - r0) * self.row_bytes
 
 
+def _rows(shape: Sequence[int], nbytes: int) -> tuple[int, int]:
+    """A tensor's rows (its first dimension; a scalar is one row) and the bytes of each."""
+    rows = int(shape[0]) if shape else 1
+    return rows, nbytes // rows if rows else 0
+
+
 def chunking(shape: Sequence[int], nbytes: int, chunk_bytes: int) -> Chunking:
     if chunk_bytes < 1:
         raise InvalidArgument(f"chunk_bytes must be >= 1, got {clip(chunk_bytes)}")
-    rows = int(shape[0]) if shape else 1
-    row_bytes = nbytes // rows if rows else 0
+    rows, row_bytes = _rows(shape, nbytes)
     return Chunking(rows, row_bytes, max(1, chunk_bytes // row_bytes) if row_bytes else max(1, rows))
 
 
@@ -77,8 +82,7 @@ def _is_int(v: Any) -> bool:
 
 def with_rows(shape: Sequence[int], nbytes: int, per_chunk: int) -> Chunking:
     """The chunking of a tensor with ``per_chunk`` rows to a chunk (as a delta record states it)."""
-    cut = chunking(shape, nbytes, 1)
-    return Chunking(cut.rows, cut.row_bytes, per_chunk)
+    return Chunking(*_rows(shape, nbytes), per_chunk)
 
 
 def chunk_digests(data: np.ndarray[Any, np.dtype[np.uint8]], cut: Chunking) -> bytes:
