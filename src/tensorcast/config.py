@@ -232,6 +232,17 @@ class KVConfig(msgspec.Struct, frozen=True, kw_only=True):
     # A home that stops serving a shard keeps its pages this long for the next holder to pull (a hand-over)
     # before it drops them; one of the shard's best-ranked homes (kv.replicas of them) keeps them.
     handover_keep_seconds: float = 30.0
+    # KV events (vLLM's KVEventBatch over ZeroMQ, docs/kv-engines.md): "" = off; else the endpoint this
+    # shard home's PUB socket binds ("tcp://127.0.0.1:0": a free port, reported by list_workers() as
+    # kv_events_url), the ROUTER endpoint answering replays ("" = none), and the topic of every message.
+    events_endpoint: str = ""
+    events_replay_endpoint: str = ""
+    events_topic: str = "tensorcast"
+    # Batches a replay can reach back (the publisher's buffer).
+    events_buffer: int = 10_000
+    # The stream is unauthenticated (vLLM's, which routers speak): it names the cached blocks' hashes, never
+    # bytes. Off: endpoints must be loopback or ipc://; on: any interface (a trusted network only).
+    events_allow_remote: bool = False
 
 
 class ClientConfig(msgspec.Struct, frozen=True, kw_only=True):

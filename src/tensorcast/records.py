@@ -102,6 +102,10 @@ class WorkerInfo(WorkerLoad, kw_only=True):
     data_address: str = ""
     # Where this worker serves Prometheus metrics ("" when metrics are off).
     metrics_url: str = ""
+    # Where its shard home publishes KV events and answers replays (kv.events_endpoint and
+    # kv.events_replay_endpoint as bound; "" when off).
+    kv_events_url: str = ""
+    kv_events_replay_url: str = ""
 
     @property
     def load(self) -> WorkerLoad:

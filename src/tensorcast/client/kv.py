@@ -235,12 +235,13 @@ class AsyncKV:
         return out
 
     async def get_into(self, keys: Sequence[str], buffers: Sequence[Any], *,
-                       layout: KVLayout | None = None) -> list[bool]:
+                       layout: KVLayout | None = None, exact: bool = False) -> list[bool]:
         """Zero-copy variant: receive each hit straight into the caller's buffer (numpy array, torch CPU
         tensor or writable memoryview of at least the page size). Returns hit flags. With ``layout``, each
         buffer must be exactly one page of it, and a stored page of another size is ``InvalidArgument``, never
         a hit; without, a page smaller than its buffer fills the buffer's first bytes (the rest is left as it
-        was) and is a hit, and one larger is ``InvalidArgument``."""
+        was) and is a hit, and one larger is ``InvalidArgument``; with ``exact``, any page whose size is not its
+        buffer's is ``InvalidArgument``."""
         if len(keys) != len(buffers):
             raise InvalidArgument("keys and buffers differ in length")
         targets = [_page_view(b, i, sys.maxsize) for i, b in enumerate(buffers)]
@@ -256,7 +257,8 @@ class AsyncKV:
                 views = []
                 for j, size in zip(idx, reply.sizes, strict=True):
                     if size >= 0:
-                        if size > targets[j].nbytes or (layout is not None and size != layout.page_bytes):
+                        if size > targets[j].nbytes or (layout is not None and size != layout.page_bytes) \
+                                or (exact and size != targets[j].nbytes):
                             raise InvalidArgument(f"page {keys[j]} has {size} bytes; its buffer holds "
                                                   f"{targets[j].nbytes}" + ("" if layout is None else
                                                   f", and a page of this layout is {layout.page_bytes}"))

@@ -46,9 +46,10 @@ class KV:
     def get(self, keys: Sequence[str]) -> list[Any]:
         return self._run(self.inner.get(keys))
 
-    def get_into(self, keys: Sequence[str], buffers: Sequence[Any], *, layout: KVLayout | None = None) -> list[bool]:
-        """Receive pages straight into buffers; see ``AsyncKV.get_into`` (sizes, ``layout`` checks)."""
-        return self._run(self.inner.get_into(keys, buffers, layout=layout))
+    def get_into(self, keys: Sequence[str], buffers: Sequence[Any], *, layout: KVLayout | None = None,
+                 exact: bool = False) -> list[bool]:
+        """Receive pages straight into buffers; see ``AsyncKV.get_into`` (sizes, ``layout`` and ``exact``)."""
+        return self._run(self.inner.get_into(keys, buffers, layout=layout, exact=exact))
 
     def exists(self, keys: Sequence[str]) -> int:
         """How many leading keys are present; see ``AsyncKV.exists``. Answered on this thread when same-host

@@ -31,7 +31,8 @@ __all__ = ["SqliteBackend"]
 
 # The workers table: identity columns, then one per WorkerLoad field (same names).
 _WORKER_COLUMNS = ("worker_id", "address", "host_id", "roles", "pid", "incarnation", "registered_at", "last_heartbeat",
-                   "data_address", "metrics_url", *WorkerLoad.__struct_fields__)
+                   "data_address", "metrics_url", "kv_events_url", "kv_events_replay_url",
+                   *WorkerLoad.__struct_fields__)
 _WORKER_SELECT = ", ".join(_WORKER_COLUMNS)
 _HEARTBEAT_SQL = (f"UPDATE workers SET last_heartbeat=?, {', '.join(f'{f}=?' for f in WorkerLoad.__struct_fields__)} "
                   "WHERE worker_id=? AND incarnation=?")
@@ -116,7 +117,8 @@ class SqliteBackend(SqliteArtifacts):
             db.execute(
                 f"INSERT OR REPLACE INTO workers ({_WORKER_SELECT}) VALUES ({', '.join('?' * len(_WORKER_COLUMNS))})",
                 (worker.worker_id, worker.address, worker.host_id, json.dumps(list(worker.roles)), worker.pid,
-                 incarnation, now, now, worker.data_address, worker.metrics_url,
+                 incarnation, now, now, worker.data_address, worker.metrics_url, worker.kv_events_url,
+                 worker.kv_events_replay_url,
                  *msgspec.structs.astuple(worker.load)),
             )
             lost = [r[0] for r in db.execute(

@@ -36,6 +36,8 @@ CREATE TABLE IF NOT EXISTS workers (
     transfers_in_flight INTEGER NOT NULL DEFAULT 0,
     memory_prefaulted INTEGER NOT NULL DEFAULT 0,
     metrics_url TEXT NOT NULL DEFAULT '',
+    kv_events_url TEXT NOT NULL DEFAULT '',
+    kv_events_replay_url TEXT NOT NULL DEFAULT '',
     plans_in_flight INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS artifacts (
@@ -113,7 +115,9 @@ def migrate(db: sqlite3.Connection) -> None:
         have = _columns(db, "workers")
         for column, decl in (("memory_prefaulted", "INTEGER NOT NULL DEFAULT 0"),
                              ("metrics_url", "TEXT NOT NULL DEFAULT ''"),
-                             ("plans_in_flight", "INTEGER NOT NULL DEFAULT 0")):
+                             ("plans_in_flight", "INTEGER NOT NULL DEFAULT 0"),
+                             ("kv_events_url", "TEXT NOT NULL DEFAULT ''"),
+                             ("kv_events_replay_url", "TEXT NOT NULL DEFAULT ''")):
             if column not in have:
                 db.execute(f"ALTER TABLE workers ADD COLUMN {column} {decl}")
         if "expiry" not in _columns(db, "keys"):

@@ -28,6 +28,8 @@ from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument, TensorCastError
 from tensorcast.kv.census import HomeCensus
 from tensorcast.kv.custody import Custody, serve_at_once
+from tensorcast.kv.event_stream import EventPublisher, check_endpoint
+from tensorcast.kv.events import PageEvents
 from tensorcast.kv.fencing import ServedLeases
 from tensorcast.kv.handover import Handover
 from tensorcast.kv.hrw import candidates
@@ -81,6 +83,15 @@ class ShardHome:
         self._wake = asyncio.Event()  # a peer released shards: run the loop now
         self._last_renewal = 0.0  # monotonic time the last renewal was sent (for the renewal-lag metric)
         self._draining = False
+        self.events: EventPublisher | None = None  # KV events of this home's pages (kv.events_endpoint)
+        if config.events_endpoint:
+            check_endpoint(config.events_endpoint, config.events_allow_remote)
+            if config.events_replay_endpoint:
+                check_endpoint(config.events_replay_endpoint, config.events_allow_remote,
+                               "kv.events_replay_endpoint")
+            self.events = EventPublisher(config.events_endpoint, topic=config.events_topic,
+                                         replay_endpoint=config.events_replay_endpoint or None,
+                                         buffer_batches=config.events_buffer)
 
     def register(self, registry: HandlerRegistry) -> None:
         self.pages.register(registry)
@@ -89,6 +100,10 @@ class ShardHome:
         registry.register(KVShardsReleased, self.shards_released)
 
     async def start(self) -> None:
+        if self.events is not None:
+            # First AllBlocksCleared: subscribers forget what an earlier run of this home told them.
+            self.store.events = PageEvents(self.events.publish, asyncio.get_running_loop().call_soon)
+            self.store.events.cleared()
         self._task = asyncio.ensure_future(self._loop())
 
     async def stop(self) -> None:
@@ -99,7 +114,13 @@ class ShardHome:
         for task in [self._task, *self._tasks]:
             if task is not None:
                 task.cancel()
+        if self.store.events is not None:
+            self.store.events.cleared()
+            self.store.events = None
         self.store.close()
+        if self.events is not None:
+            self.events.close()
+            self.events = None
 
     # ----------------------------------------------------------------- the lease loop
     async def _loop(self) -> None:
@@ -135,6 +156,10 @@ class ShardHome:
         if self._draining:
             return
         self.expire()  # even when the store cannot be read: a lapsed lease is offered to its next holder
+        # Pages past their TTL are freed here too, not only when a request touches them: their memory comes
+        # back and their removal is published (kv.events) within a tick.
+        with self.store.batch():
+            self.store.expire(clock.monotonic())
         ctx = self._ctx()
         table, homes = await self._read_table(ctx)
         # Just after being cut off from the store, the other live homes re-acquire their own expired shards.

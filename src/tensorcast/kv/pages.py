@@ -6,7 +6,9 @@ misses), LRU eviction under the capacity and TTL expiry (a miss, never wrong dat
 that keep a slot from being reused while its bytes are being sent. Pages are copied out to readers,
 never mapped, because slots are reused. With ``presence``, it tells a ``kv.presence`` table of every page
 committed and every page freed (evicted, expired, overwritten or dropped with its shard) before its slot
-can hold other bytes, or, inside ``batch`` (one synchronous handler), at its end. Times (``now``,
+can hold other bytes, or, inside ``batch`` (one synchronous handler), at its end. With ``events`` set, it
+tells a ``kv.events.PageEvents`` of every page stored and every page freed other than by being stored again
+(the KV events routers follow). Times (``now``,
 expiries) are CLOCK_MONOTONIC seconds, the clock same-host readers of that table compare against.
 Does not own: fencing (``kv.leases``) or RPC (``kv.home``).
 """
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tensorcast.errors import InvalidArgument, ResourceExhausted
+from tensorcast.kv.events import PageEvents
 from tensorcast.kv.keys import key_hash
 from tensorcast.kv.presence_writer import PresenceWriter
 from tensorcast.pool.segments import SHM_DIR, Segment, remove_stale_segments
@@ -80,6 +83,7 @@ class PageStore:
         # whatever removes a dead home's arenas removes it too.
         self.presence = PresenceWriter(SHM_DIR, prefix) if presence else None
         self._unpublished: list[int] | None = None  # inside ``batch``: pages freed, not yet unpublished
+        self.events: PageEvents | None = None  # told of every page stored and freed (``kv.events``), if set
 
     # ----------------------------------------------------------------- writes
     def reserve(self, shard: int, key: str, nbytes: int, now: float) -> tuple[Page, memoryview]:
@@ -120,8 +124,10 @@ class PageStore:
         page.expires = None if ttl is None or math.isinf(ttl) else now + ttl
         old = self.index.pop(key, None)
         if old is not None:  # the same key again: the presence entry stays (its expiry is updated)
-            self._free(key, old, unpublish=False)
+            self._free(key, old, unpublish=False, replaced=True)
         self.index[key] = page
+        if self.events is not None:
+            self.events.stored(key)
         self.by_shard.setdefault(page.shard, set()).add(key)
         if page.expires is not None:
             heapq.heappush(self._expiry, (page.expires, next(self._seq), key, page))
@@ -279,7 +285,10 @@ class PageStore:
             if self.index.get(key) is page:
                 self._free(key, self.index.pop(key))
 
-    def _free(self, key: str, page: Page, unindex: bool = True, unpublish: bool = True) -> None:
+    def _free(self, key: str, page: Page, unindex: bool = True, unpublish: bool = True,
+              replaced: bool = False) -> None:
+        if self.events is not None and not replaced:
+            self.events.removed(key)
         if unpublish and self.presence is not None:  # before the slot can be reused (or at the end of ``batch``)
             if self._unpublished is not None:
                 self._unpublished.append(page.hkey)

@@ -139,7 +139,19 @@ class Worker:
         return self.parts.roles
 
     def info(self) -> WorkerInfo:
-        return msgspec.structs.replace(self.storage.info(self.address), metrics_url=self.metrics_url)
+        events = self.kv_home.events if self.kv_home is not None else None
+        return msgspec.structs.replace(
+            self.storage.info(self.address), metrics_url=self.metrics_url,
+            kv_events_url=self._reachable(events.endpoint if events else ""),
+            kv_events_replay_url=self._reachable((events.replay_endpoint or "") if events else ""))
+
+    def _reachable(self, endpoint: str) -> str:
+        """An endpoint as bound, a wildcard bind named by this worker's host."""
+        host = self.address.rpartition(":")[0]
+        for wildcard in ("tcp://0.0.0.0:", "tcp://[::]:"):
+            if endpoint.startswith(wildcard) and host:
+                return f"tcp://{host}:{endpoint.removeprefix(wildcard)}"
+        return endpoint
 
     def problem(self) -> str:
         """What stops this worker from serving ("" when nothing): its data plane's loop stopped."""
