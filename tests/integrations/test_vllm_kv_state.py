@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tensorcast.errors import InvalidArgument
+from tensorcast.integrations.vllm_block_keys import BlockHashChain, block_key, page_namespace
 from tensorcast.integrations.vllm_kv_state import HANDOFF_PARAM, ConnectorState
 from tensorcast.kv.keys import KVLayout, page_keys
 
@@ -81,3 +82,21 @@ def test_allocation_that_is_not_whole_pages_is_refused() -> None:
         s.allocated("r", [1, 2, 3], 6)
     with pytest.raises(InvalidArgument):
         s.allocated("r", [1], 8)  # fewer blocks than pages
+
+
+def test_pages_named_by_the_engines_block_hashes() -> None:
+    hashes: dict[str, list[bytes]] = {"r": [bytes([i]) * 32 for i in range(2)]}  # vLLM hashed 2 blocks so far
+    ns = page_namespace("m", LAYOUT.dtype, LAYOUT.page_size, LAYOUT.layers, LAYOUT.page_bytes).id
+    s = state(chain=lambda req_id: BlockHashChain(ns, lambda: hashes[req_id], LAYOUT.page_size))
+    tokens = list(range(13))
+    assert s.probe("r", tokens, 0, None) == [block_key(ns, h) for h in hashes["r"]]
+    s.matched("r", 0, 0.0)
+    # Three full pages computed, two hashed: the third is saved once the engine has hashed it.
+    step = s.step([("r", tokens, [5, 6, 7, 8], 13)])
+    assert [(t.keys, t.block_ids) for t in step.saves] == [([block_key(ns, h) for h in hashes["r"]], [5, 6])]
+    hashes["r"].append(b"\x09" * 32)
+    step = s.step([("r", tokens, [5, 6, 7, 8], 13)])
+    assert [(t.keys, t.block_ids) for t in step.saves] == [([block_key(ns, b"\x09" * 32)], [7])]
+    # The same engine config names the same pages on every instance; another layout never does.
+    assert ns == page_namespace("m", "float32", 4, 2, LAYOUT.page_bytes).id
+    assert ns != page_namespace("m", "float32", 4, 2, LAYOUT.page_bytes * 2).id

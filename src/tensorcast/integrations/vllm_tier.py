@@ -6,8 +6,12 @@ N, "secondary_tiers": [{"type": "TensorCastTier", "module_path": "tensorcast.int
 "address": "HOST:PORT"}]}}'``. Tier options: ``address`` (default ``TENSORCAST_ADDRESS``), ``token``,
 ``model_id`` (what keys are salted with; default: the model vLLM was given), ``ttl`` (seconds pages are kept;
 default ``kv.page_ttl``), ``threads`` (transfers in flight, 4), ``max_page_bytes`` (the parts a unit is cut
-into: at most the shard homes' ``kv.max_page_bytes``; default this process's), ``enable_kv_events`` (report stored units
-through vLLM's KV events; needs ``kv_events_config``), ``locality`` (``"REMOTE"``, default, or ``"LOCAL"``).
+into: at most the shard homes' ``kv.max_page_bytes``; default this process's), ``page_format`` (``"vllm"``,
+default: units as vLLM's offloading worker lays them out; ``"tensorcast"``: declares them the pages of
+``TensorCastConnector`` — vLLM's canonical layout of a split-KV HND backend, one rank, one block per unit —
+so that the tier and the connector with ``page_keys="block-hash"`` find each other's pages),
+``enable_kv_events`` (report stored units through vLLM's KV events; needs ``kv_events_config``), ``locality``
+(``"REMOTE"``, default, or ``"LOCAL"``).
 
 vLLM keeps its CPU tier (the primary: every GPU<->tier copy goes through it); this tier stores each unit the
 primary holds into the pool (asynchronously: ``submit_store`` only queues) and promotes units other instances
@@ -42,7 +46,7 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, ScheduleEndContext, SecondaryTierManager, TransferJob
 
 from tensorcast.errors import InvalidArgument
-from tensorcast.integrations.vllm_block_keys import BlockNamespace, block_key
+from tensorcast.integrations.vllm_block_keys import BlockNamespace, block_key, page_namespace
 from tensorcast.integrations.vllm_tier_io import TierIO
 from tensorcast.kv.events import OWNERSHIP
 
@@ -55,12 +59,27 @@ __all__ = ["TensorCastTier", "namespace_of"]
 log = logging.getLogger("vllm.tensorcast")
 
 
-def namespace_of(offloading_spec: OffloadingSpec, model_id: str | None = None) -> tuple[BlockNamespace, int]:
+def namespace_of(offloading_spec: OffloadingSpec, model_id: str | None = None,
+                 page_format: str = "vllm") -> tuple[BlockNamespace, int]:
     """The block namespace of this engine's offloaded units, and a unit's bytes (unpadded: all ranks' blocks
     of every layer)."""
     cfg = offloading_spec.config
     copies = 1 if offloading_spec.replicated_layout else cfg.parallel.world_size
     unit = cfg.worker_kv_bytes_per_block * copies * cfg.cache.blocks_per_chunk
+    if page_format == "tensorcast":
+        layout = (cfg.kv_cache_layout or "").upper()
+        if not cfg.canonical_layout or layout not in ("LBHNC", "BLHNC", "BHLNC") or copies != 1 \
+                or cfg.cache.blocks_per_chunk != 1 or len(cfg.groups) != 1:
+            raise InvalidArgument("page_format='tensorcast' needs vLLM's canonical_layout over an HND KV cache "
+                                  "layout, one rank and one block per unit (a single KV-cache group): those units "
+                                  f"are TensorCastConnector's pages; got canonical_layout={cfg.canonical_layout}, "
+                                  f"layout {cfg.kv_cache_layout}, {copies} ranks, {cfg.cache.blocks_per_chunk} "
+                                  f"blocks per unit, {len(cfg.groups)} groups")
+        group = cfg.groups[0]
+        return page_namespace(model_id or cfg.model.name, cfg.model.dtype, group.tokens_per_block,
+                              len(group.layer_names), unit), unit
+    if page_format != "vllm":
+        raise InvalidArgument(f"page_format must be 'vllm' or 'tensorcast', not {page_format!r}")
     fmt = ""
     if cfg.canonical_layout and cfg.kv_cache_layout is not None:
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import canonical_format_id
@@ -92,12 +111,12 @@ class TensorCastTier(SecondaryTierManager):
     def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str, *,
                  address: str = "", token: str | None = None, model_id: str | None = None,
                  ttl: float | None = None, threads: int = 4, max_page_bytes: int | None = None,
-                 enable_kv_events: bool = False,
+                 page_format: str = "vllm", enable_kv_events: bool = False,
                  locality: str | None = "REMOTE", backpressure_detector: BackpressureDetector | None = None,
                  client: Any = None) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(locality) if locality else None
-        namespace, unit = namespace_of(offloading_spec, model_id)
+        namespace, unit = namespace_of(offloading_spec, model_id, page_format)
         self.namespace = namespace.id
         owns_client = client is None
         if client is None:

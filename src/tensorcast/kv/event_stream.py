@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -142,8 +142,10 @@ class EventPublisher:
 class EventSubscriber:
     """Receive the batches of one publisher, in order, replaying gaps where it has a replay endpoint."""
 
-    def __init__(self, endpoint: str, *, topic: str = "", replay_endpoint: str | None = None) -> None:
+    def __init__(self, endpoint: str, *, topic: str = "", replay_endpoint: str | None = None,
+                 decoder: Callable[[bytes], Any] = decode_batch) -> None:
         zmq = _zmq()
+        self._decoder = decoder  # vLLM's own msgspec decoder decodes these batches too
         self._zmq = zmq
         self._ctx = zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
@@ -202,7 +204,7 @@ class EventSubscriber:
 
     def _decode(self, payload: bytes) -> KVEventBatch | None:
         try:
-            return decode_batch(payload)
+            return self._decoder(payload)  # type: ignore[no-any-return]
         except msgspec.MsgspecError:
             self.malformed += 1
             return None
