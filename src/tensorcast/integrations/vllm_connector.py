@@ -248,23 +248,30 @@ class TensorCastConnector(KVConnectorBase_V1):
                               cached.num_computed_tokens[i] + n_tokens[req_id]))
         transfers = self._state.step(scheduled)
         if self._events is not None:
-            self._events += transfers.saves
+            self._announce(transfers.saves)
         return TensorCastConnectorMetadata(transfers)
+
+    def _announce(self, saves: list[Transfer]) -> None:
+        """A ``BlockStored`` per save, with its tokens and its parent's hash, so that a router can chain it."""
+        from vllm.distributed.kv_events import BlockStored
+
+        size = self.layout.page_size
+        for save in saves:
+            request = self._requests.get(save.req_id)
+            tokens = list(request.all_token_ids[save.first_page * size:(save.first_page + len(save.keys)) * size]) \
+                if request is not None else []
+            parent = self._state.parent_key(save)
+            hashes: list[Any] = [block_hash_of(k)[0] for k in save.keys]
+            assert self._events is not None
+            self._events.append(BlockStored(
+                block_hashes=hashes, parent_block_hash=block_hash_of(parent)[0] if parent else None,
+                token_ids=tokens if len(tokens) == size * len(hashes) else [], block_size=size, lora_id=None,
+                medium=MEDIUM, lora_name=None, ownership=OWNERSHIP))
 
     def take_events(self) -> Any:
         """``BlockStored`` for the pages the steps since the last call saved (vLLM publishes them)."""
-        if not self._events:
-            return ()
-        from vllm.distributed.kv_events import BlockStored
-
-        saves, self._events = self._events, []
-        out = []
-        for save in saves:
-            hashes: list[Any] = [block_hash_of(k)[0] for k in save.keys]
-            out.append(BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
-                                   block_size=self.layout.page_size, lora_id=None, medium=MEDIUM, lora_name=None,
-                                   ownership=OWNERSHIP))
-        return out
+        events, self._events = self._events, ([] if self._events is not None else None)
+        return events or ()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)

@@ -44,6 +44,7 @@ class Transfer:
     req_id: str
     keys: list[str]
     block_ids: list[int]
+    first_page: int = 0  # the request's page that keys[0] names
 
 
 @dataclass
@@ -173,9 +174,16 @@ class ConnectorState:
                 continue
             blocks = list(block_ids[req.saved_pages : full])
             if len(blocks) == full - req.saved_pages:  # else: blocks not known here (yet); saved next step
-                out.saves.append(Transfer(req_id, keys[req.saved_pages : full], blocks))
+                out.saves.append(Transfer(req_id, keys[req.saved_pages : full], blocks, req.saved_pages))
                 req.saved_pages = full
         return out
+
+    def parent_key(self, save: Transfer) -> str | None:
+        """The key of the page before a save's first (None at the start of the request)."""
+        req = self.requests.get(save.req_id)
+        if req is None or save.first_page == 0 or len(req.chain.keys) < save.first_page:
+            return None
+        return req.chain.keys[save.first_page - 1]
 
     def finished(self, req_id: str) -> dict[str, Any] | None:
         """Forget a finished request; a producer's answer carries the pages it stored (the hand-off)."""

@@ -198,7 +198,9 @@ class EventSubscriber:
                 self.gaps += seq - self.next_seq - len(missed)
                 yield from missed
             elif self.next_seq is not None and seq < self.next_seq:
-                self.next_seq = None  # the publisher started again: its numbering too
+                restarted = bool(batch.events) and type(batch.events[0]).__name__ == "AllBlocksCleared"
+                if not restarted:
+                    continue  # seen already (a replay overlapping the live stream)
             self.next_seq = seq + 1
             yield seq, batch
 

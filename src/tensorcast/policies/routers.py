@@ -145,10 +145,14 @@ class CacheAware(Router):
         self.index.insert(chosen, keys)
         return chosen
 
+    def matched(self, keys: Sequence[int], candidates: Sequence[InstanceInfo]) -> dict[str, int]:
+        """Leading prompt tokens each candidate is believed to hold (here: what was routed to it)."""
+        return self.index.longest_match(keys, (i.instance_id for i in candidates))
+
     def _decide(self, keys: Sequence[int], prompt_len: int, candidates: list[InstanceInfo]) -> str:
         if self.imbalanced(candidates):
             return least_loaded(candidates).instance_id
-        matched = self.index.longest_match(keys, (i.instance_id for i in candidates))
+        matched = self.matched(keys, candidates)
         best = max(candidates, key=lambda i: (matched[i.instance_id], -load(i), -i.kv_tokens_used))
         if prompt_len and matched[best.instance_id] / prompt_len > self.cache_threshold:
             return best.instance_id

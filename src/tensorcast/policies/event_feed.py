@@ -1,0 +1,72 @@
+"""``EventFeed``: subscribes an ``EventIndex`` to the KV event streams of the pool's shard homes and of engines.
+
+Owns the I/O around the pure index: one ``kv.event_stream.EventSubscriber`` per stream (a shard home's, found
+in ``list_workers()`` as ``kv_events_url``; an engine's, given: vLLM's ``kv_events_config`` endpoint), a
+replay from the start of each stream when it is first followed (what the publisher still buffers), and the
+lifecycle a router needs: ``follow_workers`` subscribes to new homes and forgets those that died or restarted
+(their pages are gone; a restarted home's first batch also says so). ``pump`` applies what arrived.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tensorcast.kv.event_stream import EventSubscriber
+from tensorcast.policies.event_router import instance_source, worker_source
+from tensorcast.policies.kv_event_index import EventIndex
+
+__all__ = ["EventFeed"]
+
+
+class EventFeed:
+    def __init__(self, index: EventIndex, *, topic: str = "") -> None:
+        self.index = index
+        self.topic = topic
+        self._subs: dict[str, tuple[str, EventSubscriber]] = {}  # source -> (endpoint, subscriber)
+
+    def add(self, source: str, endpoint: str, replay_endpoint: str | None = None, *, topic: str | None = None,
+            replay: bool = True) -> None:
+        """Follow one stream as ``source`` (replacing an earlier stream of that source)."""
+        self.remove(source)
+        sub = EventSubscriber(endpoint, topic=self.topic if topic is None else topic,
+                              replay_endpoint=replay_endpoint or None)
+        self._subs[source] = (endpoint, sub)
+        if replay and replay_endpoint:
+            for seq, batch in sub.replay(0, 2.0):
+                self.index.apply(source, batch)
+                sub.next_seq = seq + 1
+
+    def add_instance(self, instance_id: str, endpoint: str, replay_endpoint: str | None = None) -> None:
+        """An engine's own stream (vLLM publishes with topic ``""`` unless configured otherwise)."""
+        self.add(instance_source(instance_id), endpoint, replay_endpoint, topic="")
+
+    def remove(self, source: str) -> None:
+        old = self._subs.pop(source, None)
+        if old is not None:
+            old[1].close()
+        self.index.forget(source)
+
+    def follow_workers(self, workers: list[Any]) -> None:
+        """Follow every live shard home's stream (``WorkerInfo``s); forget homes that died or moved."""
+        live = {worker_source(w.worker_id): w for w in workers if w.alive and w.kv_events_url}
+        for source in [s for s in self._subs if s.startswith("worker:") and
+                       (s not in live or self._subs[s][0] != live[s].kv_events_url)]:
+            self.remove(source)
+        for source, w in live.items():
+            if source not in self._subs:
+                self.add(source, w.kv_events_url, w.kv_events_replay_url)
+
+    def pump(self, timeout: float = 0.0) -> int:
+        """Apply the batches that arrived (waiting at most ``timeout`` for the first); returns how many."""
+        n = 0
+        deadline = time.monotonic() + timeout
+        for source, (_, sub) in list(self._subs.items()):
+            for _, batch in sub.poll(max(0.0, deadline - time.monotonic()) if n == 0 else 0.0):
+                self.index.apply(source, batch)
+                n += 1
+        return n
+
+    def close(self) -> None:
+        for source in list(self._subs):
+            self.remove(source)
