@@ -10,6 +10,7 @@ speed: only that every path still runs. All of it takes about 3.5 minutes on a 2
 
 Skipped: the ``--netns`` modes unless asked for (``--netns``: they need root and iproute2, for hosts in network
 namespaces, and add half a minute), and runs whose subject is not here (``gpu_check``: a CUDA device;
+``vllm_tier_check``: a CUDA device and vLLM;
 ``kv_reuse`` and ``vllm_weight_transfer``: vLLM, which all their systems run on).
 
 Usage: python benchmarks/smoke.py [--only NAME[,NAME...]] [--netns] [--keep DIR] [--timeout S]
@@ -82,6 +83,7 @@ RUNS = [
     Run("kv_reuse", "kv_reuse.py", (), ("rows", "summary"), needs=_no_vllm),
     Run("vllm_weight_transfer", "vllm_weight_transfer.py", (), ("rows",), needs=_no_vllm),
     Run("gpu_check", "gpu_check.py", (), needs=_no_cuda),
+    Run("vllm_tier_check", "vllm_tier_check.py", (), needs=lambda: _no_cuda() or _no_vllm()),
     Run("transfer-netns", "transfer.py", ("--netns",), ("netns_transfer",), netns=True),
     Run("weight_sync-netns", "weight_sync.py", ("--netns",), ("summary", "runs"), netns=True),
 ]
