@@ -29,7 +29,7 @@ from vllm.v1.kv_offload.base import make_offload_key
 
 import tensorcast as tc
 from tensorcast.integrations.vllm_block_keys import block_key, page_namespace
-from tensorcast.kv.event_stream import EventSubscriber
+from tensorcast.kv_event_stream import EventSubscriber
 from tensorcast.testing import running_cluster, wait_shards_settled
 from tensorcast.testing.vllm_engine import EngineProcess, tiny_llama_dir
 

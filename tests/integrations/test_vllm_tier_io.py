@@ -16,7 +16,7 @@ import tensorcast as tc
 from tensorcast.errors import InvalidArgument
 from tensorcast.integrations.vllm_block_keys import BlockNamespace, block_key, part_keys
 from tensorcast.integrations.vllm_tier_io import TierIO
-from tensorcast.kv.events import block_hash_of
+from tensorcast.kv_events import block_hash_of
 from tensorcast.testing import running_cluster, wait_shards_settled
 
 NS = BlockNamespace(model="m", dtype="float16", groups=((16, 2),), unit_bytes=8192)

@@ -13,18 +13,18 @@ import pytest
 
 import tensorcast as tc
 from tensorcast.errors import InvalidArgument
-from tensorcast.kv.event_stream import EventPublisher, EventSubscriber, check_endpoint
-from tensorcast.kv.events import (
+from tensorcast.kv.events import PageEvents
+from tensorcast.kv.pages import PageStore
+from tensorcast.kv_event_stream import EventPublisher, EventSubscriber, check_endpoint
+from tensorcast.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
-    PageEvents,
     block_hash_of,
     decode_batch,
     encode_batch,
 )
-from tensorcast.kv.pages import PageStore
 from tensorcast.testing import running_cluster, wait_shards_settled
 
 zmq = pytest.importorskip("zmq", reason="KV events need pyzmq (the events extra; in the dev extra)")

@@ -9,7 +9,7 @@ import hashlib
 import pytest
 
 from tensorcast.errors import InvalidArgument
-from tensorcast.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from tensorcast.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from tensorcast.policies.event_router import EventCacheAware, instance_source, worker_source
 from tensorcast.policies.kv_event_index import EventIndex
 from tensorcast.policies.prefix_index import block_keys

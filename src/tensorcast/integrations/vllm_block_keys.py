@@ -8,7 +8,7 @@ one is used (``TENSORCAST_FORMAT``: the pages of ``TensorCastConnector``, per la
 tokens x head dim, layers in order — also vLLM's canonical page of a split-KV HND backend). Two engines
 whose blocks are byte-compatible share a namespace, and only they do. A unit larger than one page
 (``kv.max_page_bytes``) is stored as parts ``KEY/pN``. ``BlockHashChain`` names a request's pages this way
-for the connector (``page_keys="block-hash"``). ``kv.events`` publishes these keys'
+for the connector (``page_keys="block-hash"``). ``tensorcast.kv_events`` publishes these keys'
 pages with vLLM's hash and group, so a router matches the pool's blocks with the engines' own events.
 Does not own: vLLM's hashing (the engine computes the hashes) or any bytes.
 """

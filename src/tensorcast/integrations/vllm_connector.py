@@ -53,8 +53,8 @@ from tensorcast.errors import InvalidArgument, TensorCastError
 from tensorcast.integrations.vllm_block_keys import BlockHashChain, page_namespace
 from tensorcast.integrations.vllm_kv_state import ConnectorState, KeyChain, StepTransfers, Transfer
 from tensorcast.kv.blocks import BlockRegions
-from tensorcast.kv.events import MEDIUM, OWNERSHIP, block_hash_of
 from tensorcast.kv.keys import KVLayout
+from tensorcast.kv_events import MEDIUM, OWNERSHIP, block_hash_of
 from tensorcast.tensors import dtype_name
 
 if TYPE_CHECKING:

@@ -48,7 +48,7 @@ from vllm.v1.kv_offload.tiering.base import JobId, JobResult, ScheduleEndContext
 from tensorcast.errors import InvalidArgument
 from tensorcast.integrations.vllm_block_keys import BlockNamespace, block_key, page_namespace
 from tensorcast.integrations.vllm_tier_io import TierIO
-from tensorcast.kv.events import OWNERSHIP
+from tensorcast.kv_events import OWNERSHIP
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec

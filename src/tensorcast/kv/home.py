@@ -28,7 +28,6 @@ from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument, TensorCastError
 from tensorcast.kv.census import HomeCensus
 from tensorcast.kv.custody import Custody, serve_at_once
-from tensorcast.kv.event_stream import EventPublisher, check_endpoint
 from tensorcast.kv.events import PageEvents
 from tensorcast.kv.fencing import ServedLeases
 from tensorcast.kv.handover import Handover
@@ -37,6 +36,7 @@ from tensorcast.kv.leases import HomeLeases
 from tensorcast.kv.pages import Page, PageStore
 from tensorcast.kv.reconcile import EXPIRED, OUTRANKED, reconcile
 from tensorcast.kv.serving import PageService
+from tensorcast.kv_event_stream import EventPublisher, check_endpoint
 from tensorcast.obs import metrics
 from tensorcast.wire.caller import Caller
 from tensorcast.wire.kv_messages import (

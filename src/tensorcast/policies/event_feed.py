@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from tensorcast.kv.event_stream import EventSubscriber
+from tensorcast.kv_event_stream import EventSubscriber
 from tensorcast.policies.event_router import instance_source, worker_source
 from tensorcast.policies.kv_event_index import EventIndex
 

@@ -8,7 +8,8 @@ at 0 when the publisher starts; a subscriber that sees a gap asks for a replay, 
 again is told apart by its first batch, ``AllBlocksCleared``. Sends happen on the publisher's own thread:
 ``publish`` only queues (bounded: a batch beyond ``max_queue`` is dropped and counted, never blocking the
 shard home). ``EventSubscriber`` (routers, tests) receives batches, asks for a replay of gaps, and decodes
-with ``kv.events``. Needs ``pyzmq`` (the ``events`` extra). Does not own: what the events say (``kv.events``).
+with ``tensorcast.kv_events`` (or a decoder given: vLLM's own). Needs ``pyzmq`` (the ``events`` extra). Does
+not own: what the events say (``tensorcast.kv_events``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import msgspec
 
 from tensorcast.credentials import is_loopback
 from tensorcast.errors import InvalidArgument
-from tensorcast.kv.events import KVEventBatch, decode_batch, encode_batch
+from tensorcast.kv_events import KVEventBatch, decode_batch, encode_batch
 
 __all__ = ["END_SEQ", "EventPublisher", "EventSubscriber", "check_endpoint"]
 
