@@ -250,3 +250,21 @@ def test_block_regions_gather_and_scatter_pages_across_layers() -> None:
         BlockRegions([torch.zeros(4, 8), torch.zeros(5, 8)])
     with pytest.raises(InvalidArgument):
         BlockRegions([torch.zeros(8, 4).t()])  # rows not contiguous
+
+
+def test_mla_layouts_hold_one_latent_per_token() -> None:
+    from tensorcast.kv.keys import KVLayout
+
+    mha = KVLayout("m", layers=2, kv_heads=1, head_dim=576, dtype="bfloat16", page_size=16)
+    mla = KVLayout("m", layers=2, kv_heads=1, head_dim=576, dtype="bfloat16", page_size=16, kind="mla")
+    assert mla.page_shape == (2, 16, 576) and mla.page_bytes == 2 * 16 * 576 * 2
+    assert mha.page_bytes == 2 * mla.page_bytes  # K and V where MLA keeps one latent
+    assert mla.layout_id != mha.layout_id  # never each other's pages
+    assert mha.layout_id == KVLayout("m", 2, 1, 576, "bfloat16", 16).layout_id  # ids of existing layouts stay
+    mla.check_page(mla.page_bytes, (2, 16, 576))
+    with pytest.raises(InvalidArgument):
+        mla.check_page(mla.page_bytes, (2, 1, 16, 576))
+    for bad in ({"kind": "gqa"}, {"kind": "mla", "kv_heads": 2}):
+        with pytest.raises(InvalidArgument):
+            KVLayout(**{"model_id": "m", "layers": 2, "kv_heads": 1, "head_dim": 8, "dtype": "float16",
+                        "page_size": 4, **bad})  # type: ignore[arg-type]

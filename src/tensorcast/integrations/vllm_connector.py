@@ -85,9 +85,11 @@ def layout_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_id:
     if not isinstance(spec, AttentionSpec):
         raise InvalidArgument(f"TensorCastConnector needs attention KV caches, not {type(spec).__name__}")
     tp = vllm_config.parallel_config.tensor_parallel_size
+    # MLA (DeepSeek-style): one latent per token and layer, the same on every tensor-parallel rank.
+    mla = type(spec).__name__ == "MLAAttentionSpec"
     return KVLayout(model_id=f"{model_id}|vllm|tp{tp}", layers=len(groups[0].layer_names),
-                    kv_heads=spec.num_kv_heads, head_dim=spec.head_size, dtype=dtype_name(spec.dtype),
-                    page_size=spec.block_size)
+                    kv_heads=1 if mla else spec.num_kv_heads, head_dim=spec.head_size,
+                    dtype=dtype_name(spec.dtype), page_size=spec.block_size, kind="mla" if mla else "mha")
 
 
 class DeviceBlocks:

@@ -1,12 +1,13 @@
 """KV page identity: layouts, chained page keys, and the shard a key belongs to (pure).
 
-Owns: ``KVLayout`` (what a page holds: layers, KV heads, head dim, dtype, tokens per page; its
-``layout_id``), ``page_keys`` (page i's key is the BLAKE3 hash of page i-1's key and page i's tokens,
-salted with the model id and layout id — so a key names a whole prefix, and a prefix lookup is a walk of
-keys), what a key may be (``check_keys``: any non-empty string up to ``MAX_KEY_BYTES``, so that engines keep
-their own keys — vLLM block hashes, SGLang's hashes with rank suffixes, LMCache chunk keys) and ``shard_of``
-(a hash of the key, so keys need not be uniform themselves), for one key or a batch (``shards_of``,
-``key_hashes``: the same 64-bit hash also names the key in a home's presence table, ``kv.presence``).
+Owns: ``KVLayout`` (what a page holds: layers, KV heads, head dim, dtype, tokens per page, and whether a layer
+keeps K and V or, with multi-head latent attention, one latent per token; its ``layout_id``), ``page_keys``
+(page i's key is the BLAKE3 hash of page i-1's key and page i's tokens, salted with the model id and layout id —
+so a key names a whole prefix, and a prefix lookup is a walk of keys), what a key may be (``check_keys``: any
+non-empty string up to ``MAX_KEY_BYTES``, so that engines keep their own keys — vLLM block hashes, SGLang's
+hashes with rank suffixes, LMCache chunk keys) and ``shard_of`` (a hash of the key, so keys need not be uniform
+themselves), for one key or a batch (``shards_of``, ``key_hashes``: the same 64-bit hash also names the key in a
+home's presence table, ``kv.presence``).
 Does not own: where pages live (``kv.home``) or how they are found (``client.kv``).
 """
 
@@ -36,7 +37,9 @@ _xxh3 = xxhash.xxh3_64_intdigest
 
 @dataclass(frozen=True)
 class KVLayout:
-    """One page: ``page_size`` tokens' K and V for all ``layers`` of one model."""
+    """One page: ``page_size`` tokens' K and V for all ``layers`` of one model; with ``kind="mla"`` (multi-head
+    latent attention, DeepSeek-style), each layer's one compressed latent per token (``head_dim``: the latent
+    and its rotary part, e.g. 512 + 64), shared by every head, so no K/V pair and no heads axis."""
 
     model_id: str
     layers: int
@@ -44,25 +47,34 @@ class KVLayout:
     head_dim: int
     dtype: str
     page_size: int
+    kind: str = "mha"
 
     def __post_init__(self) -> None:
         numpy_dtype(self.dtype)
         if min(self.layers, self.kv_heads, self.head_dim, self.page_size) < 1:
             raise InvalidArgument(f"invalid KV layout {self}")
+        if self.kind not in ("mha", "mla") or (self.kind == "mla" and self.kv_heads != 1):
+            raise InvalidArgument(f"invalid KV layout {self}: kind is 'mha' or 'mla' (one latent: kv_heads=1)")
 
     @property
     def layout_id(self) -> str:
-        doc = [self.layers, self.kv_heads, self.head_dim, self.dtype, self.page_size]
+        doc: list[object] = [self.layers, self.kv_heads, self.head_dim, self.dtype, self.page_size]
+        if self.kind != "mha":  # ids of existing layouts stay what they were
+            doc.append(self.kind)
         return str(blake3.blake3(_ENC.encode(doc)).hexdigest())[:16]
 
     @property
     def page_bytes(self) -> int:
-        """K and V of every layer for ``page_size`` tokens."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.page_size * numpy_dtype(self.dtype).itemsize
+        """K and V (or the latent) of every layer for ``page_size`` tokens."""
+        factor = 1 if self.kind == "mla" else 2 * self.kv_heads
+        return factor * self.layers * self.head_dim * self.page_size * numpy_dtype(self.dtype).itemsize
 
     @property
     def page_shape(self) -> tuple[int, ...]:
-        """The shape of a page as an array: (layers, K and V, kv_heads, page_size tokens, head_dim)."""
+        """The shape of a page as an array: (layers, K and V, kv_heads, page_size tokens, head_dim); for MLA
+        (layers, page_size tokens, head_dim)."""
+        if self.kind == "mla":
+            return (self.layers, self.page_size, self.head_dim)
         return (self.layers, 2, self.kv_heads, self.page_size, self.head_dim)
 
     def check_page(self, nbytes: int, shape: tuple[int, ...] | None = None, what: str = "page") -> None:
