@@ -285,3 +285,34 @@ def test_homes_publish_stores_expiry_eviction_and_restart(cluster: Any) -> None:
             assert _wait(lambda: [h.holds(k) for k in everything] == c.kv.present(everything), h, 5.0)
         finally:
             h.close()
+
+
+def test_a_router_forgets_a_home_that_died_without_a_word() -> None:
+    from tensorcast.policies.event_feed import EventFeed
+    from tensorcast.policies.kv_event_index import EventIndex
+
+    liveness = 2.0
+    with running_cluster(workers=2, config={**CONFIG, "gs.worker_liveness_timeout": liveness}) as cluster, \
+            tc.connect(cluster.address) as c:
+        wait_shards_settled(c, set(cluster.worker_ids))
+        index = EventIndex(16)
+        feed = EventFeed(index, topic="tensorcast")
+        feed.follow_workers(c.list_workers())
+        try:
+            keys = [f"dead-{i}" for i in range(32)]
+            c.kv.put(keys, [np.full(4096, 1, np.uint8)] * len(keys))
+            victim = cluster.worker_ids[1]
+            deadline = time.monotonic() + 10
+            while index.size(f"worker:{victim}") == 0 and time.monotonic() < deadline:
+                feed.pump(0.1)
+            assert index.size(f"worker:{victim}") > 0  # it announced its share of the pages
+            cluster.kill_worker(victim)  # kill -9: no AllBlocksCleared, no BlockRemoved
+            deadline = time.monotonic() + liveness + 4 * RENEW + 5.0
+            while time.monotonic() < deadline:
+                feed.follow_workers(c.list_workers())
+                if f"worker:{victim}" not in index.sources():
+                    break
+                time.sleep(0.2)
+            assert f"worker:{victim}" not in index.sources() and index.size(f"worker:{victim}") == 0
+        finally:
+            feed.close()

@@ -39,11 +39,12 @@ from vllm.v1.kv_offload.base import (
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
+    ScheduleEndContext,
     get_offload_block_hash,
     get_offload_group_idx,
 )
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
-from vllm.v1.kv_offload.tiering.base import JobId, JobResult, ScheduleEndContext, SecondaryTierManager, TransferJob
+from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
 
 from tensorcast.errors import InvalidArgument
 from tensorcast.integrations.vllm_block_keys import BlockNamespace, block_key, page_namespace

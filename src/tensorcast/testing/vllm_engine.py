@@ -56,6 +56,28 @@ def tiny_llama_dir(path: Path, *, layers: int = 2, hidden: int = 256, vocab: int
                      intermediate=2 * hidden, vocab=vocab, seed=seed)
 
 
+def tiny_mla_dir(path: Path, *, layers: int = 2, seed: int = 3) -> Path:
+    """A random DeepSeek-V3 checkpoint (multi-head latent attention, dense layers), float32, written to ``path``.
+    vLLM's CPU MLA backend takes one shape only: a 512-wide latent with 64 rotary dims (head size 576), blocks
+    of 16 tokens (it overrides the block size), and no prefix cache on a CPU."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    # topk_method and scoring_func are what vLLM's DeepSeek code reads to build its router.
+    fields: dict[str, Any] = dict(
+        vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None,
+        qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, first_k_dense_replace=layers, max_position_embeddings=4096,
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, n_group=1, topk_group=1,
+        topk_method="noaux_tc", scoring_func="sigmoid")
+    cfg = DeepseekV3Config(**fields)
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(cfg)
+    model.save_pretrained(path)  # float32: torch's default dtype
+    return path
+
+
 def _log_tail(path: Path | None, lines: int = 6) -> str:
     """The last error-looking lines of an engine's log: what a caller reports when the engine did not start."""
     if path is None or not path.exists():
