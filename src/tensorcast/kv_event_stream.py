@@ -61,6 +61,7 @@ def _bind(sock: Any, endpoint: str) -> str:
     try:
         sock.bind(endpoint)
     except Exception as exc:  # zmq.ZMQError: a bad or taken endpoint is the caller's configuration
+        sock.close()
         raise InvalidArgument(f"cannot bind the KV event endpoint {endpoint!r}: {exc}") from None
     return str(sock.getsockopt_string(_zmq().LAST_ENDPOINT))
 
@@ -85,7 +86,11 @@ class EventPublisher:
             # A request is one 8-byte frame (and an identity): a peer sending more is cut off before
             # ZeroMQ buffers it, so an unauthenticated peer commits no memory here.
             self._replay.setsockopt(zmq.MAXMSGSIZE, 256)
-            self.replay_endpoint = _bind(self._replay, replay_endpoint)
+            try:
+                self.replay_endpoint = _bind(self._replay, replay_endpoint)
+            except InvalidArgument:
+                self._pub.close()
+                raise
         self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(max_queue)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
         self._seq = 0

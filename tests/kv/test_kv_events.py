@@ -118,6 +118,15 @@ def test_check_endpoint() -> None:
             check_endpoint(bad, True)
 
 
+def test_a_taken_endpoint_is_a_typed_error() -> None:
+    first = EventPublisher("tcp://127.0.0.1:0")
+    try:
+        with pytest.raises(InvalidArgument, match="cannot bind"):
+            EventPublisher(first.endpoint)  # a second home on this host configured with the same port
+    finally:
+        first.close()
+
+
 def _collect(sub: EventSubscriber, until: Callable[[list[KVEventBatch]], bool], timeout: float) -> list[KVEventBatch]:
     got: list[KVEventBatch] = []
     deadline = time.monotonic() + timeout
