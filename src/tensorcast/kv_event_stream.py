@@ -28,11 +28,15 @@ from tensorcast.credentials import is_loopback
 from tensorcast.errors import InvalidArgument
 from tensorcast.kv_events import KVEventBatch, decode_batch, encode_batch
 
-__all__ = ["END_SEQ", "EventPublisher", "EventSubscriber", "check_endpoint"]
+__all__ = ["END_SEQ", "MAX_MESSAGE_BYTES", "EventPublisher", "EventSubscriber", "check_endpoint"]
 
 log = logging.getLogger("tensorcast.kv")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+# The largest message a subscriber takes: a batch of thousands of blocks with their tokens is a few MiB. A
+# publisher sending more is cut off before ZeroMQ buffers it, and ZeroMQ does not reconnect to it: its stream
+# ends there (a router's memory is worth more than a broken publisher's events).
+MAX_MESSAGE_BYTES = 64 << 20
 
 
 def _zmq() -> Any:
@@ -156,6 +160,7 @@ class EventSubscriber:
         self._ctx = zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self._sub.connect(endpoint)
         self._replay_endpoint = replay_endpoint
@@ -172,6 +177,7 @@ class EventSubscriber:
             return []
         sock = self._ctx.socket(self._zmq.DEALER)
         sock.setsockopt(self._zmq.LINGER, 0)
+        sock.setsockopt(self._zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.connect(self._replay_endpoint)
         out: list[tuple[int, KVEventBatch]] = []
         try:

@@ -339,6 +339,16 @@ def _prefetch(sm: StorageManager, keys: list[ObjectKey], layout: MemoryLayoutDes
     return sm.query_prefetch_status(handle)
 
 
+def _prefetched_from_l2(sm: StorageManager, keys: list[ObjectKey], layout: MemoryLayoutDesc,
+                        expected: dict[Any, torch.Tensor]) -> None:
+    """Every key prefetched from the L2 (the pool), byte-exact."""
+    res = _prefetch(sm, keys, layout)
+    assert [b.popcount() for b in res.l2_hit_cells] == [len(keys)]
+    with sm.read_prefetched_results(keys, res.l1_owners or None) as got:
+        assert all(torch.equal(o.tensor, expected[k]) for k, o in zip(keys, got, strict=True))
+    sm.finish_read_prefetched(keys, l1_owners=res.l1_owners or None)
+
+
 def test_l2_adapter_stores_and_prefetches_through_the_storage_manager(cluster: Any) -> None:
     c, client = cluster
     layout = MemoryLayoutDesc(shapes=[torch.Size([2, LAYERS, CHUNK, HEADS * DIM])], dtypes=[torch.float16])
@@ -357,11 +367,7 @@ def test_l2_adapter_stores_and_prefetches_through_the_storage_manager(cluster: A
         _wait(lambda: all(client.kv.present(names)), "the L2 store")
         assert [h.nbytes for h in client.kv.get(names)] == [16384] * 3  # each in a head and tails
         assert sm.delete_l1_keys(keys, force=True)[0] == 3
-        res = _prefetch(sm, keys, layout)
-        assert [b.popcount() for b in res.l2_hit_cells] == [3]
-        with sm.read_prefetched_results(keys, res.l1_owners or None) as got:
-            assert all(torch.equal(o.tensor, expected[k]) for k, o in zip(keys, got, strict=True))
-        sm.finish_read_prefetched(keys, l1_owners=res.l1_owners or None)
+        _prefetched_from_l2(sm, keys, layout, expected)
     finally:
         sm.close()
 
@@ -369,11 +375,7 @@ def test_l2_adapter_stores_and_prefetches_through_the_storage_manager(cluster: A
     try:
         other = MemoryLayoutDesc(shapes=[torch.Size([2, LAYERS, CHUNK, HEADS * DIM])], dtypes=[torch.bfloat16])
         assert [b.popcount() for b in _prefetch(fresh, keys, other).hit_cells] == [0]  # stored as float16
-        res = _prefetch(fresh, keys, layout)
-        assert [b.popcount() for b in res.l2_hit_cells] == [3]
-        with fresh.read_prefetched_results(keys, res.l1_owners or None) as got:
-            assert all(torch.equal(o.tensor, expected[k]) for k, o in zip(keys, got, strict=True))
-        fresh.finish_read_prefetched(keys, l1_owners=res.l1_owners or None)
+        _prefetched_from_l2(fresh, keys, layout, expected)
     finally:
         fresh.close()
 

@@ -185,6 +185,30 @@ def test_subscriber_skips_garbage_and_replays_a_gap() -> None:
         raw.close()
 
 
+def test_a_subscriber_refuses_an_absurd_message_without_holding_it() -> None:
+    from tensorcast.kv_event_stream import MAX_MESSAGE_BYTES
+
+    ctx = zmq.Context.instance()
+    hostile = ctx.socket(zmq.PUB)  # one message past the limit: cut off before it is buffered
+    hostile.setsockopt(zmq.LINGER, 0)
+    hostile.bind("tcp://127.0.0.1:0")
+    honest = EventPublisher("tcp://127.0.0.1:0")
+    bad = EventSubscriber(hostile.getsockopt_string(zmq.LAST_ENDPOINT))
+    good = EventSubscriber(honest.endpoint)
+    try:
+        time.sleep(0.2)
+        hostile.send_multipart([b"", (0).to_bytes(8, "big"), b"\0" * (MAX_MESSAGE_BYTES + 1)])
+        assert list(bad.poll(1.0)) == [] and bad.malformed == 0  # nothing delivered, nothing raised
+        honest.publish(KVEventBatch(ts=2.0, events=[]))  # the other streams of this process carry on
+        got = _collect(good, lambda g: len(g) >= 1, 5.0)
+        assert [b.ts for b in got] == [2.0]
+    finally:
+        bad.close()
+        good.close()
+        hostile.close()
+        honest.close()
+
+
 # ----------------------------------------------------------------- a real cluster
 TTL, RENEW = 2.0, 0.5
 CONFIG = {"kv.lease_ttl": TTL, "kv.renew_interval": RENEW, "kv.events_endpoint": "tcp://127.0.0.1:0",
