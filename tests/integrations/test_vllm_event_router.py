@@ -79,8 +79,14 @@ def test_second_turn_goes_where_the_prefix_is(tmp_path: Path) -> None:
             assert second["num_cached_tokens"] >= 6 * PAGE
             # The pool announced the connector's pages too (a shard home's stream, chained through the
             # engine's announcement of its saves).
-            pool = max(index.matched_tokens(s, keys) for s in index.sources() if s.startswith("worker:"))
-            assert pool >= PAGE
+            def pool() -> int:  # the saves, and so the homes' events, are asynchronous
+                return max((index.matched_tokens(s, keys) for s in index.sources() if s.startswith("worker:")),
+                           default=0)
+
+            deadline = time.monotonic() + 30
+            while pool() < PAGE and time.monotonic() < deadline:
+                feed.pump(0.2)
+            assert pool() >= PAGE
             feed.close()
         finally:
             for e in engines.values():
