@@ -70,6 +70,7 @@ RUNS = [
     Run("transfer", "transfer.py", (), ("latency", "transfer", "tp_view", "same_host_tensor")),
     Run("metadata", "metadata.py", (), ("metadata", "failover")),
     Run("weights_load", "weights_load.py"),
+    Run("weights_load-s3", "weights_load.py", ("--s3",)),
     Run("weight_sync", "weight_sync.py", (), ("summary", "runs")),
     Run("checkpoint", "checkpoint.py", (), ("results",)),
     Run("kv_pages", "kv_pages.py"),

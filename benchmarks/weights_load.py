@@ -34,7 +34,9 @@ copies of the weights would not fit this host's memory together.
 ``--smoke``: a ~16 MiB checkpoint of a narrow Llama (hidden 256, vocabulary 4096), a 32 MiB stock that refills
 soon (``benchlib.SMOKE_STOCK``); (a) as with --quick where vLLM is installed (figures meaningless; every row).
 
-Usage: python benchmarks/weights_load.py [--quick | --smoke] [--json PATH] [--no-vllm]
+``--s3``: cold loads from an S3-compatible object store over a shaped link instead (``weights_s3.py``).
+
+Usage: python benchmarks/weights_load.py [--quick | --smoke] [--json PATH] [--no-vllm | --s3]
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ LLAMA = {"hidden": 2048, "inter": 5632, "vocab": 32000, "heads": 16, "kv_heads":
 LLAMA_SMOKE = {"hidden": 256, "inter": 704, "vocab": 4096, "heads": 4, "kv_heads": 2}
 
 
-def make_checkpoint(root: Path, target_bytes: int, dims: dict[str, int] = LLAMA) -> Path:
+def make_checkpoint(root: Path, target_bytes: int, dims: dict[str, int] = LLAMA, shard_bytes: int = GiB) -> Path:
     hidden, inter, vocab, heads, kv_heads = (dims[k] for k in ("hidden", "inter", "vocab", "heads", "kv_heads"))
     head_dim = hidden // heads
     per_layer = 2 * (hidden * hidden * 2 + 2 * hidden * kv_heads * head_dim + 3 * hidden * inter + 2 * hidden)
@@ -101,10 +103,10 @@ def make_checkpoint(root: Path, target_bytes: int, dims: dict[str, int] = LLAMA)
             p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16)})
     shards.append({"model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
                    "lm_head.weight": rand(vocab, hidden)})
-    # Group into ~1 GiB files with an index, as Hugging Face lays them out.
+    # Group into ~1 GiB files (shard_bytes) with an index, as Hugging Face lays them out.
     files: list[dict[str, torch.Tensor]] = [{}]
     for group in shards:
-        if files[-1] and sum(t.nbytes for t in files[-1].values()) > GiB:
+        if files[-1] and sum(t.nbytes for t in files[-1].values()) > shard_bytes:
             files.append({})
         files[-1].update(group)
     weight_map = {}
@@ -397,8 +399,15 @@ def bench_inprocess(path: Path, client: tc.Client, prep: Any, tp: tc.TP | None, 
 
 
 def main() -> None:
+    if "--s3" in sys.argv:  # cold loads from object storage: weights_s3.py
+        from weights_s3 import main as s3_main
+
+        sys.argv.remove("--s3")
+        s3_main()
+        return
     ap = parser(__doc__, "0.5 GiB; vLLM (default loader, TensorCast) with the page cache warm only")
     ap.add_argument("--no-vllm", action="store_true", help="skip (a), the vLLM instances")
+    ap.add_argument("--s3", action="store_true", help="cold loads from an S3-compatible store instead (weights_s3.py)")
     args = parse_args(ap)
     target = pick(args, 4 * GiB + GiB // 4, GiB // 2, 16 << 20)
     have_vllm = not args.no_vllm and importlib.util.find_spec("vllm") is not None

@@ -172,6 +172,27 @@ class WeightsConfig(msgspec.Struct, frozen=True, kw_only=True):
     # records which chunks changed since the previous one and a reader holding that one reads those only
     # (weights.delta). Smaller: finer deltas, a larger record (16 bytes of checksum per chunk at the publisher).
     delta_chunk_bytes: Annotated[int, msgspec.Meta(ge=1)] = 256 * 1024
+    # Object storage (weights.object_store): the s3:// prefixes from_disk may register checkpoints from
+    # ("s3://bucket" or "s3://bucket/models/"; a URL must start with one). Empty: none, every s3:// path is
+    # refused with PermissionDenied (a worker reads with its own credentials, not the caller's).
+    object_prefixes: tuple[str, ...] = ()
+    # Where and as whom: empty fields follow the standard AWS environment and files (AWS_ENDPOINT_URL,
+    # AWS_REGION, AWS_PROFILE, AWS_ACCESS_KEY_ID, ~/.aws/config, ...). anonymous: unsigned requests (public
+    # buckets; also AWS_NO_SIGN_REQUEST=true).
+    object_endpoint_url: str = ""
+    object_region: str = ""
+    object_profile: str = ""
+    object_anonymous: bool = False
+    # Ranged GETs in flight per load, and the bytes each asks for: an S3 connection carries ~50-100 MB/s, so a
+    # link is filled by many at once (benchmarks/weights_load.py --s3 measures the knee).
+    object_streams: Annotated[int, msgspec.Meta(ge=1, le=256)] = 16
+    object_chunk_bytes: Annotated[int, msgspec.Meta(ge=64 * 1024)] = 8 * 1024**2
+    # Attempts of one ranged GET on throttling (503 SlowDown), server errors and connections reset mid-body,
+    # with exponential backoff from object_backoff seconds (jittered, capped at 5 s); and each request's
+    # connect/read timeout.
+    object_attempts: Annotated[int, msgspec.Meta(ge=1)] = 6
+    object_backoff: Annotated[float, msgspec.Meta(ge=0)] = 0.1
+    object_timeout: Annotated[float, msgspec.Meta(gt=0)] = 30.0
 
 
 class TransportConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -5,8 +5,9 @@ Owns: creating the namespaces, the bridge (in the caller's namespace, which gets
 so that a test process reaches every host) and a veth pair per host; running commands in a host
 (``exec_args``); faults (``partition``/``heal``: each side's neighbor entry for the other is pinned to a
 MAC address nobody has, so packets between the two vanish silently, as in a real partition, while both
-still reach everyone else; ``netem`` for delay and loss on a host's link; ``loss`` for random loss by
-packet filter, which needs nftables but not the kernel's ``sch_netem``); and removing all of it, also
+still reach everyone else; ``netem`` for delay and loss on a host's link; ``rate`` for its bandwidth
+(``tbf``); ``loss`` for random loss by packet filter, which needs nftables but not the kernel's
+``sch_netem``); and removing all of it, also
 for namespaces and filter tables a crashed run left behind. Needs root (CAP_NET_ADMIN) and iproute2
 (and nftables for ``loss``). Processes in different hosts still share the filesystem; distinct host ids
 keep them off each other's shared memory. Does not own: what runs on the hosts
@@ -184,6 +185,20 @@ class Hosts:
                                f"{loss_pct}%"], capture_output=True, text=True, timeout=30)
         if done.returncode != 0:
             raise Unavailable(f"tc netem failed ({done.stderr.strip()}): this kernel may lack sch_netem")
+
+    def rate(self, host: int, mbps: float) -> None:
+        """Cap what ``host`` sends at ``mbps`` MB/s (``tc tbf``, in kernels without ``sch_netem`` too: a
+        remote link's bandwidth); 0 removes the cap."""
+        inner, _ = self._veth(host)
+        cmd = ["ip", "netns", "exec", self.names[host], "tc", "qdisc"]
+        if mbps <= 0:
+            subprocess.run([*cmd, "del", "dev", inner, "root"], capture_output=True, timeout=30)
+            return
+        burst = max(64 * 1024, int(mbps * 1e6 / 100))  # >= a timer tick's worth at this rate
+        done = subprocess.run([*cmd, "replace", "dev", inner, "root", "tbf", "rate", f"{int(mbps * 8e6)}bit",
+                               "burst", str(burst), "latency", "100ms"], capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            raise Unavailable(f"tc tbf failed ({done.stderr.strip()})")
 
     def netem_available(self) -> bool:
         """Whether this kernel has ``tc netem`` (a module some container hosts do not load)."""

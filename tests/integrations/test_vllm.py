@@ -44,3 +44,42 @@ def test_generation_matches_the_default_loader(tmp_path: Path) -> None:
         assert out["tensorcast cold"] == out["safetensors"] and out["tensorcast warm"] == out["safetensors"]
         assert "(disk replica)" in r.stdout + r.stderr and "(memory replica)" in r.stdout + r.stderr
         assert any(x.worker_id == "w0" and x.tier == "memory" for x in art.refresh().info.replicas)
+
+
+@pytest.mark.timeout(900)
+def test_vllm_serves_weights_from_a_bucket(tmp_path: Path) -> None:
+    """The checkpoint in an S3-compatible bucket (moto's server, its own process), registered with
+    ``from_disk("s3://...")``; vLLM's model directory holds only its config. Cold (read from the bucket
+    through the pool) and warm equal vLLM's default loader reading the local files."""
+    pytest.importorskip("moto")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tensorcast.testing.s3_server import S3Server
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=False)
+    torch.manual_seed(5)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "model", max_shard_size="1MB")
+    with S3Server(first_byte_ms=5) as s3:
+        client = s3.client()
+        client.create_bucket(Bucket="models")
+        for f in (tmp_path / "model").iterdir():
+            client.upload_file(str(f), "models", f"tiny/{f.name}")
+        env = s3.env()
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in env.items():
+                mp.setenv(k, v)
+            with running_cluster(workers=1, config={"weights.object_prefixes": "s3://models"}) as cluster, \
+                    tc.connect(cluster.address) as tcc:
+                art = tcc.from_disk("s3://models/tiny", key="vllm/bucket")
+                assert art.info.meta["source"] == "s3://models/tiny"
+                script = Path(__file__).with_name("vllm_generate.py")
+                r = subprocess.run([sys.executable, str(script), str(tmp_path / "model"), cluster.address,
+                                    "vllm/bucket"], capture_output=True, text=True, timeout=600)
+                line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
+                assert line is not None, r.stdout[-3000:] + r.stderr[-3000:]
+                out = json.loads(line[len("RESULT "):])
+                assert len(out["safetensors"]) == 12
+                assert out["tensorcast cold"] == out["safetensors"] and out["tensorcast warm"] == out["safetensors"]
+                assert s3.stats()["bytes_sent"] >= art.nbytes  # the weights came from the bucket

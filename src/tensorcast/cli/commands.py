@@ -51,6 +51,7 @@ from tensorcast.cli.procs import add_worker, gs, stop_worker, up, worker
 from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, Unavailable
 from tensorcast.pool.placement import PRESETS
 from tensorcast.views import TP
+from tensorcast.weights.object_store import is_object_url
 
 if TYPE_CHECKING:
     from tensorcast.client.sync import Artifact, Client
@@ -235,28 +236,36 @@ def _parse_tp(tp: str | None) -> TP | None:
 
 
 @main.command()
-@click.argument("path", type=click.Path(exists=True, path_type=Path))
+@click.argument("path")
 @click.argument("key")
 @click.option("--warm", "warm_on", default=None, metavar="WORKER",
               help="Also read the weights into WORKER's memory now (the warm path), with progress.")
 @click.option("--tp", default=None, metavar="RANK/WORLD", help="With --warm: only this tensor-parallel rank.")
 @click.option("--no-verify", is_flag=True, help="Do not refuse reads of files changed after registration.")
 @_client_options
-def load(path: Path, key: str, warm_on: str | None, tp: str | None, no_verify: bool, address: str | None,
+def load(path: str, key: str, warm_on: str | None, tp: str | None, no_verify: bool, address: str | None,
          data_dir: str, token: str | None) -> None:
-    """Register a safetensors checkpoint PATH under KEY (its bytes are read on use or with --warm).
+    """Register a safetensors checkpoint PATH under KEY (its bytes are read on use or with --warm). PATH is
+    a local file or directory, or s3://BUCKET/PREFIX in an S3-compatible store the worker may read
+    (weights.object_prefixes; credentials: the worker's AWS environment, see docs/weights.md).
 
     Registration reads every file's header (a spinner on stderr says how many files); --warm then shows
     the bytes read into the worker."""
     tp_spec = _parse_tp(tp)
-    files = checkpoint_files(path)
+    if is_object_url(path):
+        what = f"registering {path}: reading the headers with ranged GETs"
+    else:
+        if not Path(path).exists():
+            raise InvalidArgument(f"{path}: no such file or directory")
+        files = checkpoint_files(Path(path))
+        what = f"registering {path}: reading the headers of {len(files)} file(s), " \
+               f"{size(sum(f.stat().st_size for f in files))}"
     with _client(address, data_dir, token) as client:
         if warm_on is not None:  # checked first: a typo must not leave a half-done job behind
             known = [w.worker_id for w in client.list_workers()]
             if warm_on not in known:
                 raise InvalidArgument(f"--warm {warm_on}: no such worker; workers: {', '.join(known) or 'none'}")
-        with err_console.status(escape(f"registering {path}: reading the headers of {len(files)} file(s), "
-                                       f"{size(sum(f.stat().st_size for f in files))}")):
+        with err_console.status(escape(what)):
             art = client.from_disk(path, key, verify_checksums=not no_verify)
         say(f"{art.id} {key}: {len(art.tensor_names)} tensors, {size(art.nbytes)}, model_type "
              f"{art.info.meta.get('model_type') or '-'} (registered, not read)")

@@ -41,6 +41,7 @@ from tensorcast.records import InstanceInfo, Placement, WorkerInfo
 from tensorcast.tensors import ARTIFACT_ID_RE, copy_bytes_hint, normalize_tensors
 from tensorcast.transport.registry import make_transport
 from tensorcast.views import TP, TPRules
+from tensorcast.weights.object_store import is_object_url
 from tensorcast.wire.caller import Caller
 from tensorcast.wire.connection import ConnectionLost, NotSent
 from tensorcast.wire.kv_messages import GSStats, ListShards, ShardTable
@@ -165,12 +166,15 @@ class AsyncClient:
                         on: str | None = None, timeout: float | None = None) -> AsyncArtifact:
         """Register a safetensors checkpoint (a file, or a directory, sharded or not) as an artifact without
         reading its tensor bytes; they are read on first use or on ``prefetch``. The worker (the gateway, or
-        ``on``) must see ``path``. ``verify_checksums``: validate every header entry now, and refuse reads
-        if a file changed since (safetensors carries no content checksums to compare against). Without ``on``
+        ``on``) must see ``path``: a local path, or ``s3://bucket/prefix`` in an S3-compatible store the
+        worker may read (``weights.object_prefixes``; headers read with ranged GETs, ``docs/weights.md``).
+        ``verify_checksums``: validate every header entry now, and refuse reads if a file changed since
+        (safetensors carries no content checksums to compare against; an object is pinned to its ETag). Without ``on``
         it goes to the gateway in use and, like every call that may be repeated, on to another one if that
         gateway cannot be reached."""
         address = None if on is None else await self.workers.address(on)
-        msg = RegisterCheckpoint(path=str(Path(path).absolute()), key=key, verify_checksums=verify_checksums)
+        where = path if is_object_url(path) else str(Path(path).absolute())
+        msg = RegisterCheckpoint(path=str(where), key=key, verify_checksums=verify_checksums)
         reply = await self.caller.call(msg, self.caller.context(timeout), address=address)
         return AsyncArtifact(self, reply.artifact, key)
 

@@ -13,7 +13,8 @@ host's worker) and copies tensor by tensor, in file order, into its parameters: 
 the page cache. Warm: the artifact was prefetched to this host's worker ahead of time (by the caller: an
 autoscaler preparing hosts, ``tensorcast load``): nothing is read, the pool's copy is mapped.
 ``model_loader_extra_config["prefetch"] = True`` also has this host's worker read the checkpoint into its
-pool during a cold load (parallel preads; vLLM loads behind them from the page cache), so that the next
+pool during a cold load (the default for a checkpoint in object storage, whose load then waits for that
+read and maps the pool's copy) (parallel preads; vLLM loads behind them from the page cache), so that the next
 instance here starts warm. It costs this load time and memory: on a small CPU-only host, measured, the
 instance was ready later (``benchmarks/weights_load.py``). Without a worker on this host a remote one
 sends the bytes. Either way vLLM's own ``model.load_weights`` shards the (full) tensors into its
@@ -58,6 +59,7 @@ def register() -> None:
         def load_weights(self, model: Any, model_config: Any) -> None:
             import tensorcast as tc
             from tensorcast.errors import TensorCastError
+            from tensorcast.weights.object_store import is_object_url
 
             t0 = time.perf_counter()
             extra = dict(self.load_config.model_loader_extra_config or {})
@@ -68,7 +70,13 @@ def register() -> None:
             with tc.connect(address, token=extra.get("token")) as client:
                 key = extra.get("key")
                 art = client.artifact(key) if key else client.from_disk(model_config.model)
-                filling = _prefetch_here(client, art) if extra.get("prefetch", False) else None
+                from_bucket = is_object_url(art.info.meta.get("source", ""))
+                filling = _prefetch_here(client, art) if extra.get("prefetch", from_bucket) else None
+                if from_bucket and filling is not None:
+                    # Object storage: this host's worker reads it with parallel ranged GETs into its pool,
+                    # then vLLM maps that copy (reading it tensor by tensor through a worker is slower).
+                    filling.result()
+                    filling, art = None, art.refresh()
                 tensors = art.tensor_dict(like="torch")
                 diag = art.last_diagnostics
                 loaded = model.load_weights((n, tensors[n]) for n in _file_order(art.info.meta, tensors))

@@ -16,6 +16,11 @@ Nothing is read through a mapping: a file truncated under a mapping kills the pr
 short ``pread`` is an error. A file whose size or mtime changed between the batch's open and its last read
 is refused (``InvalidArgument``): its bytes may mix two versions.
 
+A job whose path is an ``s3://`` URL reads from object storage instead (``weights.object_store``): pieces of
+``weights.object_chunk_bytes`` as ranged GETs, ``weights.object_streams`` in flight, each pinned to the
+object's ETag (a job's ``etag``). Object stores have no scatter reads: a slice across columns (a row-parallel
+weight) reads its rows whole, a block at a time, and copies the columns out.
+
 Blocking; callers run it off the event loop. Does not own: which bytes to read, or where the destination
 memory comes from.
 """
@@ -35,7 +40,8 @@ from tensorcast.errors import InvalidArgument, NotFound, clip
 from tensorcast.records import SliceSpec
 from tensorcast.tensors import raw_dtype
 from tensorcast.views import apply_slices, sliced_shape
-from tensorcast.weights.files import FileIdentity, check_unchanged, identity, open_regular
+from tensorcast.weights.files import check_unchanged, identity, open_regular
+from tensorcast.weights.object_store import ObjectURL, is_object_url, object_store
 
 __all__ = ["ReadJob", "SliceJob", "read_ranges"]
 
@@ -50,6 +56,7 @@ class ReadJob:
     offset: int
     dest: memoryview
     what: str = ""
+    etag: str = ""  # an object's ETag at registration (s3:// paths): a read of another version is refused
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +71,7 @@ class SliceJob:
     specs: tuple[SliceSpec, ...]
     dest: memoryview
     what: str = ""
+    etag: str = ""
 
     @property
     def itemsize(self) -> int:
@@ -78,47 +86,127 @@ Job = ReadJob | SliceJob
 _Piece = tuple[str, int, Callable[[], None]]  # (file, offset: the order pieces run in, the work)
 
 
+class _File:
+    """A local checkpoint file, opened once per batch (regular files only) and checked unchanged at the end."""
+
+    def __init__(self, job: Job) -> None:
+        try:
+            self.fd = open_regular(job.path)
+        except NotFound:
+            raise NotFound(f"checkpoint file {job.path} is gone (tensor {clip(job.what)})") from None
+        self.path = job.path
+        self.opened = identity(self.fd)
+
+    def read(self, dest: memoryview, offset: int, job: Job) -> None:
+        _read_chunk(self.fd, dest, offset, job)
+
+    def check_end(self, job: Job, end: int) -> None:
+        _check_size(self.fd, job, end)
+
+    def advise(self, offset: int, size: int) -> None:
+        if hasattr(os, "posix_fadvise") and size:
+            os.posix_fadvise(self.fd, offset, size, os.POSIX_FADV_SEQUENTIAL)
+
+    def finish(self) -> None:
+        check_unchanged(self.fd, self.path, self.opened)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class _Object:
+    """An object in an S3-compatible store: ranged GETs pinned to its ETag (each checks its own length)."""
+
+    def __init__(self, job: Job) -> None:
+        self.url = ObjectURL.parse(job.path)
+        self.store = object_store()
+        self.ranges: list[tuple[int, memoryview, Job]] = []  # byte ranges to read, merged by ``pieces``
+
+    def read(self, dest: memoryview, offset: int, job: Job) -> None:
+        self.store.read_into(self.url, offset, dest, job.etag, job.what)
+
+    def pieces(self, chunk: int) -> list[_Piece]:
+        """The byte ranges asked for, adjacent ones merged and cut into GETs of ``chunk`` bytes: a file's
+        tensors lie back to back, and every request costs a first-byte latency (and a fee)."""
+        out: list[_Piece] = []
+        dests: list[memoryview] = []
+        job: Job | None = None
+        start, end = 0, -1
+        for offset, dest, job_of in sorted(self.ranges, key=lambda r: r[0]):
+            pos = 0
+            while pos < len(dest):
+                if offset + pos != end or end - start >= chunk:
+                    if dests and job is not None:
+                        out.append(self._piece(start, dests, job))
+                    start = end = offset + pos
+                    dests, job = [], job_of
+                take = min(len(dest) - pos, chunk - (end - start))
+                dests.append(dest[pos : pos + take])
+                end += take
+                pos += take
+        if dests and job is not None:
+            out.append(self._piece(start, dests, job))
+        return out
+
+    def _piece(self, offset: int, dests: list[memoryview], job: Job) -> _Piece:
+        return job.path, offset, lambda: self.store.read_into(self.url, offset, dests, job.etag, job.what)
+
+    def check_end(self, job: Job, end: int) -> None:
+        return None
+
+    def advise(self, offset: int, size: int) -> None:
+        return None
+
+    def finish(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+_Source = _File | _Object
+
+
 def read_ranges(jobs: Sequence[Job], *, streams: int = 4, chunk: int = _CHUNK) -> int:
     """Run a batch of reads and slice copies with up to ``streams`` threads; returns the bytes written.
     The first error wins (the other pieces stop early); the destinations are then partly written."""
-    fds: dict[str, int] = {}
-    opened: dict[str, FileIdentity] = {}  # each file's size and mtime when the batch opened it
+    sources: dict[str, _Source] = {}
     try:
+        if any(is_object_url(j.path) for j in jobs):  # the object store's own sizes: many small GETs in flight
+            settings = object_store().config
+            streams, chunk = max(streams, settings.object_streams), settings.object_chunk_bytes
         pieces: list[_Piece] = []
         for job in jobs:
-            if job.path not in fds:
-                try:
-                    fds[job.path] = open_regular(job.path)
-                except NotFound:
-                    raise NotFound(f"checkpoint file {job.path} is gone (tensor {clip(job.what)})") from None
-                opened[job.path] = identity(fds[job.path])
-            fd = fds[job.path]
+            if job.path not in sources:
+                sources[job.path] = _Object(job) if is_object_url(job.path) else _File(job)
+            src = sources[job.path]
             if isinstance(job, ReadJob):
-                pieces += _read_pieces(fd, job.offset, job.dest, job, chunk)
+                pieces += _read_pieces(src, job.offset, job.dest, job, chunk)
                 continue
-            _check_size(fd, job, job.offset + job.nbytes)
+            src.check_end(job, job.offset + job.nbytes)
             runs = _contiguous_runs(job)
             if runs is not None:
                 pos = 0
                 for start, length in runs:
-                    pieces += _read_pieces(fd, job.offset + start, job.dest[pos : pos + length], job, chunk)
+                    pieces += _read_pieces(src, job.offset + start, job.dest[pos : pos + length], job, chunk)
                     pos += length
-            elif (gather := _row_runs(job)) is not None:
-                pieces += _gather_pieces(fd, job, *gather, chunk)
+            elif isinstance(src, _File) and (gather := _row_runs(job)) is not None:
+                pieces += _gather_pieces(src.fd, job, *gather, chunk)
             else:
-                pieces += _copy_pieces(fd, job, chunk)
+                pieces += _copy_pieces(src, job, chunk)
+        pieces += [p for src in sources.values() if isinstance(src, _Object) for p in src.pieces(chunk)]
         pieces.sort(key=lambda p: (p[0], p[1]))
         if len(pieces) <= 1 or streams <= 1:
             for _, _, run in pieces:
                 run()
         else:
             _run_parallel([run for _, _, run in pieces], streams)
-        for path, fd in fds.items():
-            check_unchanged(fd, path, opened[path])
+        for src in sources.values():
+            src.finish()
         return sum(len(j.dest) for j in jobs)
     finally:
-        for fd in fds.values():
-            os.close(fd)
+        for src in sources.values():
+            src.close()
 
 
 def _check_size(fd: int, job: Job, end: int) -> None:
@@ -127,13 +215,15 @@ def _check_size(fd: int, job: Job, end: int) -> None:
         raise InvalidArgument(f"{job.path}: file ends before byte {end}{what}: truncated while reading")
 
 
-def _read_pieces(fd: int, offset: int, dest: memoryview, job: Job, chunk: int) -> list[_Piece]:
+def _read_pieces(src: _Source, offset: int, dest: memoryview, job: Job, chunk: int) -> list[_Piece]:
+    if isinstance(src, _Object):  # merged with its neighbours into GETs at the end (``_Object.pieces``)
+        src.ranges.append((offset, dest, job))
+        return []
     size = len(dest)
-    if hasattr(os, "posix_fadvise") and size:
-        os.posix_fadvise(fd, offset, size, os.POSIX_FADV_SEQUENTIAL)
+    src.advise(offset, size)
 
     def read(piece: memoryview, at: int) -> Callable[[], None]:
-        return lambda: _read_chunk(fd, piece, at, job)
+        return lambda: src.read(piece, at, job)
 
     return [(job.path, offset + a, read(dest[a : min(a + chunk, size)], offset + a)) for a in range(0, size, chunk)]
 
@@ -216,7 +306,7 @@ def _gather_pieces(fd: int, job: SliceJob, rows: int, row: int, at: int, run: in
             for i in range(0, rows, per_block)]
 
 
-def _copy_pieces(fd: int, job: SliceJob, chunk: int) -> list[_Piece]:
+def _copy_pieces(src: _Source, job: SliceJob, chunk: int) -> list[_Piece]:
     """Blocks of whole output rows (first dimension), each read on its own and copied from the scratch."""
     dtype = raw_dtype(job.dtype)  # bytes are bytes: numpy's memcpy paths, whatever the element type
     first = next((s for s in job.specs if s.dim == 0), None)
@@ -232,9 +322,9 @@ def _copy_pieces(fd: int, job: SliceJob, chunk: int) -> list[_Piece]:
         for i in range(0, rows, per_block):
             n = min(per_block, rows - i)
             lo = start + i * step
-            src = (job.offset + lo * src_row, (n - 1) * step * src_row + src_row)  # bytes spanned in the file
+            span = (job.offset + lo * src_row, (n - 1) * step * src_row + src_row)  # bytes spanned in the file
             dst = (out_at + i * out_row, n * out_row)
-            pieces.append((job.path, src[0], _copier(fd, job, dtype, inner, step, src, dst, (n, *out_shape[1:]))))
+            pieces.append((job.path, span[0], _copier(src, job, dtype, inner, step, span, dst, (n, *out_shape[1:]))))
         out_at += rows * out_row
     return pieces
 
@@ -250,12 +340,12 @@ def _scratch_view(size: int) -> memoryview:
     return memoryview(buf)[:size]
 
 
-def _copier(fd: int, job: SliceJob, dtype: np.dtype[Any], inner: tuple[SliceSpec, ...], step: int,
-            src: tuple[int, int], dst: tuple[int, int], out_shape: tuple[int, ...]) -> Callable[[], None]:
+def _copier(src: _Source, job: SliceJob, dtype: np.dtype[Any], inner: tuple[SliceSpec, ...], step: int,
+            span: tuple[int, int], dst: tuple[int, int], out_shape: tuple[int, ...]) -> Callable[[], None]:
     def copy() -> None:
-        span = _scratch_view(src[1])
-        _read_chunk(fd, span, src[0], job)
-        rows = np.frombuffer(span, np.uint8).view(dtype).reshape(-1, *job.shape[1:])[::step]
+        scratch = _scratch_view(span[1])
+        src.read(scratch, span[0], job)
+        rows = np.frombuffer(scratch, np.uint8).view(dtype).reshape(-1, *job.shape[1:])[::step]
         out = np.frombuffer(job.dest[dst[0] : dst[0] + dst[1]], np.uint8).view(dtype).reshape(out_shape)
         np.copyto(out, apply_slices(rows, inner))
 

@@ -28,7 +28,8 @@ SAFETENSORS_DTYPES = {
     "I32": "int32", "U64": "uint64", "I64": "int64", "F16": "float16", "BF16": "bfloat16", "F32": "float32",
     "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64",
 }
-_MAX_HEADER = 100 * 1024 * 1024
+MAX_HEADER = 100 * 1024 * 1024
+INDEX_FILE = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -36,11 +37,12 @@ class CheckpointTensor:
     name: str
     dtype: str  # TensorCast dtype name
     shape: tuple[int, ...]
-    file: str  # absolute path
+    file: str  # absolute path, or an s3:// URL
     offset: int  # absolute byte offset of the data in the file
     nbytes: int
     file_size: int
     file_mtime_ns: int
+    etag: str = ""  # an object's ETag (s3:// files): reads are pinned to it
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ def _read_exact(fd: int, n: int, at: int) -> bytes:
     return bytes(out)
 
 
-def _read_json(path: Path, what: str, limit: int = _MAX_HEADER) -> Any:
+def _read_json(path: Path, what: str, limit: int = MAX_HEADER) -> Any:
     """A small JSON file of the checkpoint (index, config), read from a regular file only."""
     fd = open_regular(path)
     try:
@@ -90,15 +92,27 @@ def _parse_file(path: Path) -> list[CheckpointTensor]:
         raw = _read_exact(fd, 8, 0)
         if len(raw) < 8:
             raise InvalidArgument(f"{path}: truncated safetensors file (no header length)")
-        (hlen,) = struct.unpack("<Q", raw)
-        if hlen > _MAX_HEADER or 8 + hlen > st.st_size:
-            raise InvalidArgument(f"{path}: not a safetensors file (its header length does not fit the "
-                                  f"{st.st_size}-byte file, or it is truncated)")
+        hlen = header_length(raw, str(path), st.st_size)
         header_bytes = _read_exact(fd, hlen, 8)
     except OSError as exc:
         raise InvalidArgument(f"{path}: cannot read: {os.strerror(exc.errno or 0)}") from None
     finally:
         os.close(fd)
+    return parse_header(header_bytes, str(path.absolute()), st.st_size, st.st_mtime_ns)
+
+
+def header_length(first8: bytes, path: str, size: int) -> int:
+    """The JSON header's length from a safetensors file's first 8 bytes, checked against the file's size."""
+    (hlen,) = struct.unpack("<Q", first8[:8])
+    if hlen > MAX_HEADER or 8 + hlen > size:
+        raise InvalidArgument(f"{path}: not a safetensors file (its header length does not fit the "
+                              f"{size}-byte file, or it is truncated)")
+    return int(hlen)
+
+
+def parse_header(header_bytes: bytes, path: str, size: int, mtime_ns: int, etag: str = "") -> list[CheckpointTensor]:
+    """Every tensor a safetensors header lists, each entry validated against the file's ``size``."""
+    hlen = len(header_bytes)
     try:
         header = json.loads(header_bytes)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -128,12 +142,12 @@ def _parse_file(path: Path) -> list[CheckpointTensor]:
         if end - begin != numel * ITEMSIZE[dtype] or begin < 0:
             raise InvalidArgument(f"{path}: tensor {clip(name)}: {end - begin} bytes do not match its shape of "
                                   f"{st_dtype}")
-        if data_start + end > st.st_size:
+        if data_start + end > size:
             raise InvalidArgument(f"{path}: tensor {clip(name)}: data ends at byte {data_start + end} but the file "
-                                  f"has {st.st_size} bytes (truncated)")
+                                  f"has {size} bytes (truncated)")
         spans.append((begin, end, name))
-        out.append(CheckpointTensor(name, dtype, tuple(shape), str(path.absolute()), data_start + begin,
-                                    end - begin, st.st_size, st.st_mtime_ns))
+        out.append(CheckpointTensor(name, dtype, tuple(shape), path, data_start + begin, end - begin, size, mtime_ns,
+                                    etag))
     spans.sort()
     for (_b0, e0, n0), (b1, _e1, n1) in itertools.pairwise(spans):
         if b1 < e0:
@@ -161,20 +175,38 @@ def open_checkpoint(path: str | os.PathLike[str], roots: CheckpointRoots | None 
         root = p.parent
     else:
         root = p
-        index = p / "model.safetensors.index.json"
+        index = p / INDEX_FILE
         if index.exists():
-            doc = _read_json(allowed(index), "index")
-            index_map = doc.get("weight_map") if isinstance(doc, dict) else None
-            if not isinstance(index_map, dict) or not all(isinstance(v, str) for v in index_map.values()):
-                raise InvalidArgument(f"{index}: unreadable index (no weight_map of file names)")
+            index_map = weight_map(_read_json(allowed(index), "index"), str(index))
             files = [(f, allowed(p / f)) for f in sorted(set(index_map.values()))]
         else:
             files = [(f.name, allowed(f)) for f in sorted(p.glob("*.safetensors"))]
         if not files:
             raise NotFound(f"no safetensors files in {p}")
+    tensors = collect([(listed, str(f), _parse_file(f)) for listed, f in files], index_map)
+    config: dict[str, Any] = {}
+    cfg = root / "config.json"
+    if cfg.exists():
+        doc = _read_json(allowed(cfg), "config", limit=16 * 1024**2)
+        config = doc if isinstance(doc, dict) else {}
+    return Checkpoint(str(p.absolute()), tensors, config)
+
+
+def weight_map(doc: Any, where: str) -> dict[str, str]:
+    """A sharded checkpoint's index: tensor name -> the file holding it."""
+    index_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(index_map, dict) or not all(isinstance(v, str) for v in index_map.values()):
+        raise InvalidArgument(f"{where}: unreadable index (no weight_map of file names)")
+    return index_map
+
+
+def collect(parsed: list[tuple[str, str, list[CheckpointTensor]]],
+            index_map: dict[str, str] | None) -> dict[str, CheckpointTensor]:
+    """Every file's tensors, by name: ``parsed`` holds (the name the index lists, the file, its tensors). A
+    tensor in two files, or in a file the index does not name for it, or listed but absent, is refused."""
     tensors: dict[str, CheckpointTensor] = {}
-    for listed, f in files:
-        for t in _parse_file(f):
+    for listed, f, found in parsed:
+        for t in found:
             if t.name in tensors:
                 raise InvalidArgument(f"tensor {clip(t.name)} appears in both {tensors[t.name].file} and {f}")
             if index_map is not None and index_map.get(t.name) != listed:
@@ -184,12 +216,7 @@ def open_checkpoint(path: str | os.PathLike[str], roots: CheckpointRoots | None 
         missing = sorted(set(index_map) - set(tensors))
         if missing:
             raise InvalidArgument(f"index lists tensors missing from the files: {[clip(m) for m in missing[:5]]}")
-    config: dict[str, Any] = {}
-    cfg = root / "config.json"
-    if cfg.exists():
-        doc = _read_json(allowed(cfg), "config", limit=16 * 1024**2)
-        config = doc if isinstance(doc, dict) else {}
-    return Checkpoint(str(p.absolute()), tensors, config)
+    return tensors
 
 
 def _open_dcp(root: Path, roots: CheckpointRoots | None) -> Checkpoint:

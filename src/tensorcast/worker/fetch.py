@@ -106,8 +106,8 @@ class Fetcher:
             await self._allocate(allocated, list(missing.values()))
             # A checkpoint registered in place here: one batch of parallel preads for all its tensors.
             where = store.external_locations(info.id, (m.name for m in missing.values()))
-            reads = {d: ReadJob(ext.file, ext.offset, allocated[d].view(), m.name) for d, m in missing.items()
-                     if (ext := where.get(m.name)) is not None}
+            reads = {d: ReadJob(ext.file, ext.offset, allocated[d].view(), m.name, ext.etag)
+                     for d, m in missing.items() if (ext := where.get(m.name)) is not None}
             await self._read_in_place(list(reads.values()))
             in_place = {d: m for d, m in missing.items() if d in reads}
             rest = {d: m for d, m in missing.items() if d not in reads}
@@ -163,8 +163,9 @@ class Fetcher:
                     continue
                 meta, specs, dest = metas[t.name], view[t.name], allocated[t.digest].view()
                 rng = byte_range(meta.shape, numpy_dtype(meta.dtype).itemsize, specs) if specs else (0, meta.nbytes)
-                direct[t.digest] = ReadJob(ext.file, ext.offset + rng[0], dest, t.name) if rng is not None else \
-                    SliceJob(ext.file, ext.offset, meta.dtype, meta.shape, specs, dest, t.name)
+                direct[t.digest] = ReadJob(ext.file, ext.offset + rng[0], dest, t.name, ext.etag) \
+                    if rng is not None else SliceJob(ext.file, ext.offset, meta.dtype, meta.shape, specs, dest,
+                                                     t.name, ext.etag)
             await self._read_in_place(list(direct.values()))
             sources = [self.worker_id] * bool(direct) + await self._bounded([
                 self._fill_view(info, metas[t.name], view[t.name], allocated[t.digest], deadline, trace_id)

@@ -27,8 +27,8 @@ def read_in_place(loc: CheckpointTensor, meta: TensorMeta, offset: int, length: 
     """The tensor's bytes with only ``[offset, offset + length)`` read (np.empty: the rest stays unbacked)."""
     buf = np.empty(loc.nbytes, np.uint8)
     if length > 0:
-        read_ranges([ReadJob(loc.file, loc.offset + offset, buf.data[offset : offset + length], meta.name)],
-                    streams=1)
+        read_ranges([ReadJob(loc.file, loc.offset + offset, buf.data[offset : offset + length], meta.name,
+                             loc.etag)], streams=1)
     return buf.data
 
 
@@ -38,7 +38,7 @@ def in_place_source(loc: CheckpointTensor, meta: TensorMeta, req: DataRequest) -
         # sliced_shape checks the slices (a typed error) before anything is allocated or read.
         out = np.empty(math.prod(sliced_shape(meta.shape, req.slices)) * raw_dtype(meta.dtype).itemsize, np.uint8)
         read_ranges([SliceJob(loc.file, loc.offset, meta.dtype, meta.shape, tuple(req.slices), out.data,
-                              meta.name)], streams=1)
+                              meta.name, loc.etag)], streams=1)
         return SourceLease(out.data, "disk", lambda: None)
     length = loc.nbytes - req.offset if req.length < 0 else req.length
     inside = req.offset >= 0 and length >= 0 and req.offset + length <= loc.nbytes

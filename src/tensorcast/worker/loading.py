@@ -5,9 +5,12 @@ Owns: the ``Prefetch`` handler (routed to the worker it names; pulls the artifac
 storage role's ``Fetcher``, or materializes one tensor-parallel rank's view as an artifact of its own,
 optionally also onto a CUDA device for same-host CUDA IPC hand-offs), recording the new replica at the
 global store, ``RegisterCheckpoint`` (a safetensors checkpoint registered where it lies, by location
-digests, never read here, and only under the allowed roots: ``weights.files``) and re-opening those
-registrations after a restart. Does not own: the bytes' storage (``worker.storage``, seen through its
-``StoragePort``), moving them (``worker.fetch``).
+digests, never read here, and only under the allowed roots: ``weights.files``; or in object storage, only
+under the allowed prefixes: ``weights.object_checkpoint``) and re-opening those registrations after a
+restart. A checkpoint in object storage that another worker registered is first read once by that worker,
+then copied from it (``_bucket_reader``), so that several workers loading it read the bucket once. Does
+not own: the bytes' storage (``worker.storage``, seen through its ``StoragePort``), moving them
+(``worker.fetch``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ from tensorcast.obs import metrics
 from tensorcast.records import ArtifactInfo, ReplicaInfo, TensorMeta
 from tensorcast.tensors import ARTIFACT_ID_RE, artifact_id, wrap_bytes
 from tensorcast.transport.h2d import to_device
+from tensorcast.weights import object_store
 from tensorcast.weights.files import CheckpointRoots
+from tensorcast.weights.object_checkpoint import open_object_checkpoint
+from tensorcast.weights.object_store import ObjectPrefixes, is_object_url
 from tensorcast.weights.safetensors import Checkpoint, CheckpointTensor, open_checkpoint
 from tensorcast.wire.messages import ArtifactReply, Prefetch, Prefetched, RegisterCheckpoint
 from tensorcast.wire.rpc import HandlerRegistry, Request
@@ -45,6 +51,8 @@ class LoadingRole:
         self.store = storage.store
         worker = parts.config.worker
         self.roots = CheckpointRoots([*parts.config.weights.allowed_roots, worker.data_dir])
+        self.prefixes = ObjectPrefixes(parts.config.weights.object_prefixes)
+        object_store.configure(parts.config.weights)  # the settings this process's s3:// reads use
 
     def register(self, registry: HandlerRegistry) -> None:
         registry.register(Prefetch, self.prefetch)
@@ -64,6 +72,8 @@ class LoadingRole:
         if msg.pin_ttl is not None:
             check_ttl(msg.pin_ttl, "pin_ttl")
         info = await self.parts.gs.get_artifact(msg.artifact_id, req.ctx)
+        if (registrar := self._bucket_reader(info)) is not None:
+            info = await self._shared_from(registrar, info, req)
         if msg.view is not None:
             done = await self._materialize_view(info, msg, req)
             if device:
@@ -88,6 +98,26 @@ class LoadingRole:
             log.info("prefetched %s from %s (%d bytes, %.3fs, %d retries)", info.id, result.source or "local disk",
                      result.bytes_moved, result.seconds, result.retries)
         return msgspec.structs.replace(result, artifact=self._with_my_replica(info))
+
+    def _bucket_reader(self, info: ArtifactInfo) -> str | None:
+        """The worker that registered ``info`` from object storage, when it is another one and no worker holds
+        it in memory yet: that worker reads it from the bucket once, and this one (and every other) copies
+        from it worker-to-worker, instead of each reading the bucket through it."""
+        if not is_object_url(info.meta.get("source", "")) or info.id in self.store.external:
+            return None
+        if any(r.tier == "memory" and r.alive for r in info.replicas):
+            return None
+        return next((r.worker_id for r in info.replicas if r.tier == "disk" and r.alive), None)
+
+    async def _shared_from(self, registrar: str, info: ArtifactInfo, req: Request) -> ArtifactInfo:
+        """``info`` after ``registrar`` holds it in memory (concurrent asks share its one read); as it was
+        when that fails (memory full there: this worker then reads through it, slices only)."""
+        try:
+            await self.parts.peers.call(registrar, Prefetch(artifact_id=info.id, worker_id=registrar), req.ctx)
+        except TensorCastError as exc:
+            log.warning("no shared copy of %s on %s (%s); reading the bucket through it", info.id, registrar, exc)
+            return info
+        return await self.parts.gs.get_artifact(info.id, req.ctx)
 
     def _with_my_replica(self, info: ArtifactInfo) -> ArtifactInfo:
         """``info`` with this worker's memory replica listed (as the global store now records it)."""
@@ -141,7 +171,7 @@ class LoadingRole:
 
     # ----------------------------------------------------------------- checkpoints in place
     async def register_checkpoint(self, msg: RegisterCheckpoint, req: Request) -> ArtifactReply:
-        ckpt = await asyncio.to_thread(open_checkpoint, msg.path, self.roots)
+        ckpt = await asyncio.to_thread(self._open, msg.path)
         metas = checkpoint_metas(ckpt)
         aid = artifact_id(metas)
         self.store.add_external(aid, metas, dict(ckpt.tensors), msg.verify_checksums, ckpt.path)
@@ -153,13 +183,19 @@ class LoadingRole:
                  info.nbytes)
         return ArtifactReply(artifact=done)
 
+    def _open(self, path: str) -> Checkpoint:
+        """A checkpoint's layout (headers only), from a local path or an s3:// URL this worker may read."""
+        if is_object_url(path):
+            return open_object_checkpoint(path, object_store.object_store(), self.prefixes)
+        return open_checkpoint(path, self.roots)
+
     async def restore_checkpoints(self) -> None:
         """Checkpoints registered in place before a restart: re-open them (unchanged files only)."""
         for aid, path, verify in self.store.external_registrations():
             if aid in self.store.external:
                 continue
             try:
-                ckpt = await asyncio.to_thread(open_checkpoint, path, self.roots)
+                ckpt = await asyncio.to_thread(self._open, path)
             except TensorCastError as exc:
                 log.warning("checkpoint %s registered as %s is no longer usable: %s", path, aid, exc)
                 continue
@@ -177,5 +213,6 @@ def checkpoint_metas(ckpt: Checkpoint) -> tuple[TensorMeta, ...]:
 def _location_digest(t: CheckpointTensor) -> str:
     """Identity of a tensor inside a checkpoint file registered in place: where it is, not its content
     (reading every byte to hash it is what from_disk avoids). Re-registering unchanged files is a no-op."""
-    return str(blake3.blake3(f"file:{t.file}:{t.file_size}:{t.file_mtime_ns}:{t.offset}:{t.nbytes}".encode())
+    etag = f":{t.etag}" if t.etag else ""  # an object's version (the same key may be overwritten)
+    return str(blake3.blake3(f"file:{t.file}:{t.file_size}:{t.file_mtime_ns}:{t.offset}:{t.nbytes}{etag}".encode())
                .hexdigest())

@@ -34,6 +34,7 @@ from tensorcast.records import SegmentRef, TensorMeta, WorkerLoad
 from tensorcast.tensors import raw_dtype
 from tensorcast.transport.base import SourceLease
 from tensorcast.views import apply_slices
+from tensorcast.weights.object_store import is_object_url
 from tensorcast.weights.safetensors import CheckpointTensor
 from tensorcast.wire.messages import DataRequest
 from tensorcast.worker.in_place import in_place_source, read_in_place
@@ -242,7 +243,7 @@ class LocalStore:
         if self._external_verify.get(artifact_id, True):
             checked: set[str] = set()
             for name, loc in found.items():
-                if loc.file in checked:
+                if loc.file in checked or is_object_url(loc.file):  # an object: each GET is pinned to its ETag
                     continue
                 checked.add(loc.file)
                 try:
@@ -378,7 +379,8 @@ class LocalStore:
         for name in in_place:
             if (ext := where.get(name)) is None:
                 raise NotFound(f"tensor {clip(name)} has no {tier or 'local'} replica here")
-            refs[name] = SegmentRef(path=ext.file, size=ext.nbytes, offset=ext.offset, tier="disk")
+            if not is_object_url(ext.file):  # a local file maps; an object in a store is read instead
+                refs[name] = SegmentRef(path=ext.file, size=ext.nbytes, offset=ext.offset, tier="disk")
         return [refs[n] for n in names]
 
     def close(self) -> None:
