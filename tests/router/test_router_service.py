@@ -1,0 +1,226 @@
+"""``tensorcast router`` as a service, in front of OpenAI-speaking backends (small aiohttp servers here; real
+``vllm serve`` instances in ``tests/integrations/test_vllm_router.py``): policies by name, sticky sessions,
+cache affinity that holds against load, streaming passed through unbuffered, a dead backend routed around,
+and typed OpenAI-style errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+
+aiohttp = pytest.importorskip("aiohttp")
+from aiohttp import web  # noqa: E402
+
+from tensorcast.errors import InvalidArgument  # noqa: E402
+from tensorcast.policies import Request, Router  # noqa: E402
+from tensorcast.router import RouterService, make_policy, register_policy  # noqa: E402
+from tensorcast.router.choice import route_view  # noqa: E402
+
+
+class Backend:
+    """An OpenAI-speaking server that answers with its own name; a streamed answer waits on ``gate``
+    between its first and second chunk."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.bodies: list[dict[str, Any]] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.complete)
+        app.router.add_post("/v1/chat/completions", self.complete)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "tiny"}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        if not body.get("stream"):
+            return web.json_response({"backend": self.name, "path": request.path, "echo": body})
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(f"data: {json.dumps({'backend': self.name, 'part': 1})}\n\n".encode())
+        await self.gate.wait()
+        await out.write(f"data: {json.dumps({'backend': self.name, 'part': 2})}\n\ndata: [DONE]\n\n".encode())
+        await out.write_eof()
+        return out
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+
+def dead_url() -> str:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@asynccontextmanager
+async def running(policy: Router, n: int = 2,
+                  extra: tuple[str, ...] = ()) -> AsyncIterator[tuple[RouterService, list[Backend], Any]]:
+    backends = [Backend(f"b{i}") for i in range(n)]
+    for b in backends:
+        await b.start()
+    service = RouterService([*(b.url for b in backends), *extra], policy)
+    await service.start()
+    session = aiohttp.ClientSession()
+    try:
+        yield service, backends, session
+    finally:
+        await session.close()
+        await service.stop()
+        for b in backends:
+            await b.stop()
+
+
+def run(scenario: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+async def complete(session: Any, service: RouterService, body: dict[str, Any], **headers: str) -> dict[str, Any]:
+    async with session.post(service.url + "/v1/completions", json=body, headers=headers) as r:
+        assert r.status == 200, await r.text()
+        return dict(await r.json())
+
+
+def test_round_robin_models_health_and_metrics() -> None:
+    async def scenario() -> None:
+        async with running(make_policy("round-robin", sessions=False)) as (service, _backends, session):
+            got = [(await complete(session, service, {"prompt": f"p{i}", "max_tokens": 1}))["backend"]
+                   for i in range(4)]
+            assert got == ["b0", "b1", "b0", "b1"]
+            async with session.post(service.url + "/v1/chat/completions",
+                                    json={"messages": [{"role": "user", "content": "hi"}]}) as r:
+                doc = await r.json()
+                assert doc["path"] == "/v1/chat/completions" and doc["echo"]["messages"][0]["content"] == "hi"
+            async with session.get(service.url + "/v1/models") as r:
+                assert (await r.json())["data"][0]["id"] == "tiny"
+            async with session.get(service.url + "/health") as r:
+                assert r.status == 200 and (await r.json())["alive"] == ["b0", "b1"]
+            async with session.get(service.url + "/metrics") as r:
+                text = await r.text()
+                assert 'tensorcast_router_requests_total{backend="b0",outcome="200"} 3.0' in text  # 2 + 1 chat
+                assert "tensorcast_router_decision_seconds_count" in text
+
+    run(scenario)
+
+
+def test_a_session_sticks_by_header_or_user_field() -> None:
+    async def scenario() -> None:
+        async with running(make_policy("round-robin")) as (service, _backends, session):
+            by_header = {(await complete(session, service, {"prompt": "x"}, **{"X-Session-Id": "s1"}))["backend"]
+                         for _ in range(4)}
+            by_user = {(await complete(session, service, {"prompt": "x", "user": "alice"}))["backend"]
+                       for _ in range(4)}
+            assert len(by_header) == 1 and len(by_user) == 1
+            free = {(await complete(session, service, {"prompt": "x"}))["backend"] for _ in range(4)}
+            assert free == {"b0", "b1"}  # no session: round-robin
+
+    run(scenario)
+
+
+def test_cache_aware_keeps_a_prefix_where_it_is_while_load_aware_moves_it() -> None:
+    prefix = "You are a helpful assistant. " * 20
+
+    async def scenario(policy: str) -> str:
+        async with running(make_policy(policy, sessions=False)) as (service, backends, session):
+            first = (await complete(session, service, {"prompt": prefix + "first question"}))["backend"]
+            holder = next(b for b in backends if b.name == first)
+            holder.gate.clear()  # a streamed request stays in flight on the holder: it is the busier one
+            busy = asyncio.create_task(session.post(service.url + "/v1/completions",
+                                                    json={"prompt": "other", "stream": True, "user": ""}))
+            while not any(b.in_flight for b in service.backends):
+                await asyncio.sleep(0.01)
+            second = (await complete(session, service, {"prompt": prefix + "second question"}))["backend"]
+            holder.gate.set()
+            (await busy).release()
+            return "same" if second == first else "moved"
+
+    assert asyncio.run(scenario("cache-aware")) == "same"
+    assert asyncio.run(scenario("least-loaded")) == "moved"
+
+
+def test_streaming_is_passed_through_as_it_arrives() -> None:
+    async def scenario() -> None:
+        async with running(make_policy("round-robin", sessions=False), n=1) as (service, backends, session):
+            backends[0].gate.clear()  # the backend holds its second chunk back
+            async with session.post(service.url + "/v1/completions", json={"prompt": "x", "stream": True}) as r:
+                assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+                first = await asyncio.wait_for(r.content.readuntil(b"\n\n"), 10)  # before the second exists
+                assert json.loads(first[len(b"data: "):])["part"] == 1
+                backends[0].gate.set()
+                rest = await r.content.read()
+            assert b'"part": 2' in rest and rest.endswith(b"data: [DONE]\n\n")
+
+    run(scenario)
+
+
+def test_a_dead_backend_is_routed_around_and_none_left_is_a_typed_503() -> None:
+    async def scenario() -> None:
+        async with running(make_policy("round-robin", sessions=False), extra=(dead_url(),)) as (
+                service, _backends, session):
+            got = {(await complete(session, service, {"prompt": f"p{i}"}))["backend"] for i in range(6)}
+            assert got == {"b0", "b1"}  # every request answered, none lost to the dead one
+            assert [b.alive for b in service.backends] == [True, True, False]
+            async with session.post(service.url + "/v1/completions", data=b"{not json") as r:
+                assert r.status == 400 and (await r.json())["error"]["type"] == "invalid_request_error"
+        async with running(make_policy("round-robin", sessions=False), n=0, extra=(dead_url(),)) as (
+                service, _backends, session):
+            async with session.post(service.url + "/v1/completions", json={"prompt": "x"}) as r:
+                assert r.status == 503 and "no live" in (await r.json())["error"]["message"]
+            async with session.get(service.url + "/health") as r:
+                assert r.status == 503
+
+    run(scenario)
+
+
+class AlwaysLast(Router):
+    def choose(self, request: Request, instances: Any) -> str:
+        return [i for i in instances if i.alive][-1].instance_id
+
+
+def test_a_policy_of_ones_own_plugs_in_by_name() -> None:
+    register_policy("always-last", lambda seed: AlwaysLast())
+
+    async def scenario() -> None:
+        async with running(make_policy("always-last")) as (service, _backends, session):
+            assert {(await complete(session, service, {"prompt": "x"}))["backend"] for _ in range(3)} == {"b1"}
+
+    run(scenario)
+    with pytest.raises(InvalidArgument, match="unknown policy"):
+        make_policy("no-such")
+    with pytest.raises(InvalidArgument):
+        make_policy("tensorcast.no_such_module:make")
+
+
+def test_what_a_policy_sees_of_a_request() -> None:
+    ids = route_view({"prompt": [1, 2, 3]})
+    assert (ids.session_id, ids.prompt) == ("", (1, 2, 3))
+    text = route_view({"prompt": "ab", "user": "u"}, "")
+    assert (text.session_id, text.prompt) == ("u", (97, 98))
+    assert route_view({"prompt": "ab", "user": "u"}, "hdr").session_id == "hdr"
+    chat = route_view({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]})
+    assert chat.prompt == tuple(map(ord, "user:hi\n"))
+    assert route_view({"prompt": None}).prompt == ()
