@@ -13,7 +13,8 @@ Then send OpenAI completion requests to :8000. For each one the proxy asks the p
 token (it computes the prompt and stores its KV pages in TensorCast; its answer's ``kv_transfer_params``
 say how many pages), then sends the request with those params to the decode instance, which waits for the
 pages, loads them and computes only the prompt's last token before decoding. ``handoff`` is the whole
-protocol; the rest is HTTP plumbing (standard library only).
+protocol; the rest is HTTP plumbing (standard library only). To deploy it, with pools of each, streaming,
+chat, sessions and health checks: ``tensorcast router --prefill URL --backend URL`` (``docs/router.md``).
 """
 
 from __future__ import annotations

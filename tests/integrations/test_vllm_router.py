@@ -30,10 +30,10 @@ TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
 @contextlib.contextmanager
-def router_process(backends: list[str], policy: str, log: Path) -> Iterator[str]:
+def router_process(backends: list[str], policy: str, log: Path, prefill: list[str] | None = None) -> Iterator[str]:
     port = unused_port()
     args = [sys.executable, "-m", "tensorcast", "router", "--policy", policy, "--port", str(port),
-            *(x for b in backends for x in ("--backend", b))]
+            *(x for b in backends for x in ("--backend", b)), *(x for p in prefill or () for x in ("--prefill", p))]
     with log.open("w") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -92,3 +92,38 @@ def test_router_answers_as_the_instances_do(tmp_path: Path) -> None:
             metrics = r.read().decode()
         for backend in ("b0", "b1"):
             assert f'tensorcast_router_requests_total{{backend="{backend}",outcome="200"}} 4.0' in metrics
+
+
+@pytest.mark.timeout(1200)
+def test_prefill_decode_mode_answers_as_one_instance_does(tmp_path: Path) -> None:
+    """A prefill instance (kv_both) and a decode instance (kv_consumer) on two hosts, behind the router in
+    disaggregated mode: the decode instance loads the prompt's pages from the pool (reported as cached prompt
+    tokens) and answers what the prefill instance answers alone."""
+    from tensorcast.testing import running_cluster
+
+    page = 32
+    model = with_tokenizer(tiny_llama_dir(tmp_path / "model"))
+    with running_cluster(workers=2, hosts=2) as cluster:
+
+        def instance(role: str, host: int) -> list[str]:
+            kv = {"kv_connector": "TensorCastConnector", "kv_role": role, "kv_load_failure_policy": "recompute",
+                  "kv_connector_extra_config": {"address": cluster.address}}
+            return ["--kv-transfer-config", json.dumps(kv), "--block-size", str(page), "--no-enable-prefix-caching",
+                    "--enable-prompt-tokens-details"]
+
+        def env(host: int) -> dict[str, str]:
+            return {"TENSORCAST_CLIENT_HOST_ID": cluster.host_id_of(host)}
+
+        with vllm_server(model, tmp_path / "p.log", transfer=None, address=cluster.address,
+                         extra=instance("kv_both", 0), env=env(0)) as prefill, \
+                vllm_server(model, tmp_path / "d.log", transfer=None, address=cluster.address,
+                            extra=instance("kv_consumer", 1), env=env(1)) as decode, \
+                router_process([decode], "round-robin", tmp_path / "router.log", prefill=[prefill]) as router:
+            prompt = [(i * 11) % 480 + 7 for i in range(5 * page + 9)]
+            body = {"prompt": prompt, "max_tokens": 10, "temperature": 0}
+            alone = post(prefill + "/v1/completions", body)
+            through = post(router + "/v1/completions", body)
+            assert through["choices"][0]["text"] == alone["choices"][0]["text"]
+            cached = (through["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+            assert cached == 5 * page, through["usage"]  # the prompt's whole pages came from the pool
+            assert streamed_text(router, "/v1/completions", body) == alone["choices"][0]["text"]

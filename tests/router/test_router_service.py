@@ -34,6 +34,7 @@ class Backend:
         self.gate.set()
         self.runner: web.AppRunner | None = None
         self.url = ""
+        self.running = 0.0  # what its /metrics reports (vLLM's series)
 
     async def start(self) -> None:
         app = web.Application()
@@ -41,6 +42,7 @@ class Backend:
         app.router.add_post("/v1/chat/completions", self.complete)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -53,9 +55,16 @@ class Backend:
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    async def metrics(self, request: web.Request) -> web.Response:
+        lines = [f'vllm:num_requests_running{{model_name="tiny"}} {self.running}',
+                 'vllm:num_requests_waiting{model_name="tiny"} 0.0']
+        return web.Response(text="\n".join(["# HELP vllm:num_requests_running ...", *lines]) + "\n")
+
     async def complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        if self.name.startswith("p"):  # a prefill instance: the prompt computed, its pages named
+            return web.json_response({"backend": self.name, "kv_transfer_params": {"tensorcast_pages": 3}})
         if not body.get("stream"):
             return web.json_response({"backend": self.name, "path": request.path, "echo": body})
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -78,12 +87,12 @@ def dead_url() -> str:
 
 
 @asynccontextmanager
-async def running(policy: Router, n: int = 2,
-                  extra: tuple[str, ...] = ()) -> AsyncIterator[tuple[RouterService, list[Backend], Any]]:
+async def running(policy: Router, n: int = 2, extra: tuple[str, ...] = (),
+                  **kw: Any) -> AsyncIterator[tuple[RouterService, list[Backend], Any]]:
     backends = [Backend(f"b{i}") for i in range(n)]
     for b in backends:
         await b.start()
-    service = RouterService([*(b.url for b in backends), *extra], policy)
+    service = RouterService([*(b.url for b in backends), *extra], policy, **kw)
     await service.start()
     session = aiohttp.ClientSession()
     try:
@@ -99,7 +108,7 @@ def run(scenario: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(asyncio.wait_for(scenario(), 60))
 
 
-async def complete(session: Any, service: RouterService, body: dict[str, Any], **headers: str) -> dict[str, Any]:
+async def complete(session: Any, service: Any, body: dict[str, Any], **headers: str) -> dict[str, Any]:
     async with session.post(service.url + "/v1/completions", json=body, headers=headers) as r:
         assert r.status == 200, await r.text()
         return dict(await r.json())
@@ -107,7 +116,7 @@ async def complete(session: Any, service: RouterService, body: dict[str, Any], *
 
 def test_round_robin_models_health_and_metrics() -> None:
     async def scenario() -> None:
-        async with running(make_policy("round-robin", sessions=False)) as (service, _backends, session):
+        async with running(make_policy("round-robin", sessions="off")) as (service, _backends, session):
             got = [(await complete(session, service, {"prompt": f"p{i}", "max_tokens": 1}))["backend"]
                    for i in range(4)]
             assert got == ["b0", "b1", "b0", "b1"]
@@ -145,7 +154,7 @@ def test_cache_aware_keeps_a_prefix_where_it_is_while_load_aware_moves_it() -> N
     prefix = "You are a helpful assistant. " * 20
 
     async def scenario(policy: str) -> str:
-        async with running(make_policy(policy, sessions=False)) as (service, backends, session):
+        async with running(make_policy(policy, sessions="off")) as (service, backends, session):
             first = (await complete(session, service, {"prompt": prefix + "first question"}))["backend"]
             holder = next(b for b in backends if b.name == first)
             holder.gate.clear()  # a streamed request stays in flight on the holder: it is the busier one
@@ -164,7 +173,7 @@ def test_cache_aware_keeps_a_prefix_where_it_is_while_load_aware_moves_it() -> N
 
 def test_streaming_is_passed_through_as_it_arrives() -> None:
     async def scenario() -> None:
-        async with running(make_policy("round-robin", sessions=False), n=1) as (service, backends, session):
+        async with running(make_policy("round-robin", sessions="off"), n=1) as (service, backends, session):
             backends[0].gate.clear()  # the backend holds its second chunk back
             async with session.post(service.url + "/v1/completions", json={"prompt": "x", "stream": True}) as r:
                 assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
@@ -179,14 +188,14 @@ def test_streaming_is_passed_through_as_it_arrives() -> None:
 
 def test_a_dead_backend_is_routed_around_and_none_left_is_a_typed_503() -> None:
     async def scenario() -> None:
-        async with running(make_policy("round-robin", sessions=False), extra=(dead_url(),)) as (
+        async with running(make_policy("round-robin", sessions="off"), extra=(dead_url(),)) as (
                 service, _backends, session):
             got = {(await complete(session, service, {"prompt": f"p{i}"}))["backend"] for i in range(6)}
             assert got == {"b0", "b1"}  # every request answered, none lost to the dead one
             assert [b.alive for b in service.backends] == [True, True, False]
             async with session.post(service.url + "/v1/completions", data=b"{not json") as r:
                 assert r.status == 400 and (await r.json())["error"]["type"] == "invalid_request_error"
-        async with running(make_policy("round-robin", sessions=False), n=0, extra=(dead_url(),)) as (
+        async with running(make_policy("round-robin", sessions="off"), n=0, extra=(dead_url(),)) as (
                 service, _backends, session):
             async with session.post(service.url + "/v1/completions", json={"prompt": "x"}) as r:
                 assert r.status == 503 and "no live" in (await r.json())["error"]["message"]
@@ -224,3 +233,125 @@ def test_what_a_policy_sees_of_a_request() -> None:
     chat = route_view({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]})
     assert chat.prompt == tuple(map(ord, "user:hi\n"))
     assert route_view({"prompt": None}).prompt == ()
+
+
+def test_replicas_agree_on_sessions_and_see_the_engines_load() -> None:
+    async def scenario() -> None:
+        async with running(make_policy("power-of-two", seed=1), n=3, health_interval=0.05) as (
+                one, backends, session):
+            # A second replica, its backends listed in another order, another seed: nothing shared with the first.
+            other = RouterService([b.url for b in reversed(backends)], make_policy("power-of-two", seed=2))
+            await other.start()
+            try:
+                placed: dict[str, set[str]] = {}
+                for i in range(24):
+                    for replica in (one, other, one):
+                        body = {"prompt": "x", "user": f"user-{i}"}
+                        placed.setdefault(f"user-{i}", set()).add((await complete(session, replica, body))["backend"])
+                assert all(len(where) == 1 for where in placed.values()), placed
+                assert len({next(iter(w)) for w in placed.values()}) == 3  # sessions spread over every backend
+            finally:
+                await other.stop()
+            # Load the engines report (every replica's requests) steers requests without a session.
+            backends[0].running, backends[1].running = 9.0, 7.0
+            deadline = asyncio.get_running_loop().time() + 10
+            while [b.reported for b in one.backends] != [9, 7, 0]:
+                assert asyncio.get_running_loop().time() < deadline, [b.reported for b in one.backends]
+                await asyncio.sleep(0.05)
+            least = make_policy("least-loaded", sessions="off")
+            one.policy = least
+            assert {(await complete(session, one, {"prompt": "y"}))["backend"] for _ in range(3)} == {"b2"}
+
+    run(scenario)
+
+
+def test_a_replica_killed_mid_stream_leaves_the_other_replicas_clients_served(tmp_path: Any) -> None:
+    import os
+    import signal
+    import sys
+
+    from tensorcast.testing.tools import unused_port
+
+    async def start_replica(urls: list[str]) -> tuple[Any, str]:
+        port = unused_port()
+        args = ["-m", "tensorcast", "router", "--policy", "round-robin", "--port", str(port),
+                *(x for u in urls for x in ("--backend", u))]
+        proc = await asyncio.create_subprocess_exec(sys.executable, *args, stdout=asyncio.subprocess.DEVNULL,
+                                                    stderr=asyncio.subprocess.DEVNULL)
+        return proc, f"http://127.0.0.1:{port}"
+
+    async def scenario() -> None:
+        backends = [Backend("b0")]
+        await backends[0].start()
+        replicas = [await start_replica([backends[0].url]) for _ in range(2)]
+        try:
+            async with aiohttp.ClientSession() as session:
+                for _proc, url in replicas:
+                    deadline = asyncio.get_running_loop().time() + 30
+                    while True:
+                        try:
+                            async with session.get(url + "/health") as r:
+                                if r.status == 200:
+                                    break
+                        except aiohttp.ClientError:
+                            pass
+                        assert asyncio.get_running_loop().time() < deadline, "replica did not start"
+                        await asyncio.sleep(0.1)
+                backends[0].gate.clear()
+                async with session.post(replicas[1][1] + "/v1/completions",
+                                        json={"prompt": "x", "stream": True}) as r:
+                    first = await asyncio.wait_for(r.content.readuntil(b"\n\n"), 10)
+                    os.kill(replicas[0][0].pid, signal.SIGKILL)  # the other replica dies mid-stream
+                    await replicas[0][0].wait()
+                    backends[0].gate.set()
+                    rest = await r.content.read()
+                assert b'"part": 1' in first and rest.endswith(b"data: [DONE]\n\n")
+                assert (await complete(session, _Url(replicas[1][1]), {"prompt": "z"}))["backend"] == "b0"
+        finally:
+            for proc, _url in replicas:
+                if proc.returncode is None:
+                    proc.terminate()
+                    await proc.wait()
+            await backends[0].stop()
+
+    run(scenario)
+
+
+class _Url:
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+
+def test_disaggregated_mode_hands_each_request_from_a_prefill_to_a_decode_backend() -> None:
+    async def scenario() -> None:
+        prefill = [Backend("p0"), Backend("p1")]
+        for p in prefill:
+            await p.start()
+        try:
+            async with running(make_policy("round-robin", sessions="off"), n=2,
+                               prefill=[p.url for p in prefill],
+                               prefill_policy=make_policy("round-robin", sessions="off")) as (
+                    service, decode, session):
+                for i in range(2):
+                    answer = await complete(session, service, {"prompt": f"q{i}", "max_tokens": 10, "stream": False})
+                    assert answer["backend"] == f"b{i}"
+                    assert answer["echo"]["kv_transfer_params"] == {"tensorcast_pages": 3}
+                    assert answer["echo"]["max_tokens"] == 10
+                assert [len(p.bodies) for p in prefill] == [1, 1]
+                assert all(p.bodies[0]["max_tokens"] == 1 and p.bodies[0]["stream"] is False for p in prefill)
+                async with session.post(service.url + "/v1/chat/completions", json={
+                        "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9,
+                        "stream": True, "stream_options": {"include_usage": True}}) as r:
+                    text = await r.text()
+                assert '"part": 2' in text and decode[0].bodies[-1]["max_completion_tokens"] == 9
+                chat_leg = next(b for p in prefill for b in p.bodies if "messages" in b)
+                assert chat_leg["max_completion_tokens"] == 1 and "stream_options" not in chat_leg
+                for p in prefill:
+                    await p.stop()
+                async with session.post(service.url + "/v1/completions", json={"prompt": "x"}) as r:
+                    assert r.status == 503 and "prefill" in (await r.json())["error"]["message"]
+        finally:
+            for p in prefill:
+                await p.stop()
+
+    run(scenario)

@@ -1,13 +1,15 @@
-"""What the router decides, apart from any socket: which policy a name means, what a policy sees of an
-OpenAI request, and the load it sees of each backend.
+"""What the router decides, apart from any socket: which policy a name means, what a policy sees of an OpenAI request,
+and the load it sees of each backend.
 
-Owns: ``POLICIES`` (the names ``tensorcast router --policy`` accepts, each a factory of a ``policies.Router``:
-the same classes the benchmarks and the simulator run, so a policy written for them routes live traffic
-unchanged), ``route_view`` (an OpenAI request as a ``policies.Request``: its session — the session header,
-else the OpenAI ``user`` field — and its prompt as the sequence a prefix index matches: token ids when the
-client sent ids, else the text's characters, as SGLang's model gateway matches text), and ``as_instances``
-(backends as the ``InstanceInfo`` records policies read: a backend's requests in flight through this router
-are its ``running``). Does not own: HTTP (``router.service``) or health (``router.backends``).
+Owns: ``POLICIES`` (the names ``tensorcast router --policy`` accepts, each a factory of a ``policies.Router``: the
+same classes the benchmarks and the simulator run, so a policy written for them routes live traffic unchanged),
+``route_view`` (an OpenAI request as a ``policies.Request``: its session — the session header, else the OpenAI
+``user`` field — and its prompt as the sequence a prefix index matches: token ids when the client sent ids, else
+the text's characters, as SGLang's model gateway matches text), and ``as_instances`` (backends as the
+``InstanceInfo`` records policies read: ``running`` from this router's requests in flight and the engine's own
+metrics, ``reported_load``), and keeping a session's requests together (``HashedSessions``: rendezvous hashing, so
+that every router replica sends a session to the same backend without sharing a table). Does not own: HTTP
+or health checks (``router.service``).
 
 Adding a policy: ``register_policy("mine", lambda seed: MyRouter())`` before the service starts, or a
 ``module:factory`` path on the command line (``--policy my_pkg.routing:make``; the factory takes the seed).
@@ -19,11 +21,14 @@ import importlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import xxhash
+
 from tensorcast.errors import InvalidArgument, Unavailable
 from tensorcast.policies import CacheAware, LoadAwareShared, PowerOfTwo, Request, Router, StickySessions
 from tensorcast.records import InstanceInfo
 
-__all__ = ["POLICIES", "BackendLoad", "as_instances", "make_policy", "register_policy", "route_view"]
+__all__ = ["POLICIES", "SESSIONS", "BackendLoad", "HashedSessions", "as_instances", "make_policy", "register_policy",
+           "reported_load", "route_view"]
 
 PolicyFactory = Callable[[int], Router]
 
@@ -56,8 +61,40 @@ def register_policy(name: str, factory: PolicyFactory) -> None:
     POLICIES[name] = factory
 
 
-def make_policy(name: str, seed: int = 0, *, sessions: bool = True) -> Router:
-    """The policy ``name`` (or ``module:factory``), sticky per session unless ``sessions`` is False."""
+class HashedSessions(Router):
+    """A session's requests go to the live backend ranking first for it by rendezvous hashing of its id with
+    each backend's URL; requests without a session go to ``router``. Every router replica computes the same
+    ranking from the same backends with nothing shared, holds no table (no memory per session), and when a
+    backend goes down only its sessions move (each to its next-ranked backend)."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def choose(self, request: Request, instances: Sequence[InstanceInfo]) -> str:
+        if not request.session_id:
+            return self.router.choose(request, instances)
+        alive = [i for i in instances if i.alive]
+        if not alive:
+            raise Unavailable("no live backend to route to")
+        key = request.session_id.encode()
+        return max(alive, key=lambda i: (xxhash.xxh3_64_intdigest(key + b"\0" + i.address.encode()),
+                                         i.address)).instance_id
+
+    def route(self, request: Request, instances: Sequence[InstanceInfo]) -> str:
+        chosen = self.choose(request, instances)
+        self.router.observe(request, chosen)  # a cache-aware index learns where the session's prefix is
+        return chosen
+
+
+SESSIONS = ("hrw", "table", "off")
+
+
+def make_policy(name: str, seed: int = 0, *, sessions: str = "hrw") -> Router:
+    """The policy ``name`` (or ``module:factory``) with a session's requests kept together: ``hrw``
+    (rendezvous hashing: replicas agree, nothing stored), ``table`` (the policy places a session's first
+    request, later ones follow it: one replica only), or ``off``."""
+    if sessions not in SESSIONS:
+        raise InvalidArgument(f"sessions must be one of {', '.join(SESSIONS)}, got {sessions!r}")
     if name in POLICIES:
         router = POLICIES[name](seed)
     elif ":" in name:
@@ -71,7 +108,7 @@ def make_policy(name: str, seed: int = 0, *, sessions: bool = True) -> Router:
             raise InvalidArgument(f"policy {name!r} built a {type(router).__name__}, not a policies.Router")
     else:
         raise InvalidArgument(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}, or module:factory")
-    return StickySessions(router) if sessions else router
+    return HashedSessions(router) if sessions == "hrw" else StickySessions(router) if sessions == "table" else router
 
 
 def route_view(body: Mapping[str, Any], session: str = "") -> Request:
@@ -104,17 +141,40 @@ def _chars(text: str) -> tuple[int, ...]:
 
 
 class BackendLoad:
-    """One backend as a policy sees it: requests in flight through this router, and whether it is up."""
+    """One backend as a policy sees it: requests in flight through this router, the running and waiting
+    requests the engine last reported (its own metrics: those of every router replica and direct client),
+    and whether it is up."""
 
-    __slots__ = ("alive", "backend_id", "in_flight", "url")
+    __slots__ = ("alive", "backend_id", "in_flight", "reported", "url")
 
     def __init__(self, backend_id: str, url: str) -> None:
         self.backend_id = backend_id
         self.url = url
         self.in_flight = 0
+        self.reported = 0
         self.alive = True
 
 
 def as_instances(backends: Sequence[BackendLoad]) -> list[InstanceInfo]:
-    return [InstanceInfo(instance_id=b.backend_id, address=b.url, home_worker="", running=b.in_flight,
-                         alive=b.alive, engine="openai") for b in backends]
+    """Backends as ``InstanceInfo``: ``running`` is the larger of this router's requests in flight (current)
+    and the engine's last report (every replica's, but as old as the last poll)."""
+    return [InstanceInfo(instance_id=b.backend_id, address=b.url, home_worker="", running=max(b.in_flight,
+                         b.reported), alive=b.alive, engine="openai") for b in backends]
+
+
+_LOAD_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+def reported_load(metrics_text: str) -> int | None:
+    """Running plus waiting requests in an engine's Prometheus text (vLLM's series, summed over their labels);
+    None when it has neither (another engine: the router's own count stands alone)."""
+    total, seen = 0.0, False
+    for line in metrics_text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in _LOAD_SERIES:
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+                seen = True
+            except (IndexError, ValueError):
+                continue
+    return int(total) if seen else None

@@ -1,16 +1,18 @@
 """``tensorcast router``: an OpenAI-compatible HTTP service in front of N engine servers (``vllm serve``).
 
 Owns: the routes (``POST /v1/completions`` and ``/v1/chat/completions``, streaming and not; ``GET /v1/models``,
-``/health``, ``/metrics``), forwarding a request to the backend its policy chose (``router.choice``) with the
-body and headers as they came, and the answer back as it arrives: a streamed answer is written to the client
-chunk by chunk as the backend sends it, never buffered; each backend's requests in flight (the load the
-policies see); health (a backend that refuses a connection is marked down and the request goes to another
-one, as long as nothing of the answer was sent; a background check brings it back when its ``/health``
-answers); and the router's metrics (requests by backend and outcome, the routing decision's time, in flight).
+``/health``, ``/metrics``), forwarding a request to the backend its policy chose (``router.choice``) with the body
+and headers as they came, and the answer back as it arrives: a streamed answer is written to the client chunk by
+chunk as the backend sends it, never buffered; each backend's requests in flight (the load the policies see);
+health (a backend that refuses a connection is marked down and the request goes to another one, as long as nothing
+of the answer was sent; a background check brings it back when its ``/health`` answers, and reads the load the
+engine reports on its ``/metrics``); prefill/decode disaggregation (a prefill pool computes each prompt for one
+token and stores its KV pages; the request then goes to the decode pool with the prefill's ``kv_transfer_params``,
+and the decode instance loads those pages: the ``TensorCastConnector`` protocol, which ``examples/pd_proxy.py``
+shows alone); and the router's metrics (requests by backend and outcome, the routing decision's time, in flight).
 
-aiohttp (``pip install 'tensorcast[router]'``) on one event loop: a decision is microseconds of Python,
-forwarding is a pass-through of the backend's bytes. Does not own: the policies (``tensorcast.policies``),
-or the engines.
+aiohttp (``pip install 'tensorcast[router]'``) on one event loop: a decision is microseconds of Python, forwarding
+is a pass-through of the backend's bytes. Does not own: the policies (``tensorcast.policies``), or the engines.
 """
 
 from __future__ import annotations
@@ -20,14 +22,14 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tensorcast.errors import InvalidArgument, Unavailable
 from tensorcast.policies import Router
-from tensorcast.router.choice import BackendLoad, as_instances, route_view
+from tensorcast.router.choice import BackendLoad, as_instances, reported_load, route_view
 
 __all__ = ["RouterService"]
 
@@ -42,11 +44,18 @@ class RouterService:
 
     def __init__(self, backends: Sequence[str], policy: Router, *, host: str = "127.0.0.1", port: int = 0,
                  session_header: str = "x-session-id", health_interval: float = 2.0,
-                 request_timeout: float = 600.0) -> None:
-        """``request_timeout``: seconds a backend may stay silent (before its first byte, or between two)."""
+                 request_timeout: float = 600.0, prefill: Sequence[str] = (),
+                 prefill_policy: Router | None = None) -> None:
+        """``request_timeout``: seconds a backend may stay silent (before its first byte, or between two).
+        ``prefill``: disaggregated mode: each request's prompt first on one of these (``prefill_policy``),
+        then the request on one of ``backends`` (the decode pool) with the prefill's ``kv_transfer_params``."""
         if not backends:
             raise InvalidArgument("the router needs at least one backend URL")
         self.backends = [BackendLoad(f"b{i}", u.rstrip("/")) for i, u in enumerate(backends)]
+        self.prefill = [BackendLoad(f"p{i}", u.rstrip("/")) for i, u in enumerate(prefill)]
+        if self.prefill and prefill_policy is None:
+            raise InvalidArgument("a prefill pool needs its own policy (prefill_policy)")
+        self.prefill_policy = prefill_policy or policy
         self.policy = policy
         self.host, self.port = host, port
         self.session_header = session_header.lower()
@@ -85,7 +94,8 @@ class RouterService:
         await site.start()
         self.port = int(self._runner.addresses[0][1])  # the port bound (port 0: one the system chose)
         self._health = asyncio.create_task(self._check_health())
-        log.info("router on %s: %d backends", self.url, len(self.backends))
+        log.info("router on %s: %d backends%s", self.url, len(self.backends),
+                 f", {len(self.prefill)} prefill" if self.prefill else "")
 
     async def stop(self) -> None:
         if self._health is not None:
@@ -99,8 +109,6 @@ class RouterService:
 
     # ----------------------------------------------------------------- routes
     async def _forward(self, request: Any) -> Any:
-        from aiohttp import ClientError, web
-
         raw = await request.read()
         try:
             body = json.loads(raw)
@@ -110,38 +118,92 @@ class RouterService:
             return _error(400, f"the request body is not a JSON object ({exc.__class__.__name__})")
         view = route_view(body, request.headers.get(self.session_header, ""))
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        if self.prefill:  # disaggregated: the prompt on a prefill backend, its KV handed over through the pool
+            params = await self._prefill_leg(request.path, body, view, headers)
+            if not isinstance(params, dict):
+                return params  # the prefill pool's error, as the client's answer
+            raw = json.dumps({**body, "kv_transfer_params": params}).encode()
+        return await self._relay(request, raw, view, headers)
+
+    def _pick(self, pool: list[BackendLoad], policy: Router, view: Any, tried: set[str]) -> BackendLoad:
+        """The backend ``policy`` picks among those of ``pool`` not tried yet (``Unavailable``: none left)."""
+        t0 = time.perf_counter()
+        chosen = policy.route(view, as_instances([b for b in pool if b.backend_id not in tried]))
+        self._decide.observe(time.perf_counter() - t0)
+        tried.add(chosen)
+        return next(b for b in pool if b.backend_id == chosen)
+
+    @contextlib.contextmanager
+    def _counted(self, backend: BackendLoad) -> Iterator[None]:
+        backend.in_flight += 1
+        self._in_flight.labels(backend.backend_id).inc()
+        try:
+            yield
+        finally:
+            backend.in_flight -= 1
+            self._in_flight.labels(backend.backend_id).dec()
+
+    def _failed(self, backend: BackendLoad, exc: BaseException) -> None:
+        self._requests.labels(backend.backend_id, "failed").inc()
+        backend.alive = False
+        log.warning("backend %s (%s) failed: %s; trying another", backend.backend_id, backend.url, exc)
+
+    async def _relay(self, request: Any, raw: bytes, view: Any, headers: dict[str, str]) -> Any:
+        """The request to a backend of the (decode) pool and its answer back as it arrives."""
+        from aiohttp import ClientError, web
+
         tried: set[str] = set()
         while True:
-            t0 = time.perf_counter()
-            candidates = [b for b in self.backends if b.backend_id not in tried]
             try:
-                chosen_id = self.policy.route(view, as_instances(candidates))
+                backend = self._pick(self.backends, self.policy, view, tried)
             except Unavailable as exc:
                 return _error(503, str(exc))
-            self._decide.observe(time.perf_counter() - t0)
-            backend = next(b for b in self.backends if b.backend_id == chosen_id)
-            tried.add(chosen_id)
-            backend.in_flight += 1
-            self._in_flight.labels(chosen_id).inc()
             response: web.StreamResponse | None = None
+            with self._counted(backend):
+                try:
+                    async with self._session.post(backend.url + request.path, data=raw, headers=headers) as up:
+                        response = web.StreamResponse(status=up.status, headers=_passed(up.headers))
+                        await response.prepare(request)
+                        async for chunk in up.content.iter_any():  # as it arrives: streaming is not buffered
+                            await response.write(chunk)
+                        await response.write_eof()
+                        self._requests.labels(backend.backend_id, str(up.status)).inc()
+                        return response
+                except (ClientError, OSError) as exc:
+                    if response is not None:  # part of the answer went out: the client sees the cut
+                        self._requests.labels(backend.backend_id, "failed").inc()
+                        raise
+                    self._failed(backend, exc)
+
+    async def _prefill_leg(self, path: str, body: dict[str, Any], view: Any, headers: dict[str, str]) -> Any:
+        """One token of the request on a prefill backend, which computes the prompt and stores its KV pages;
+        returns its ``kv_transfer_params`` for the decode leg (which loads those pages), or the error answer."""
+        from aiohttp import ClientError, web
+
+        leg = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {}}
+        if "max_completion_tokens" in body:
+            leg["max_completion_tokens"] = 1
+        leg.pop("stream_options", None)
+        tried: set[str] = set()
+        while True:
             try:
-                async with self._session.post(backend.url + request.path, data=raw, headers=headers) as up:
-                    response = web.StreamResponse(status=up.status, headers=_passed(up.headers))
-                    await response.prepare(request)
-                    async for chunk in up.content.iter_any():  # as it arrives: streaming is not buffered
-                        await response.write(chunk)
-                    await response.write_eof()
-                    self._requests.labels(chosen_id, str(up.status)).inc()
-                    return response
-            except (ClientError, OSError) as exc:
-                self._requests.labels(chosen_id, "failed").inc()
-                if response is not None:  # part of the answer went out: the client sees the cut
-                    raise
-                backend.alive = False
-                log.warning("backend %s (%s) failed: %s; trying another", chosen_id, backend.url, exc)
-            finally:
-                backend.in_flight -= 1
-                self._in_flight.labels(chosen_id).dec()
+                backend = self._pick(self.prefill, self.prefill_policy, view, tried)
+            except Unavailable as exc:
+                return _error(503, f"prefill: {exc}")
+            with self._counted(backend):
+                try:
+                    async with self._session.post(backend.url + path, json=leg, headers=headers) as up:
+                        answer = await up.read()
+                        self._requests.labels(backend.backend_id, str(up.status)).inc()
+                        if up.status != 200:
+                            return web.Response(status=up.status, body=answer, content_type="application/json")
+                    doc = json.loads(answer)
+                    params = doc.get("kv_transfer_params") if isinstance(doc, dict) else None
+                    return dict(params) if isinstance(params, dict) else {}  # none: the decode side recomputes
+                except (ClientError, OSError) as exc:
+                    self._failed(backend, exc)
+                except ValueError:
+                    return _error(502, f"prefill backend {backend.backend_id} answered something not JSON")
 
     async def _models(self, request: Any) -> Any:
         from aiohttp import ClientError, web
@@ -157,8 +219,10 @@ class RouterService:
     async def _health_route(self, request: Any) -> Any:
         from aiohttp import web
 
-        up = [b.backend_id for b in self.backends if b.alive]
-        return web.json_response({"backends": len(self.backends), "alive": up}, status=200 if up else 503)
+        up = [b.backend_id for b in [*self.backends, *self.prefill] if b.alive]
+        serving = any(b.alive for b in self.backends) and (not self.prefill or any(b.alive for b in self.prefill))
+        return web.json_response({"backends": len(self.backends) + len(self.prefill), "alive": up},
+                                 status=200 if serving else 503)
 
     async def _metrics(self, request: Any) -> Any:
         from aiohttp import web
@@ -166,19 +230,26 @@ class RouterService:
         return web.Response(body=generate_latest(self.registry), content_type="text/plain")
 
     async def _check_health(self) -> None:
-        """Every ``health_interval``: each backend's ``GET /health`` decides whether it is up."""
+        """Every ``health_interval``: each backend's ``GET /health`` decides whether it is up, and its
+        ``GET /metrics`` (vLLM's running and waiting requests) what load it reports."""
         from aiohttp import ClientError, ClientTimeout
 
+        async def check(b: BackendLoad) -> None:
+            try:
+                async with self._session.get(b.url + "/health", timeout=ClientTimeout(total=5)) as up:
+                    alive = up.status == 200
+                if alive:  # the engine's own count of its requests: every replica's and client's
+                    async with self._session.get(b.url + "/metrics", timeout=ClientTimeout(total=5)) as up:
+                        load = reported_load(await up.text()) if up.status == 200 else None
+                    b.reported = load or 0
+            except (TimeoutError, ClientError, OSError):
+                alive = False
+            if alive != b.alive:
+                log.warning("backend %s (%s) is %s", b.backend_id, b.url, "up" if alive else "down")
+            b.alive = alive
+
         while True:
-            for b in self.backends:
-                try:
-                    async with self._session.get(b.url + "/health", timeout=ClientTimeout(total=5)) as up:
-                        alive = up.status == 200
-                except (TimeoutError, ClientError, OSError):
-                    alive = False
-                if alive != b.alive:
-                    log.warning("backend %s (%s) is %s", b.backend_id, b.url, "up" if alive else "down")
-                b.alive = alive
+            await asyncio.gather(*(check(b) for b in [*self.backends, *self.prefill]))
             await asyncio.sleep(self.health_interval)
 
 
