@@ -71,6 +71,7 @@ RUNS = [
     Run("metadata", "metadata.py", (), ("metadata", "failover")),
     Run("weights_load", "weights_load.py"),
     Run("weights_load-s3", "weights_load.py", ("--s3",)),
+    Run("router_overhead", "router_overhead.py"),
     Run("weight_sync", "weight_sync.py", (), ("summary", "runs")),
     Run("checkpoint", "checkpoint.py", (), ("results",)),
     Run("kv_pages", "kv_pages.py"),

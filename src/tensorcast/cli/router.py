@@ -9,6 +9,7 @@ import signal
 import click
 
 from tensorcast.cli.common import say
+from tensorcast.client.loop import new_event_loop
 from tensorcast.router.choice import POLICIES, SESSIONS, make_policy
 
 
@@ -53,4 +54,5 @@ def router(backends: tuple[str, ...], prefill: tuple[str, ...], policy: str, hos
         finally:
             await service.stop()
 
-    asyncio.run(run())
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:  # uvloop where installed
+        runner.run(run())

@@ -162,6 +162,12 @@ class RouterService:
             with self._counted(backend):
                 try:
                     async with self._session.post(backend.url + request.path, data=raw, headers=headers) as up:
+                        if up.content_length is not None and up.content_type != "text/event-stream":
+                            # A whole answer of a known size: one write (a stream is never held back).
+                            answer = web.Response(status=up.status, body=await up.read(),
+                                                  headers=_passed(up.headers))
+                            self._requests.labels(backend.backend_id, str(up.status)).inc()
+                            return answer
                         response = web.StreamResponse(status=up.status, headers=_passed(up.headers))
                         await response.prepare(request)
                         async for chunk in up.content.iter_any():  # as it arrives: streaming is not buffered
