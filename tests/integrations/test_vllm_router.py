@@ -30,10 +30,12 @@ TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
 @contextlib.contextmanager
-def router_process(backends: list[str], policy: str, log: Path, prefill: list[str] | None = None) -> Iterator[str]:
+def router_process(backends: list[str], policy: str, log: Path, prefill: list[str] | None = None,
+                   extra: tuple[str, ...] = ()) -> Iterator[str]:
     port = unused_port()
     args = [sys.executable, "-m", "tensorcast", "router", "--policy", policy, "--port", str(port),
-            *(x for b in backends for x in ("--backend", b)), *(x for p in prefill or () for x in ("--prefill", p))]
+            *(x for b in backends for x in ("--backend", b)), *(x for p in prefill or () for x in ("--prefill", p)),
+            *extra]
     with log.open("w") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -127,3 +129,51 @@ def test_prefill_decode_mode_answers_as_one_instance_does(tmp_path: Path) -> Non
             cached = (through["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
             assert cached == 5 * page, through["usage"]  # the prompt's whole pages came from the pool
             assert streamed_text(router, "/v1/completions", body) == alone["choices"][0]["text"]
+
+
+@pytest.mark.timeout(1200)
+def test_event_cache_aware_sends_a_prompt_where_its_prefix_is_cached(tmp_path: Path) -> None:
+    """Two instances publishing vLLM's KV events; the router (``event-cache-aware``) follows both streams.
+    A prompt computed on the second instance directly: a longer prompt with that prefix, sent through the
+    router, goes to the second instance (with nothing cached, the first would win the tie) and is answered
+    from its cache."""
+    pytest.importorskip("zmq")
+    from tensorcast.kv_event_stream import EventSubscriber
+    from tensorcast.kv_events import BlockStored
+
+    page = 32
+    model = with_tokenizer(tiny_llama_dir(tmp_path / "model"))
+    ports = [unused_port(), unused_port()]
+    replay = unused_port()  # the second instance's replay endpoint: the test reads its events from the start
+
+    def engine(port: int) -> list[str]:
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}",
+                  **({"replay_endpoint": f"tcp://*:{replay}"} if port == ports[1] else {})}
+        return ["--enable-prefix-caching", "--kv-events-config", json.dumps(events), "--block-size", str(page),
+                "--enable-prompt-tokens-details"]
+
+    with vllm_server(model, tmp_path / "a.log", transfer=None, extra=engine(ports[0])) as a, \
+            vllm_server(model, tmp_path / "b.log", transfer=None, extra=engine(ports[1])) as b:
+        streams = tuple(x for url, p in zip((a, b), ports, strict=True)
+                        for x in ("--kv-events", f"{url}=tcp://127.0.0.1:{p}"))
+        with router_process([a, b], "event-cache-aware", tmp_path / "router.log",
+                            extra=(*streams, "--kv-block-size", str(page), "--sessions", "off")) as router:
+            words = [f"t{(i * 7) % 400 + 10}" for i in range(3 * page)]
+            post(b + "/v1/completions", {"prompt": " ".join(words), "max_tokens": 1, "temperature": 0})
+            watch = EventSubscriber(f"tcp://127.0.0.1:{ports[1]}", replay_endpoint=f"tcp://127.0.0.1:{replay}")
+            deadline = time.monotonic() + 60
+            stored = 0
+            while stored < 2 * page:  # b's engine says it holds the prompt's first blocks (from its replay)
+                assert time.monotonic() < deadline, "no KV events from the second instance"
+                stored = sum(len(e.token_ids) for _, batch in watch.replay(0, 2.0) for e in batch.events
+                             if isinstance(e, BlockStored))
+            watch.close()
+            time.sleep(25 * 0.02)  # the router applies what arrived every 20 ms (it subscribed at its start)
+            longer = {"prompt": " ".join([*words, "t1", "t2", "t3"]), "max_tokens": 4, "temperature": 0}
+            through = post(router + "/v1/completions", longer)
+            cached = (through["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            assert cached >= 2 * page, through["usage"]  # answered from the second instance's cache
+            with urllib.request.urlopen(router + "/metrics", timeout=30) as r:
+                metrics = r.read().decode()
+            assert 'tensorcast_router_requests_total{backend="b1",outcome="200"} 1.0' in metrics
+            assert 'tensorcast_router_requests_total{backend="b0"' not in metrics

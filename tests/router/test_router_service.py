@@ -20,7 +20,7 @@ from aiohttp import web  # noqa: E402
 from tensorcast.errors import InvalidArgument  # noqa: E402
 from tensorcast.policies import Request, Router  # noqa: E402
 from tensorcast.router import RouterService, make_policy, register_policy  # noqa: E402
-from tensorcast.router.choice import route_view  # noqa: E402
+from tensorcast.router.choice import as_instances, route_view  # noqa: E402
 
 
 class Backend:
@@ -43,6 +43,7 @@ class Backend:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/tokenize", self.tokenize)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -54,6 +55,10 @@ class Backend:
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
+
+    async def tokenize(self, request: web.Request) -> web.Response:  # words "w<id>" are token ids
+        body = await request.json()
+        return web.json_response({"tokens": [int(w[1:]) for w in str(body.get("prompt", "")).split()]})
 
     async def metrics(self, request: web.Request) -> web.Response:
         lines = [f'vllm:num_requests_running{{model_name="tiny"}} {self.running}',
@@ -353,5 +358,38 @@ def test_disaggregated_mode_hands_each_request_from_a_prefill_to_a_decode_backen
         finally:
             for p in prefill:
                 await p.stop()
+
+    run(scenario)
+
+
+def test_event_cache_aware_routes_by_the_engines_kv_events() -> None:
+    pytest.importorskip("zmq")
+    from tensorcast.kv_event_stream import EventPublisher
+    from tensorcast.kv_events import BlockStored, KVEventBatch
+    from tensorcast.policies import EventFeed
+    from tensorcast.router.choice import make_event_policy
+
+    block = 4
+    held = list(range(100, 132))  # 8 blocks that b1's engine reports holding
+
+    async def scenario() -> None:
+        publisher = EventPublisher("tcp://127.0.0.1:0")
+        policy, index = make_event_policy(block, sessions="off")
+        feed = EventFeed(index)
+        feed.add_instance("b1", publisher.endpoint)
+        async with running(policy, feed=feed) as (service, _backends, session):
+            stored = BlockStored(block_hashes=list(range(1, 9)), parent_block_hash=None, token_ids=held,
+                                 block_size=block, lora_id=None, medium="GPU", lora_name=None)
+            deadline = asyncio.get_running_loop().time() + 10
+            view = Request("", tuple(held))
+            while policy.matched_tokens(view, as_instances(service.backends))["b1"] < len(held):  # type: ignore[attr-defined]
+                assert asyncio.get_running_loop().time() < deadline, "the events never reached the router"
+                publisher.publish(KVEventBatch(ts=0.0, events=[stored]))  # until the subscriber has joined
+                await asyncio.sleep(0.05)
+            text = " ".join(f"w{t}" for t in [*held, 7, 8, 9])
+            assert (await complete(session, service, {"prompt": text}))["backend"] == "b1"  # its prefix is there
+            other = " ".join(f"w{t}" for t in range(300, 340))
+            assert (await complete(session, service, {"prompt": other}))["backend"] == "b0"  # a miss: least loaded
+        publisher.close()
 
     run(scenario)

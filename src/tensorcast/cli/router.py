@@ -10,7 +10,9 @@ import click
 
 from tensorcast.cli.common import say
 from tensorcast.client.loop import new_event_loop
-from tensorcast.router.choice import POLICIES, SESSIONS, make_policy
+from tensorcast.errors import InvalidArgument
+from tensorcast.policies import EventFeed, Router
+from tensorcast.router.choice import POLICIES, SESSIONS, make_event_policy, make_policy
 
 
 @click.command()
@@ -20,7 +22,13 @@ from tensorcast.router.choice import POLICIES, SESSIONS, make_policy
               help="Disaggregated mode: a prefill instance (kv_producer; repeat for each); --backend are then the "
                    "decode instances (kv_consumer), the KV handed over through the pool.")
 @click.option("--policy", default="power-of-two", show_default=True,
-              help=f"How to pick a backend: {', '.join(POLICIES)}, or module:factory (your own policies.Router).")
+              help=f"How to pick a backend: {', '.join(POLICIES)}, event-cache-aware (with --kv-events), or "
+                   "module:factory (your own policies.Router).")
+@click.option("--kv-events", "kv_events", multiple=True, metavar="URL=ENDPOINT[,REPLAY]",
+              help="With --policy event-cache-aware: a backend's KV event stream (vLLM's kv_events_config "
+                   "endpoint, ZeroMQ), and optionally its replay endpoint; repeat for each backend.")
+@click.option("--kv-block-size", default=16, show_default=True, type=int,
+              help="With --policy event-cache-aware: the engines' KV block size in tokens.")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=int)
 @click.option("--session-header", default="x-session-id", show_default=True,
@@ -30,16 +38,24 @@ from tensorcast.router.choice import POLICIES, SESSIONS, make_policy
                    "(the policy places a session's first request: one replica), off.")
 @click.option("--seed", default=None, type=int,
               help="Seed of randomized policies (default: a random one, so that replicas do not herd together).")
-def router(backends: tuple[str, ...], prefill: tuple[str, ...], policy: str, host: str, port: int,
-           session_header: str, sessions: str, seed: int | None) -> None:
+def router(backends: tuple[str, ...], prefill: tuple[str, ...], policy: str, kv_events: tuple[str, ...],
+           kv_block_size: int, host: str, port: int, session_header: str, sessions: str, seed: int | None) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics) in front of
     the BACKEND engine servers, each request to the one POLICY picks. Runs until interrupted."""
     from tensorcast.router.service import RouterService
 
     seed = seed if seed is not None else secrets.randbits(32)
-    service = RouterService(list(backends), make_policy(policy, seed, sessions=sessions), host=host,
-                            port=port, session_header=session_header, prefill=list(prefill),
-                            prefill_policy=make_policy(policy, seed + 1, sessions=sessions) if prefill else None)
+    feed = None
+    if policy == "event-cache-aware":
+        chosen, feed = _event_policy(list(backends), kv_events, kv_block_size, sessions)
+    elif kv_events:
+        raise InvalidArgument("--kv-events feeds --policy event-cache-aware only")
+    else:
+        chosen = make_policy(policy, seed, sessions=sessions)
+    service = RouterService(list(backends), chosen, host=host, port=port, session_header=session_header,
+                            prefill=list(prefill), feed=feed,
+                            prefill_policy=make_policy("power-of-two" if feed else policy, seed + 1,
+                                                       sessions=sessions) if prefill else None)
 
     async def run() -> None:
         await service.start()
@@ -56,3 +72,20 @@ def router(backends: tuple[str, ...], prefill: tuple[str, ...], policy: str, hos
 
     with asyncio.Runner(loop_factory=new_event_loop) as runner:  # uvloop where installed
         runner.run(run())
+
+
+def _event_policy(backends: list[str], streams: tuple[str, ...], block_size: int,
+                  sessions: str) -> tuple[Router, EventFeed]:
+    """``event-cache-aware`` and the feed of its backends' KV event streams (``URL=ENDPOINT[,REPLAY]``)."""
+    urls = [b.rstrip("/") for b in backends]
+    chosen, index = make_event_policy(block_size, sessions)
+    feed = EventFeed(index)
+    for spec in streams:
+        url, _, endpoints = spec.partition("=")
+        endpoint, _, replay = endpoints.partition(",")
+        if url.rstrip("/") not in urls or not endpoint:
+            raise InvalidArgument(f"--kv-events {spec!r}: expected BACKEND_URL=ENDPOINT[,REPLAY] of a --backend")
+        feed.add_instance(f"b{urls.index(url.rstrip('/'))}", endpoint, replay or None)
+    if not streams:
+        raise InvalidArgument("--policy event-cache-aware needs --kv-events for the backends")
+    return chosen, feed

@@ -24,11 +24,20 @@ from typing import Any
 import xxhash
 
 from tensorcast.errors import InvalidArgument, Unavailable
-from tensorcast.policies import CacheAware, LoadAwareShared, PowerOfTwo, Request, Router, StickySessions
+from tensorcast.policies import (
+    CacheAware,
+    EventCacheAware,
+    EventIndex,
+    LoadAwareShared,
+    PowerOfTwo,
+    Request,
+    Router,
+    StickySessions,
+)
 from tensorcast.records import InstanceInfo
 
-__all__ = ["POLICIES", "SESSIONS", "BackendLoad", "HashedSessions", "as_instances", "make_policy", "register_policy",
-           "reported_load", "route_view"]
+__all__ = ["POLICIES", "SESSIONS", "BackendLoad", "HashedSessions", "as_instances", "make_event_policy",
+           "make_policy", "register_policy", "reported_load", "route_view", "wants_tokens", "with_sessions"]
 
 PolicyFactory = Callable[[int], Router]
 
@@ -95,6 +104,8 @@ def make_policy(name: str, seed: int = 0, *, sessions: str = "hrw") -> Router:
     request, later ones follow it: one replica only), or ``off``."""
     if sessions not in SESSIONS:
         raise InvalidArgument(f"sessions must be one of {', '.join(SESSIONS)}, got {sessions!r}")
+    if name == "event-cache-aware":
+        raise InvalidArgument("event-cache-aware needs the engines' KV events: make_event_policy (CLI: --kv-events)")
     if name in POLICIES:
         router = POLICIES[name](seed)
     elif ":" in name:
@@ -108,7 +119,26 @@ def make_policy(name: str, seed: int = 0, *, sessions: str = "hrw") -> Router:
             raise InvalidArgument(f"policy {name!r} built a {type(router).__name__}, not a policies.Router")
     else:
         raise InvalidArgument(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}, or module:factory")
+    return with_sessions(router, sessions)
+
+
+def make_event_policy(block_size: int, sessions: str = "hrw") -> tuple[Router, EventIndex]:
+    """``event-cache-aware``: ``policies.EventCacheAware`` over a fresh ``EventIndex`` of ``block_size``-token
+    blocks (the engines' block size), which the caller feeds the engines' KV events (``policies.EventFeed``)."""
+    index = EventIndex(block_size)
+    return with_sessions(EventCacheAware(index), sessions), index
+
+
+def with_sessions(router: Router, sessions: str) -> Router:
+    """``router`` with a session's requests kept together (``make_policy``'s ``sessions``)."""
+    if sessions not in SESSIONS:
+        raise InvalidArgument(f"sessions must be one of {', '.join(SESSIONS)}, got {sessions!r}")
     return HashedSessions(router) if sessions == "hrw" else StickySessions(router) if sessions == "table" else router
+
+
+def wants_tokens(body: Mapping[str, Any]) -> bool:
+    """Whether the request's prompt is text (a chat, or a string) rather than token ids."""
+    return isinstance(body.get("prompt"), str) or isinstance(body.get("messages"), list)
 
 
 def route_view(body: Mapping[str, Any], session: str = "") -> Request:

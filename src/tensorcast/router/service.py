@@ -9,7 +9,9 @@ of the answer was sent; a background check brings it back when its ``/health`` a
 engine reports on its ``/metrics``); prefill/decode disaggregation (a prefill pool computes each prompt for one
 token and stores its KV pages; the request then goes to the decode pool with the prefill's ``kv_transfer_params``,
 and the decode instance loads those pages: the ``TensorCastConnector`` protocol, which ``examples/pd_proxy.py``
-shows alone); and the router's metrics (requests by backend and outcome, the routing decision's time, in flight).
+shows alone); and the router's metrics (requests by backend and outcome, the routing decision's time, in flight);
+and, for ``event-cache-aware``, the engines' KV events applied as they arrive and text prompts tokenized by a
+backend (``/tokenize``) so that they match the events' token blocks.
 
 aiohttp (``pip install 'tensorcast[router]'``) on one event loop: a decision is microseconds of Python, forwarding
 is a pass-through of the backend's bytes. Does not own: the policies (``tensorcast.policies``), or the engines.
@@ -28,8 +30,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tensorcast.errors import InvalidArgument, Unavailable
-from tensorcast.policies import Router
-from tensorcast.router.choice import BackendLoad, as_instances, reported_load, route_view
+from tensorcast.policies import EventFeed, Request, Router
+from tensorcast.router.choice import BackendLoad, as_instances, reported_load, route_view, wants_tokens
 
 __all__ = ["RouterService"]
 
@@ -45,10 +47,12 @@ class RouterService:
     def __init__(self, backends: Sequence[str], policy: Router, *, host: str = "127.0.0.1", port: int = 0,
                  session_header: str = "x-session-id", health_interval: float = 2.0,
                  request_timeout: float = 600.0, prefill: Sequence[str] = (),
-                 prefill_policy: Router | None = None) -> None:
+                 prefill_policy: Router | None = None, feed: EventFeed | None = None) -> None:
         """``request_timeout``: seconds a backend may stay silent (before its first byte, or between two).
         ``prefill``: disaggregated mode: each request's prompt first on one of these (``prefill_policy``),
-        then the request on one of ``backends`` (the decode pool) with the prefill's ``kv_transfer_params``."""
+        then the request on one of ``backends`` (the decode pool) with the prefill's ``kv_transfer_params``.
+        ``feed``: the engines' KV events (for ``event-cache-aware``), applied on the service's loop as they come;
+        a text prompt is then tokenized by a backend (``POST /tokenize``) so that it matches their blocks."""
         if not backends:
             raise InvalidArgument("the router needs at least one backend URL")
         self.backends = [BackendLoad(f"b{i}", u.rstrip("/")) for i, u in enumerate(backends)]
@@ -68,6 +72,8 @@ class RouterService:
                                  buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3), registry=self.registry)
         self._in_flight = Gauge("tensorcast_router_in_flight", "Requests in flight", ["backend"],
                                 registry=self.registry)
+        self.feed = feed
+        self._pump: asyncio.Task[None] | None = None
         self._runner: Any = None
         self._session: Any = None
         self._health: asyncio.Task[None] | None = None
@@ -94,14 +100,19 @@ class RouterService:
         await site.start()
         self.port = int(self._runner.addresses[0][1])  # the port bound (port 0: one the system chose)
         self._health = asyncio.create_task(self._check_health())
+        if self.feed is not None:
+            self._pump = asyncio.create_task(self._pump_events())
         log.info("router on %s: %d backends%s", self.url, len(self.backends),
                  f", {len(self.prefill)} prefill" if self.prefill else "")
 
     async def stop(self) -> None:
-        if self._health is not None:
-            self._health.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health
+        for task in (self._health, self._pump):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self.feed is not None:
+            self.feed.close()
         if self._runner is not None:
             await self._runner.cleanup()
         if self._session is not None:
@@ -118,6 +129,8 @@ class RouterService:
             return _error(400, f"the request body is not a JSON object ({exc.__class__.__name__})")
         view = route_view(body, request.headers.get(self.session_header, ""))
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        if self.feed is not None and wants_tokens(body):  # engines' events name token blocks, not text
+            view = Request(view.session_id, await self._tokens(body) or view.prompt)
         if self.prefill:  # disaggregated: the prompt on a prefill backend, its KV handed over through the pool
             params = await self._prefill_leg(request.path, body, view, headers)
             if not isinstance(params, dict):
@@ -210,6 +223,32 @@ class RouterService:
                     self._failed(backend, exc)
                 except ValueError:
                     return _error(502, f"prefill backend {backend.backend_id} answered something not JSON")
+
+    async def _tokens(self, body: dict[str, Any]) -> tuple[int, ...]:
+        """The prompt's token ids, from a live backend's ``/tokenize`` (chat template applied to messages);
+        empty when none answers (the request is then routed on load alone)."""
+        from aiohttp import ClientError, ClientTimeout
+
+        ask = {k: body[k] for k in ("model", "prompt", "messages") if k in body}
+        for backend in [b for b in self.backends if b.alive]:
+            try:
+                async with self._session.post(backend.url + "/tokenize", json=ask,
+                                              timeout=ClientTimeout(total=10)) as up:
+                    if up.status == 200:
+                        tokens = (await up.json()).get("tokens")
+                        if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):
+                            return tuple(tokens)
+            except (TimeoutError, ClientError, OSError, ValueError):
+                continue
+        return ()
+
+    async def _pump_events(self) -> None:
+        """Apply the engines' KV events as they arrive (non-blocking polls on this loop: the index is not
+        shared with another thread)."""
+        assert self.feed is not None
+        while True:
+            self.feed.pump(0.0)
+            await asyncio.sleep(0.02)
 
     async def _models(self, request: Any) -> Any:
         from aiohttp import ClientError, web
