@@ -1,4 +1,4 @@
-# TensorCast: one image for `tensorcast gs` (the global store) and `tensorcast worker`.
+# TensorCast: one image for `tensorcast gs` (the global store), `tensorcast worker` and `tensorcast router`.
 #
 #   docker build -t tensorcast:0.1.0 .
 #   docker build -t tensorcast:0.1.0-torch --build-arg WITH_TORCH=1 .   # adds the CPU wheel of torch
@@ -9,9 +9,10 @@
 # 1: also install torch, its CPU build (no CUDA libraries), for callers that hand torch tensors over.
 ARG WITH_TORCH=0
 ARG TORCH_VERSION=2.13.0
-# The project's optional extras to install: etcd for the global store on etcd (overlays/with-etcd); add
-# tracing for OpenTelemetry spans, or otlp to send them over OTLP (--build-arg EXTRAS=etcd,otlp).
-ARG EXTRAS=etcd
+# The project's optional extras to install: etcd for the global store on etcd (overlays/with-etcd), router for
+# `tensorcast router` (deploy/kubernetes/router); add tracing for OpenTelemetry spans, or otlp to send them over
+# OTLP (--build-arg EXTRAS=etcd,router,otlp); s3 for checkpoints in object storage.
+ARG EXTRAS=etcd,router
 
 FROM python:3.11-slim-trixie AS builder
 

@@ -36,6 +36,7 @@ BASE = KUBE / "base"
 HOST_NETWORK = KUBE / "overlays" / "host-network"
 WITH_ETCD = KUBE / "overlays" / "with-etcd"
 ETCD = KUBE / "etcd"
+ROUTER = KUBE / "router"
 LAYOUTS = {"base": BASE, "host-network": HOST_NETWORK, "with-etcd": WITH_ETCD}
 # An older Kubernetes release still in use, and the newest whose schemas kubernetes-validate ships.
 K8S_VERSIONS = ("1.33", kubernetes_validate.latest_version())
@@ -426,6 +427,30 @@ def test_image_tag_is_the_project_version() -> None:
         assert container["image"] == f"tensorcast:{version}"
 
 
+def test_router_replicas_are_locked_down_and_use_the_clis_flags() -> None:
+    docs = render(ROUTER)
+    for doc in docs:
+        validate(doc)
+    ((_name, pod),) = pods(docs)
+    spec = pod["spec"]
+    (container,) = spec["containers"]
+    assert spec["automountServiceAccountToken"] is False and spec["enableServiceLinks"] is False
+    find(docs, "ServiceAccount", spec["serviceAccountName"])
+    sc = {**spec["securityContext"], **container["securityContext"]}
+    assert sc["runAsNonRoot"] is True and sc["runAsUser"] == RUN_AS_USER
+    assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"] == {"drop": ["ALL"]} and sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    command = cli_main.commands[container["args"][0]]
+    known = {opt for param in command.params for opt in param.opts}
+    assert container["args"][0] == "router" and set(flags(container)) <= known
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert container["image"] == f"tensorcast:{version}"
+    assert find(docs, "Deployment", "tensorcast-router")["spec"]["replicas"] >= 2  # replicas share nothing
+    ports = find(docs, "Service", "tensorcast-router")["spec"]["ports"]
+    assert ports[0]["targetPort"] == "http" and pod["metadata"]["annotations"]["prometheus.io/path"] == "/metrics"
+
+
 # --- overlays and components ------------------------------------------------------------------------------
 
 
@@ -557,7 +582,7 @@ def test_dockerfile_builds_a_slim_non_root_image() -> None:
     assert "ARG WITH_TORCH=0" in lines
     # The global store on etcd (overlays/with-etcd) needs the etcd extra in the image by default.
     (extras,) = [line.split("=", 1)[1] for line in lines if line.startswith("ARG EXTRAS=")]
-    assert "etcd" in extras.split(",")
+    assert {"etcd", "router"} <= set(extras.split(","))  # the router's manifest runs this image too
     assert 'echo "tensorcast[${EXTRAS}]" > /wheels/requirements.txt' in text
     assert "--index-url https://download.pytorch.org/whl/cpu" in text
     pip_runs = [line for line in lines if re.search(r"\bpip (install|wheel)\b", line)]
