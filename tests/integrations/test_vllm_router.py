@@ -177,3 +177,52 @@ def test_event_cache_aware_sends_a_prompt_where_its_prefix_is_cached(tmp_path: P
                 metrics = r.read().decode()
             assert 'tensorcast_router_requests_total{backend="b1",outcome="200"} 1.0' in metrics
             assert 'tensorcast_router_requests_total{backend="b0"' not in metrics
+
+
+@pytest.mark.timeout(1200)
+def test_the_rebalancer_moves_a_session_whose_next_turn_is_answered_from_its_kv_in_the_pool(tmp_path: Path) -> None:
+    """Four sessions on the first instance, none on the second; the router's rebalancer moves two. A moved
+    session's next turn goes to the second instance, which loads the session's KV pages (stored by the first
+    through the TensorCastConnector) instead of recomputing them, and answers what the first would."""
+    from tensorcast.policies import Request
+    from tensorcast.router.choice import BackendLoad, HashedSessions, as_instances, make_policy
+    from tensorcast.testing import running_cluster
+
+    page = 32
+    model = with_tokenizer(tiny_llama_dir(tmp_path / "model"))
+    with running_cluster(workers=2, hosts=2) as cluster:
+        kv = {"kv_connector": "TensorCastConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+              "kv_connector_extra_config": {"address": cluster.address}}
+        extra = ["--kv-transfer-config", json.dumps(kv), "--block-size", str(page), "--no-enable-prefix-caching",
+                 "--enable-prompt-tokens-details"]
+        with vllm_server(model, tmp_path / "a.log", transfer=None, address=cluster.address, extra=extra,
+                         env={"TENSORCAST_CLIENT_HOST_ID": cluster.host_id_of(0)}) as a, \
+                vllm_server(model, tmp_path / "b.log", transfer=None, address=cluster.address, extra=extra,
+                            env={"TENSORCAST_CLIENT_HOST_ID": cluster.host_id_of(1)}) as b, \
+                router_process([a, b], "round-robin", tmp_path / "router.log", extra=("--rebalance",)) as router:
+            hashed = HashedSessions(make_policy("round-robin", sessions="off"))
+            backends = as_instances([BackendLoad("b0", a), BackendLoad("b1", b)])
+            sessions = [s for s in (f"chat-{i}" for i in range(200))
+                        if hashed.choose(Request(s, ()), backends) == "b0"][:4]  # all placed on the first
+            first = {s: [f"t{(i * 13 + k * 7) % 400 + 10}" for i in range(3 * page + 5)]
+                     for k, s in enumerate(sessions)}
+            for s in sessions:
+                post(router + "/v1/completions", {"prompt": " ".join(first[s]), "max_tokens": 2, "temperature": 0,
+                                                  "user": s})
+            deadline = time.monotonic() + 120
+            while True:  # the rebalancer ticks every 0.5 s: 4 vs 0 sessions, two moves
+                with urllib.request.urlopen(router + "/metrics", timeout=30) as r:
+                    if "tensorcast_router_session_moves_total 2.0" in r.read().decode():
+                        break
+                assert time.monotonic() < deadline, (tmp_path / "router.log").read_text()[-2000:]
+                time.sleep(0.5)
+            moved = [s for s in sessions if f"moved session {s} from b0 to b1" in (tmp_path / "router.log").read_text()]
+            assert len(moved) == 2
+            for s in moved:
+                turn = {"prompt": " ".join([*first[s], "t1", "t2", "t3"]), "max_tokens": 6, "temperature": 0}
+                answer = post(router + "/v1/completions", {**turn, "user": s})
+                cached = (answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                assert cached >= 3 * page, answer["usage"]  # its context's pages, loaded from the pool
+                assert answer["choices"][0]["text"] == post(a + "/v1/completions", turn)["choices"][0]["text"]
+            with urllib.request.urlopen(router + "/metrics", timeout=30) as r:
+                assert 'tensorcast_router_requests_total{backend="b1",outcome="200"} 2.0' in r.read().decode()

@@ -393,3 +393,30 @@ def test_event_cache_aware_routes_by_the_engines_kv_events() -> None:
         publisher.close()
 
     run(scenario)
+
+
+def test_the_rebalancer_moves_idle_sessions_off_the_busier_backend() -> None:
+    from tensorcast.policies import Rebalancer
+    from tensorcast.router.choice import HashedSessions
+
+    async def scenario() -> None:
+        async with running(make_policy("round-robin"), rebalancer=Rebalancer(interval_s=0.05, cooldown_s=60)) as (
+                service, _backends, session):
+            hashed = HashedSessions(make_policy("round-robin", sessions="off"))
+            instances = as_instances(service.backends)
+            on_b0 = [s for s in (f"s{i}" for i in range(100))
+                     if hashed.choose(Request(s, ()), instances) == "b0"][:4]  # all four placed on b0
+            for s in on_b0:
+                assert (await complete(session, service, {"prompt": "x" * 64, "user": s}))["backend"] == "b0"
+            deadline = asyncio.get_running_loop().time() + 100 * 0.05
+            while service.book.moves < 2:  # 4 vs 0: two moves even it out, then it stops
+                assert asyncio.get_running_loop().time() < deadline, service.book.moves
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(5 * 0.05)
+            assert service.book.moves == 2  # no move back and forth
+            where = [(await complete(session, service, {"prompt": "x" * 80, "user": s}))["backend"] for s in on_b0]
+            assert sorted(where) == ["b0", "b0", "b1", "b1"]
+            async with session.get(service.url + "/metrics") as r:
+                assert "tensorcast_router_session_moves_total 2.0" in await r.text()
+
+    run(scenario)

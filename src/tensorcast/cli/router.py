@@ -11,7 +11,8 @@ import click
 from tensorcast.cli.common import say
 from tensorcast.client.loop import new_event_loop
 from tensorcast.errors import InvalidArgument
-from tensorcast.policies import EventFeed, Router
+from tensorcast.log import setup_logging
+from tensorcast.policies import EventFeed, Rebalancer, Router
 from tensorcast.router.choice import POLICIES, SESSIONS, make_event_policy, make_policy
 
 
@@ -36,13 +37,19 @@ from tensorcast.router.choice import POLICIES, SESSIONS, make_event_policy, make
 @click.option("--sessions", type=click.Choice(SESSIONS), default="hrw", show_default=True,
               help="Keep a session's requests together: hrw (rendezvous hashing: every replica agrees), table "
                    "(the policy places a session's first request: one replica), off.")
+@click.option("--rebalance", is_flag=True,
+              help="Move idle sessions off the most loaded backend (policies.Rebalancer: their next turns go to "
+                   "the new one, which loads their KV from the pool with the TensorCastConnector).")
 @click.option("--seed", default=None, type=int,
               help="Seed of randomized policies (default: a random one, so that replicas do not herd together).")
 def router(backends: tuple[str, ...], prefill: tuple[str, ...], policy: str, kv_events: tuple[str, ...],
-           kv_block_size: int, host: str, port: int, session_header: str, sessions: str, seed: int | None) -> None:
+           kv_block_size: int, host: str, port: int, session_header: str, sessions: str, rebalance: bool,
+           seed: int | None) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics) in front of
     the BACKEND engine servers, each request to the one POLICY picks. Runs until interrupted."""
     from tensorcast.router.service import RouterService
+
+    setup_logging("router")  # JSON lines on stderr (TENSORCAST_LOG_LEVEL), as the other processes'
 
     seed = seed if seed is not None else secrets.randbits(32)
     feed = None
@@ -53,7 +60,7 @@ def router(backends: tuple[str, ...], prefill: tuple[str, ...], policy: str, kv_
     else:
         chosen = make_policy(policy, seed, sessions=sessions)
     service = RouterService(list(backends), chosen, host=host, port=port, session_header=session_header,
-                            prefill=list(prefill), feed=feed,
+                            prefill=list(prefill), feed=feed, rebalancer=Rebalancer() if rebalance else None,
                             prefill_policy=make_policy("power-of-two" if feed else policy, seed + 1,
                                                        sessions=sessions) if prefill else None)
 

@@ -11,7 +11,8 @@ token and stores its KV pages; the request then goes to the decode pool with the
 and the decode instance loads those pages: the ``TensorCastConnector`` protocol, which ``examples/pd_proxy.py``
 shows alone); and the router's metrics (requests by backend and outcome, the routing decision's time, in flight);
 and, for ``event-cache-aware``, the engines' KV events applied as they arrive and text prompts tokenized by a
-backend (``/tokenize``) so that they match the events' token blocks.
+backend (``/tokenize``) so that they match the events' token blocks; and the rebalancer's ticks (the sessions this
+replica saw and its moves among them: ``router.session_book``).
 
 aiohttp (``pip install 'tensorcast[router]'``) on one event loop: a decision is microseconds of Python, forwarding
 is a pass-through of the backend's bytes. Does not own: the policies (``tensorcast.policies``), or the engines.
@@ -30,8 +31,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tensorcast.errors import InvalidArgument, Unavailable
-from tensorcast.policies import EventFeed, Request, Router
+from tensorcast.policies import EventFeed, Rebalancer, Request, Router
 from tensorcast.router.choice import BackendLoad, as_instances, reported_load, route_view, wants_tokens
+from tensorcast.router.session_book import SessionBook
 
 __all__ = ["RouterService"]
 
@@ -47,12 +49,15 @@ class RouterService:
     def __init__(self, backends: Sequence[str], policy: Router, *, host: str = "127.0.0.1", port: int = 0,
                  session_header: str = "x-session-id", health_interval: float = 2.0,
                  request_timeout: float = 600.0, prefill: Sequence[str] = (),
-                 prefill_policy: Router | None = None, feed: EventFeed | None = None) -> None:
+                 prefill_policy: Router | None = None, feed: EventFeed | None = None,
+                 rebalancer: Rebalancer | None = None) -> None:
         """``request_timeout``: seconds a backend may stay silent (before its first byte, or between two).
         ``prefill``: disaggregated mode: each request's prompt first on one of these (``prefill_policy``),
         then the request on one of ``backends`` (the decode pool) with the prefill's ``kv_transfer_params``.
         ``feed``: the engines' KV events (for ``event-cache-aware``), applied on the service's loop as they come;
-        a text prompt is then tokenized by a backend (``POST /tokenize``) so that it matches their blocks."""
+        a text prompt is then tokenized by a backend (``POST /tokenize``) so that it matches their blocks.
+        ``rebalancer``: every ``interval_s`` it may move idle sessions off the most loaded backend
+        (``router.session_book``); a moved session's requests then go to its new backend."""
         if not backends:
             raise InvalidArgument("the router needs at least one backend URL")
         self.backends = [BackendLoad(f"b{i}", u.rstrip("/")) for i, u in enumerate(backends)]
@@ -70,10 +75,14 @@ class RouterService:
                                  ["backend", "outcome"], registry=self.registry)
         self._decide = Histogram("tensorcast_router_decision_seconds", "Time to choose a backend",
                                  buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3), registry=self.registry)
+        self._moves = Counter("tensorcast_router_session_moves", "Sessions the rebalancer moved",
+                              registry=self.registry)
         self._in_flight = Gauge("tensorcast_router_in_flight", "Requests in flight", ["backend"],
                                 registry=self.registry)
         self.feed = feed
+        self.book = SessionBook(rebalancer)
         self._pump: asyncio.Task[None] | None = None
+        self._ticks: asyncio.Task[None] | None = None
         self._runner: Any = None
         self._session: Any = None
         self._health: asyncio.Task[None] | None = None
@@ -102,11 +111,12 @@ class RouterService:
         self._health = asyncio.create_task(self._check_health())
         if self.feed is not None:
             self._pump = asyncio.create_task(self._pump_events())
+        self._ticks = asyncio.create_task(self._rebalance())
         log.info("router on %s: %d backends%s", self.url, len(self.backends),
                  f", {len(self.prefill)} prefill" if self.prefill else "")
 
     async def stop(self) -> None:
-        for task in (self._health, self._pump):
+        for task in (self._health, self._pump, self._ticks):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -139,9 +149,13 @@ class RouterService:
         return await self._relay(request, raw, view, headers)
 
     def _pick(self, pool: list[BackendLoad], policy: Router, view: Any, tried: set[str]) -> BackendLoad:
-        """The backend ``policy`` picks among those of ``pool`` not tried yet (``Unavailable``: none left)."""
+        """The backend ``policy`` picks among those of ``pool`` not tried yet (``Unavailable``: none left); a
+        session the rebalancer moved goes where it moved (the decode pool)."""
         t0 = time.perf_counter()
-        chosen = policy.route(view, as_instances([b for b in pool if b.backend_id not in tried]))
+        candidates = as_instances([b for b in pool if b.backend_id not in tried])
+        moved = self.book.override(view.session_id, [i for i in candidates if i.alive]) \
+            if pool is self.backends else None
+        chosen = moved or policy.route(view, candidates)
         self._decide.observe(time.perf_counter() - t0)
         tried.add(chosen)
         return next(b for b in pool if b.backend_id == chosen)
@@ -155,6 +169,23 @@ class RouterService:
         finally:
             backend.in_flight -= 1
             self._in_flight.labels(backend.backend_id).dec()
+
+    @contextlib.contextmanager
+    def _session_done(self, session_id: str) -> Iterator[None]:
+        try:
+            yield
+        finally:
+            self.book.finished(time.monotonic(), session_id)
+
+    async def _rebalance(self) -> None:
+        """Every rebalancer tick: its moves (logged and counted); without one, only forgetting idle sessions."""
+        interval = self.book.rebalancer.interval_s if self.book.rebalancer is not None else 10.0
+        while True:
+            await asyncio.sleep(max(interval, 0.05))
+            for m in self.book.rebalance(time.monotonic(), as_instances(self.backends)):
+                self._moves.inc()
+                log.info("moved session %s from %s to %s (%d tokens of context)", m.session_id, m.source, m.target,
+                         m.kv_tokens)
 
     def _failed(self, backend: BackendLoad, exc: BaseException) -> None:
         self._requests.labels(backend.backend_id, "failed").inc()
@@ -172,7 +203,8 @@ class RouterService:
             except Unavailable as exc:
                 return _error(503, str(exc))
             response: web.StreamResponse | None = None
-            with self._counted(backend):
+            self.book.started(time.monotonic(), view.session_id, backend.backend_id, len(view.prompt))
+            with self._counted(backend), self._session_done(view.session_id):
                 try:
                     async with self._session.post(backend.url + request.path, data=raw, headers=headers) as up:
                         if up.content_length is not None and up.content_type != "text/event-stream":
