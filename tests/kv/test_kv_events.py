@@ -149,6 +149,13 @@ def test_stream_replays_what_a_late_subscriber_missed_and_ignores_hostile_peers(
             s.connect(pub.replay_endpoint)
             s.send_multipart(frames)
             s.close()
+        # The publisher sends from its own thread: wait until the five are sent (and buffered for replay), so
+        # that none reaches the subscriber below live (on a busy host the thread may not have run yet).
+        probe = EventSubscriber(pub.endpoint, topic="none", replay_endpoint=pub.replay_endpoint)
+        deadline = time.monotonic() + 10
+        while len(probe.replay(0, 1.0)) < 5:
+            assert time.monotonic() < deadline, "the publisher never sent its batches"
+        probe.close()
         sub = EventSubscriber(pub.endpoint, topic="t", replay_endpoint=pub.replay_endpoint)
         try:
             time.sleep(0.2)  # the subscription reaches the publisher
