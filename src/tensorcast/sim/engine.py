@@ -139,13 +139,15 @@ class SimInstance:
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.stepping = False  # an iteration is under way; the next starts when it ends
+        self.prefilling = 0  # requests in the prefill iteration under way (vLLM counts them as running)
         # Other instances busy now (``sim.cluster`` sets it): they slow this one down (``CostModel`` contention).
         self.busy_others: Callable[[], float] = lambda: 0.0
 
     def info(self) -> InstanceInfo:
-        """This instance's signals, as ``Client.list_instances()`` reports a real one's."""
+        """This instance's signals, as ``Client.list_instances()`` reports a real one's: ``running`` counts the
+        requests being prefilled too, as vLLM's scheduler does (they hold KV and the engine is busy with them)."""
         return InstanceInfo(instance_id=self.instance_id, address=f"sim://{self.instance_id}",
-                            home_worker=f"worker-{self.instance_id}", running=len(self.running),
+                            home_worker=f"worker-{self.instance_id}", running=len(self.running) + self.prefilling,
                             waiting=len(self.waiting),
                             kv_tokens_used=self.cache.used_blocks * self.config.block_tokens,
                             kv_tokens_capacity=self.cache.capacity_blocks * self.config.block_tokens,
@@ -165,6 +167,7 @@ class SimInstance:
 
     def _step(self) -> None:
         batch = self._admit()
+        self.prefilling = len(batch)
         if batch:
             self.loop.at(self.loop.now + self._prefill_s(batch), lambda: self._prefill_done(batch))
         elif self.running:
