@@ -140,14 +140,15 @@ def relabel(session: Session, perm: np.ndarray) -> Session:
         for t in session.turns))
 
 
-def make_router(name: str, seed: int) -> Router:
+def make_router(name: str, seed: int, spill: int | None = 0) -> Router:
     if name == "power-of-two":
         return PowerOfTwo(seed)
     if name == "cache-aware":
         return CacheAware()
     if name == "load-aware+shared":
         return LoadAwareShared()
-    return StickySessions(LoadAwareShared())
+    # tensorcast (shared store) may send a turn off a busy instance; sticky+shared and tensorcast-local never do.
+    return StickySessions(LoadAwareShared(), spill=spill if name == "tensorcast" else None)
 
 
 # ----------------------------------------------------------------- one run
@@ -161,7 +162,7 @@ def run_policy(client: tc.Client, ids: list[str], name: str, n_sessions: int, s:
                          vocab_size=VOCAB, seed=s["seed"])
     perm = np.random.default_rng([s["seed"], 7919, run_index]).permutation(VOCAB).astype(np.int32)
     rng = np.random.default_rng([s["seed"], n_sessions])  # start offsets: the same for every policy
-    router = make_router(name, s["seed"])
+    router = make_router(name, s["seed"], s.get("spill", 0))
     rebalancer = (Rebalancer(interval_s=s["interval_s"] * ts, gap=s["gap"], max_moves_per_tick=s["max_moves"],
                              cooldown_s=s["cooldown_s"] * ts) if name.startswith("tensorcast") else None)
     sticky = router if isinstance(router, StickySessions) else None

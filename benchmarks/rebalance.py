@@ -13,7 +13,11 @@ how; ``docs/policies.md`` "Live evaluation"). ``--sim`` runs the discrete-event 
   that shows the imbalance sticky sessions build up);
 - ``tensorcast``: the same plus ``Rebalancer`` ticked every ``--interval`` seconds; each ``Move`` costs
   publish + prefetch + hydrate of the session's KV and, when done, the session table sends its next turn to the
-  target (what ``MoveSession`` does with one plan on a live cluster).
+  target (what ``MoveSession`` does with one plan on a live cluster); and ``StickySessions(..., spill=--spill)``:
+  a turn whose instance is busier than the least loaded one (by more than ``--spill`` requests) goes there and
+  reads its context from the store;
+- ``tensorcast-local``: the rebalancer without the store (and so without spilling: a turn elsewhere would
+  recompute its session).
 
 Setup (why the sessions pile up): 4 instances, each running at most 16 requests, each holding ``2**19 x
 --scale`` tokens of KV in 16-token blocks (32768 at the default scale 1/16: about a third of the live contexts
@@ -37,7 +41,7 @@ cannot keep up with the trace's ~3 requests/s) and keeps its arrival times.
 policy); ``benchmarks/smoke.py`` passes a small generated trace, for the replay's path.
 
 Usage: python benchmarks/rebalance.py --sim [--quick | --smoke] [--json PATH] [--plot PREFIX] [--trace PATH]
-       [--cost PATH] [--scale S] [--seed N] [--interval S] [--gap N] [--max-moves N] [--cooldown S]
+       [--cost PATH] [--scale S] [--seed N] [--interval S] [--gap N] [--max-moves N] [--cooldown S] [--spill N]
        python benchmarks/rebalance.py --live [--quick | --smoke] [--json PATH] [--plot PREFIX] [--sessions 8,16,32]
        [--gaps fast|medium|slow] [--gap N] ... (``rebalance_live.py --help``)
        python benchmarks/rebalance.py --fit LIVE_JSON [--cost-out COST_JSON]   (then --sim --cost COST_JSON)
@@ -100,7 +104,9 @@ def make_policy(name: str, args: Any) -> Policy:
         return Policy(name, StickySessions(LoadAwareShared()), shared_kv=True)
     rebalancer = Rebalancer(interval_s=args.interval, gap=args.gap, max_moves_per_tick=args.max_moves,
                             cooldown_s=args.cooldown)
-    return Policy(name, StickySessions(LoadAwareShared()), shared_kv=name == "tensorcast", rebalancer=rebalancer)
+    shared = name == "tensorcast"  # with the store a turn may leave a busy instance (spill); without, it stays
+    return Policy(name, StickySessions(LoadAwareShared(), spill=args.spill if shared else None), shared_kv=shared,
+                  rebalancer=rebalancer)
 
 
 def workload(preset: str, args: argparse.Namespace) -> AgentWorkload:

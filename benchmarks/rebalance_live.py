@@ -86,6 +86,9 @@ def add_policy_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--gap", type=int, default=1, help="rebalancer gap in resident sessions that triggers a move")
     ap.add_argument("--max-moves", type=int, default=2, help="rebalancer moves per tick at most")
     ap.add_argument("--cooldown", type=float, default=60.0, help="workload seconds a moved session stays put")
+    ap.add_argument("--spill", type=int, default=0,
+                    help="tensorcast: a turn leaves its instance when it is busier than the least loaded by more "
+                         "than this many requests (StickySessions spill; with the shared store only)")
     ap.add_argument("--trace", default=None, help="also replay this Mooncake-format JSONL trace (none by default)")
     ap.add_argument("--trace-scale", type=float, default=1 / 32, help="trace token lengths x this (default 1/32)")
     ap.add_argument("--trace-limit", type=int, default=None,
@@ -145,6 +148,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "gap": getattr(args, "gap", 1),
         "max_moves": getattr(args, "max_moves", 2),
         "cooldown_s": getattr(args, "cooldown", 60.0),
+        "spill": getattr(args, "spill", 0),
         "trace": getattr(args, "trace", None),
         "trace_scale": getattr(args, "trace_scale", 1 / 32),
         # The trace's first N requests (0: all): by default 2000, 400 with --quick (~140 s of trace), 20 with --smoke.

@@ -103,6 +103,16 @@ def test_target_without_room_for_the_kv_gets_a_smaller_session() -> None:
     assert [m.session_id for m in moves] == ["fits-1"]  # a second 300 would not fit any more
 
 
+def test_no_move_toward_an_instance_busier_now_than_the_source() -> None:
+    sessions = on("a", 6)  # a holds 6 idle sessions, b none
+    # b serves 3 requests right now, a none: a load-aware router would not send a's next turn to b.
+    assert Rebalancer(gap=1).decide(0.0, [inst("a", 0), inst("b", 3)], sessions) == []
+    # as busy in requests, but b holds more KV in flight (least_loaded's tie-break): still not.
+    assert Rebalancer(gap=1).decide(0.0, [inst("a", 1, 10), inst("b", 1, 500)], sessions) == []
+    # b no busier than a: the moves go ahead.
+    assert len(Rebalancer(gap=1).decide(0.0, [inst("a", 2, 10), inst("b", 2, 10)], sessions)) == 2
+
+
 def test_dead_instances_are_neither_sources_nor_targets() -> None:
     r = Rebalancer(gap=0, max_moves_per_tick=3)
     instances = [inst("a", 50, alive=False), inst("b", 9), inst("c", 0, alive=False), inst("d", 1)]

@@ -174,6 +174,27 @@ def test_sticky_sessions_keep_a_session_on_its_instance_until_it_dies_or_moves()
     assert table.get("s1") is None
 
 
+def test_spill_sends_a_turn_off_a_busier_instance_and_replaces_its_session() -> None:
+    table = SessionTable()
+    router = StickySessions(LoadAwareShared(), table, spill=0)
+    assert router.route(Request("s1"), [inst("a", 0), inst("b", 1)]) == "a"
+    # a ties with the least loaded (load, then KV in use): the session stays.
+    assert router.route(Request("s1"), [inst("a", 1, kv=5), inst("b", 1, kv=5)]) == "a"
+    # a is as busy in requests but holds more KV in flight (least_loaded's tie-break): the turn goes to b.
+    assert router.route(Request("s1"), [inst("a", 1, kv=9), inst("b", 1, kv=5)]) == "b"
+    assert table.get("s1") == "b"  # placed where the turn went (its KV is there now)
+    assert router.route(Request("s1"), [inst("a", 0), inst("b", 3)]) == "a"
+    # spill=2: a session stays while its instance has at most two requests more than the least loaded.
+    lax = StickySessions(LoadAwareShared(), SessionTable(), spill=2)
+    assert lax.route(Request("s"), [inst("a", 0), inst("b", 1)]) == "a"
+    assert lax.route(Request("s"), [inst("a", 2), inst("b", 0)]) == "a"
+    assert lax.route(Request("s"), [inst("a", 3), inst("b", 0)]) == "b"
+    # without spill (the default) nothing moves a turn off a live instance.
+    assert StickySessions(LoadAwareShared()).spill is None
+    with pytest.raises(InvalidArgument):
+        StickySessions(LoadAwareShared(), spill=-1)
+
+
 def test_sticky_turns_still_teach_the_cache_aware_index() -> None:
     inner = CacheAware()
     router = StickySessions(inner)

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tensorcast.errors import InvalidArgument
+from tensorcast.policies.routers import load
 from tensorcast.records import InstanceInfo
 
 __all__ = ["Move", "Rebalancer", "SessionInfo"]
@@ -53,9 +54,10 @@ class Rebalancer:
     the one with the most KV first (its turns are the longest prefills). Load is the caller's sessions on an
     instance, busy or idle: an agent session is idle most of the time, so ``running + waiting`` at one tick
     misses most of the load an instance will serve, while its resident sessions are that load. A session
-    mid-turn never moves. A move shifts one session and happens only if the source keeps at least as many as
-    the target, so it can never reverse the gap that justified it; a moved session stays put for
-    ``cooldown_s``. Together: no session goes back and forth."""
+    mid-turn never moves, nor to an instance busier right now than its own (requests in flight, then KV in
+    use: where a load-aware router would not send its turn). A move shifts one session and happens only if
+    the source keeps at least as many as the target, so it can never reverse the gap that justified it; a
+    moved session stays put for ``cooldown_s``. Together: no session goes back and forth."""
 
     def __init__(self, interval_s: float = 0.5, gap: int = 1, max_moves_per_tick: int = 2,
                  cooldown_s: float = 60.0) -> None:
@@ -73,7 +75,8 @@ class Rebalancer:
             return []
         self.next_tick = now + self.interval_s
         self.moved_at = {s: t for s, t in self.moved_at.items() if now < t + self.cooldown_s}
-        loads = {i.instance_id: 0 for i in instances if i.alive}
+        now_busy = {i.instance_id: (load(i), i.kv_tokens_used) for i in instances if i.alive}
+        loads = dict.fromkeys(now_busy, 0)
         for s in sessions:
             if s.instance_id in loads:
                 loads[s.instance_id] += 1
@@ -84,8 +87,9 @@ class Rebalancer:
         moves: list[Move] = []
         while len(moves) < self.max_moves_per_tick and len(loads) > 1:
             src, dst = max(loads, key=loads.__getitem__), min(loads, key=loads.__getitem__)
-            # Would the move invert the imbalance? Then it is not worth making.
-            if loads[src] - loads[dst] <= self.gap or loads[src] - 1 < loads[dst] + 1:
+            # Would the move invert the imbalance, or send the session where its turn would wait longer?
+            if (loads[src] - loads[dst] <= self.gap or loads[src] - 1 < loads[dst] + 1
+                    or now_busy[dst] > now_busy[src]):
                 break
             pick = next((s for s in idle if s.instance_id == src and s.kv_tokens <= room[dst]), None)
             if pick is None:

@@ -2,7 +2,8 @@
 
 Owns: ``SessionTable`` (session id -> instance id, what a move rewrites) and ``StickySessions``, which routes
 a session's turns to the instance it is on while that instance is alive and asks the wrapped router only for
-sessions it does not place yet (or whose instance died). Pure state fed decisions; no I/O, no clock.
+sessions it does not place yet (or whose instance died) and, with ``spill``, for turns whose instance is
+busier than the least loaded one. Pure state fed decisions; no I/O, no clock.
 
 Does not own: the routing decision for unplaced requests (``policies.routers``) or when to move a session
 (``policies.rebalancer``).
@@ -12,7 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from tensorcast.policies.routers import Request, Router, live
+from tensorcast.errors import InvalidArgument
+from tensorcast.policies.routers import Request, Router, least_loaded, live, load
 from tensorcast.records import InstanceInfo
 
 __all__ = ["SessionTable", "StickySessions"]
@@ -53,18 +55,36 @@ class StickySessions(Router):
     """Route a session's turns to the instance in ``table``; the wrapped ``router`` places new sessions
     (and sessions whose instance is no longer alive), and the placement is recorded. Requests without a
     session id always go to the wrapped router. The wrapped router still ``observe``s sticky turns, so a
-    cache-aware index learns the session's growing prefix."""
+    cache-aware index learns the session's growing prefix.
 
-    def __init__(self, router: Router, table: SessionTable | None = None) -> None:
+    ``spill`` (None: never): a turn also goes to the wrapped router, and its session is placed where it went,
+    when the session's instance is busier than the least loaded live instance by ``least_loaded``'s measure
+    (requests in flight, then KV in use) with more than ``spill`` requests to spare. Only where another
+    instance can serve the turn without recomputing the session (a shared KV store): then staying put is worth
+    a store read at most, and waiting behind other requests costs more. ``spill=0`` keeps a session where it
+    is exactly when no instance looks less busy."""
+
+    def __init__(self, router: Router, table: SessionTable | None = None, *, spill: int | None = None) -> None:
+        if spill is not None and spill < 0:
+            raise InvalidArgument(f"spill must be None or >= 0, got {spill}")
         self.router = router
         self.table = table if table is not None else SessionTable()
+        self.spill = spill
 
     def pinned(self, request: Request, instances: Sequence[InstanceInfo]) -> str | None:
-        """The live instance the request's session is on, or None."""
+        """The live instance the request's session is on, or None (also when ``spill`` lets the turn go)."""
         where = self.table.get(request.session_id) if request.session_id else None
-        if where is not None and any(i.instance_id == where for i in live(instances)):
-            return where
-        return None
+        if where is None:
+            return None
+        candidates = live(instances)
+        home = next((i for i in candidates if i.instance_id == where), None)
+        if home is None:
+            return None
+        if self.spill is not None:
+            best = least_loaded(candidates)
+            if (load(home) - self.spill, home.kv_tokens_used) > (load(best), best.kv_tokens_used):
+                return None
+        return home.instance_id
 
     def choose(self, request: Request, instances: Sequence[InstanceInfo]) -> str:
         where = self.pinned(request, instances)
