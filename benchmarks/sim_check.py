@@ -55,7 +55,7 @@ def check_live(path: str, cost: CostModel, make_policy: Callable[[str, Any], Pol
     config = SimConfig(instances=s.get("instances", 4), max_batch=1, kv_capacity_tokens=1 << 22, block_tokens=16,
                        max_prefill_tokens=1 << 22, cost=cost, prefix_sharing=False, load_signal="sessions")
     rebalancer = RebalancerArgs(interval=s["interval_s"] * ts, gap=s["gap"], max_moves=s["max_moves"],
-                               cooldown=s["cooldown_s"] * ts, seed=s["seed"])
+                               cooldown=s["cooldown_s"] * ts, seed=s["seed"], spill=s.get("spill"))
     points: dict[tuple[str, int], dict[str, list[float]]] = {}
     groups: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
     held_out = max(r["repeat"] for r in live["calibration_samples"]["turns"])  # the repeat ``--fit`` leaves out
@@ -98,3 +98,4 @@ class RebalancerArgs:
     max_moves: int
     cooldown: float
     seed: int
+    spill: int | None = None  # the live run's --spill (None: a run from before it existed, which never spilled)
