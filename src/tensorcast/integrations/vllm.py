@@ -13,12 +13,12 @@ host's worker) and copies tensor by tensor, in file order, into its parameters: 
 the page cache. Warm: the artifact was prefetched to this host's worker ahead of time (by the caller: an
 autoscaler preparing hosts, ``tensorcast load``): nothing is read, the pool's copy is mapped.
 ``model_loader_extra_config["prefetch"] = True`` also has this host's worker read the checkpoint into its
-pool during a cold load (the default for a checkpoint in object storage, whose load then waits for that
-read and maps the pool's copy) (parallel preads; vLLM loads behind them from the page cache), so that the next
+pool during a cold load (parallel preads; vLLM loads behind them from the page cache), so that the next
 instance here starts warm. It costs this load time and memory: on a small CPU-only host, measured, the
-instance was ready later (``benchmarks/weights_load.py``). Without a worker on this host a remote one
-sends the bytes. Either way vLLM's own ``model.load_weights`` shards the (full) tensors into its
-tensor-parallel parameters.
+instance was ready later (``benchmarks/weights_load.py``). A checkpoint in object storage (``s3://``) is
+always read that way first (ranged GETs into the pool), and vLLM then maps the pool's copy. Without a
+worker on this host a remote one sends the bytes. Either way vLLM's own ``model.load_weights`` shards the
+(full) tensors into its tensor-parallel parameters.
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import xxhash
+from prometheus_client.parser import text_string_to_metric_families
 
-from tensorcast.errors import InvalidArgument, Unavailable
+from tensorcast.errors import InvalidArgument
 from tensorcast.policies import (
     CacheAware,
     EventCacheAware,
@@ -33,6 +34,7 @@ from tensorcast.policies import (
     Request,
     Router,
     StickySessions,
+    live,
 )
 from tensorcast.records import InstanceInfo
 
@@ -49,9 +51,7 @@ class RoundRobin(Router):
         self.turn = 0
 
     def choose(self, request: Request, instances: Sequence[InstanceInfo]) -> str:
-        alive = [i for i in instances if i.alive]
-        if not alive:
-            raise Unavailable("no live backend to route to")
+        alive = live(instances)
         chosen = alive[self.turn % len(alive)]
         self.turn += 1
         return chosen.instance_id
@@ -82,11 +82,8 @@ class HashedSessions(Router):
     def choose(self, request: Request, instances: Sequence[InstanceInfo]) -> str:
         if not request.session_id:
             return self.router.choose(request, instances)
-        alive = [i for i in instances if i.alive]
-        if not alive:
-            raise Unavailable("no live backend to route to")
         key = request.session_id.encode()
-        return max(alive, key=lambda i: (xxhash.xxh3_64_intdigest(key + b"\0" + i.address.encode()),
+        return max(live(instances), key=lambda i: (xxhash.xxh3_64_intdigest(key + b"\0" + i.address.encode()),
                                          i.address)).instance_id
 
     def route(self, request: Request, instances: Sequence[InstanceInfo]) -> str:
@@ -198,13 +195,9 @@ _LOAD_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 def reported_load(metrics_text: str) -> int | None:
     """Running plus waiting requests in an engine's Prometheus text (vLLM's series, summed over their labels);
     None when it has neither (another engine: the router's own count stands alone)."""
-    total, seen = 0.0, False
-    for line in metrics_text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in _LOAD_SERIES:
-            try:
-                total += float(line.rsplit(" ", 1)[1])
-                seen = True
-            except (IndexError, ValueError):
-                continue
-    return int(total) if seen else None
+    try:
+        values = [s.value for family in text_string_to_metric_families(metrics_text) for s in family.samples
+                  if s.name in _LOAD_SERIES]
+    except ValueError:  # not Prometheus text
+        return None
+    return int(sum(values)) if values else None

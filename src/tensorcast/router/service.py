@@ -39,7 +39,6 @@ __all__ = ["RouterService"]
 
 log = logging.getLogger("tensorcast.router")
 _HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}  # not forwarded as they came
-_ROUTED = ("/v1/completions", "/v1/chat/completions")
 _MAX_BODY = 64 * 1024**2
 
 
@@ -111,7 +110,8 @@ class RouterService:
         self._health = asyncio.create_task(self._check_health())
         if self.feed is not None:
             self._pump = asyncio.create_task(self._pump_events())
-        self._ticks = asyncio.create_task(self._rebalance())
+        if self.book.rebalancer is not None:
+            self._ticks = asyncio.create_task(self._rebalance())
         log.info("router on %s: %d backends%s", self.url, len(self.backends),
                  f", {len(self.prefill)} prefill" if self.prefill else "")
 
@@ -178,8 +178,9 @@ class RouterService:
             self.book.finished(time.monotonic(), session_id)
 
     async def _rebalance(self) -> None:
-        """Every rebalancer tick: its moves (logged and counted); without one, only forgetting idle sessions."""
-        interval = self.book.rebalancer.interval_s if self.book.rebalancer is not None else 10.0
+        """Every rebalancer tick: its moves, logged and counted."""
+        assert self.book.rebalancer is not None
+        interval = self.book.rebalancer.interval_s
         while True:
             await asyncio.sleep(max(interval, 0.05))
             for m in self.book.rebalance(time.monotonic(), as_instances(self.backends)):

@@ -47,7 +47,7 @@ class SessionBook:
         return target if target is not None and any(i.instance_id == target for i in alive) else None
 
     def started(self, now: float, session_id: str, backend: str, context: int) -> None:
-        if not session_id:
+        if not session_id or self.rebalancer is None:  # nothing will read it
             return
         s = self._sessions.pop(session_id, None)
         if s is None:

@@ -252,24 +252,16 @@ def _typed(url: ObjectURL, what: str, code: str, status: int) -> TensorCastError
     return InvalidArgument(f"{url}: the object store refused {clip(what)} ({code or status})")
 
 
-_stores: dict[WeightsConfig, ObjectStore] = {}
-_stores_lock = threading.Lock()
+_process_store = [ObjectStore(WeightsConfig())]  # its client is made on first use
 
 
-def object_store(config: WeightsConfig | None = None) -> ObjectStore:
-    """The process's store for ``config`` (the one last configured by a worker when None: ``configure``)."""
-    with _stores_lock:
-        cfg = config if config is not None else _default[0]
-        store = _stores.get(cfg)
-        if store is None:
-            store = _stores[cfg] = ObjectStore(cfg)
-        return store
-
-
-_default: list[WeightsConfig] = [WeightsConfig()]
+def object_store() -> ObjectStore:
+    """The process's store: the settings a worker configured (``configure``), else the defaults."""
+    return _process_store[0]
 
 
 def configure(config: WeightsConfig) -> None:
-    """Set the settings reads use where none are passed (a worker's, at start: one worker per process)."""
-    _default[0] = config
+    """Use ``config``'s settings for this process's reads (a worker's, at start: one worker per process)."""
+    if _process_store[0].config != config:
+        _process_store[0] = ObjectStore(config)
 
