@@ -6,12 +6,13 @@ It starts a local cluster (one worker per instance, each on its own host id), N 
 random Llama (made at run time) with the ``TensorCastConnector`` (each stores its prompts' KV pages in the pool and
 loads the pages it lacks from there: the shared store every router gets) and vLLM's own prefix cache, then for each
 gap preset and router replays ``--sessions`` concurrent agent sessions (``AgentWorkload``; a session that ends is
-followed by a new one) for ``--duration`` seconds. Each turn is a streamed ``/v1/completions`` with the whole
-prompt as token ids, its session in ``X-Session-Id`` and the OpenAI ``user`` field; TTFT is from sending it to its
-first streamed token, its hit rate what vLLM reports as cached (``prompt_tokens_details.cached_tokens``: its prefix
-cache plus pages loaded from the pool) over its prompt. Turn gaps are the preset's x ``--time-scale``. Each run
-relabels token ids with its own seeded permutation of the vocabulary, so no run hits pages an earlier one stored
-while lengths, gaps and shared prefixes stay identical across routers.
+followed by a new one) for ``--duration`` seconds. Each turn is a streamed ``/v1/completions`` with the whole prompt
+as text (one word per token of the test model's tokenizer; the SGLang gateway refuses token ids), its session in
+``X-Session-Id`` and the OpenAI ``user`` field; TTFT is from sending it to its first streamed token, its hit rate
+what vLLM reports as cached (``prompt_tokens_details.cached_tokens``: its prefix cache plus pages loaded from the
+pool) over its prompt. Turn gaps are the preset's x ``--time-scale``. Each run relabels token ids with its own
+seeded permutation of the vocabulary, so no run hits pages an earlier one stored while lengths, gaps and shared
+prefixes stay identical across routers.
 
 TensorCast's routes: ``round-robin``, ``power-of-two``, ``cache-aware`` (sessions off: every turn placed on its
 own), ``load-aware`` (least loaded per turn: the shared store makes any instance able to continue a session),
@@ -29,9 +30,9 @@ Does not own: the routers (``tensorcast.router``, ``tensorcast.policies``), the 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
+import signal
 import sys
 import tempfile
 import time
@@ -39,9 +40,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from benchlib import Table, free_port, parse_args, parser, pct, pick, write_json
 from router_overhead import binary, process
-
 from tensorcast.cluster import LocalCluster
 from tensorcast.workloads import AgentWorkload, Session, load_trace
 
@@ -69,8 +70,10 @@ def router_command(name: str, backends: list[str], port: int) -> list[str] | str
     return [*launch, "--worker-urls", *backends, "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port)]
 
 
-async def send(http: Any, url: str, model: str, session: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    """One streamed completion: TTFT (to the first token) and vLLM's cached-token count."""
+async def send(http: Any, url: str, model: str, session: str, prompt: str, tokens: int,
+               max_tokens: int) -> dict[str, Any]:
+    """One streamed completion of a text ``prompt`` of ``tokens`` tokens (the SGLang gateway takes text only):
+    TTFT (to the first token) and vLLM's cached-token count."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}, "user": session}
     t0 = time.perf_counter()
@@ -87,7 +90,7 @@ async def send(http: Any, url: str, model: str, session: str, prompt: list[int],
                 ttft = time.perf_counter() - t0
             usage = chunk.get("usage") or usage
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return {"ttft": ttft if ttft is not None else time.perf_counter() - t0, "prompt": len(prompt), "cached": cached}
+    return {"ttft": ttft if ttft is not None else time.perf_counter() - t0, "prompt": tokens, "cached": cached}
 
 
 async def replay(url: str, model: str, sessions: Any, n: int, duration: float, time_scale: float,
@@ -110,7 +113,8 @@ async def replay(url: str, model: str, sessions: Any, n: int, duration: float, t
             await asyncio.sleep(max(0.0, wait))
             if loop.time() >= stop:
                 return
-            rec = await send(http, url, model, session.session_id, perm[turn.prompt].tolist(),
+            prompt = " ".join(f"t{i}" for i in perm[turn.prompt])  # the test tokenizer's words: one token each
+            rec = await send(http, url, model, session.session_id, prompt, turn.prompt_tokens,
                              max(1, min(turn.output_tokens, max_tokens)))
             out.append({"session": session.session_id, "turn": turn.turn, **rec})
 
@@ -160,6 +164,7 @@ def main() -> None:
     ap.add_argument("--trace-limit", type=int, default=None, help="trace requests (default 400)")
     ap.add_argument("--seed", type=int, default=0)
     args = parse_args(ap)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: the engines and the cluster stop too
     instances = args.instances or pick(args, 4, 4, 2)
     n = args.sessions or pick(args, 16, 8, 4)
     duration = args.duration or pick(args, 90.0, 30.0, 8.0)
@@ -215,7 +220,7 @@ def main() -> None:
                   ("TTFT p90 ms", ">12.1f"), ("hit rate", ">9.3f"), ("p50 / load-aware", ">17.2f"))
     table.header()
     for row in rows:
-        if "error" in row:
+        if "error" in row or not row["turns"]:
             continue
         base = next((r for r in rows if r["preset"] == row["preset"] and r["route"] == "load-aware"
                      and r.get("ttft_p50_ms")), None)
@@ -231,12 +236,11 @@ def main() -> None:
 
 def report(row: dict[str, Any]) -> None:
     """A run's line as it ends (the table comes at the end)."""
-    with contextlib.suppress(KeyError, TypeError):
-        if "error" in row:
-            print(f"  {row['preset']:<7} {row['route']:<13} error: {row['error']}", flush=True)
-            return
-        print(f"  {row['preset']:<7} {row['route']:<13} {row['turns']:>4} turns  TTFT p50 {row['ttft_p50_ms']:.1f} ms"
-              f"  p90 {row['ttft_p90_ms']:.1f} ms  hit {row['hit_rate']:.3f}  errors {row['errors']}", flush=True)
+    if "error" in row or not row["turns"]:
+        print(f"  {row['preset']:<7} {row['route']:<13} error: {row.get('error') or row['first_error']}", flush=True)
+        return
+    print(f"  {row['preset']:<7} {row['route']:<13} {row['turns']:>4} turns  TTFT p50 {row['ttft_p50_ms']:.1f} ms"
+          f"  p90 {row['ttft_p90_ms']:.1f} ms  hit {row['hit_rate']:.3f}  errors {row['errors']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -183,7 +183,8 @@ def test_event_cache_aware_sends_a_prompt_where_its_prefix_is_cached(tmp_path: P
 def test_the_rebalancer_moves_a_session_whose_next_turn_is_answered_from_its_kv_in_the_pool(tmp_path: Path) -> None:
     """Four sessions on the first instance, none on the second; the router's rebalancer moves two. A moved
     session's next turn goes to the second instance, which loads the session's KV pages (stored by the first
-    through the TensorCastConnector) instead of recomputing them, and answers what the first would."""
+    through the TensorCastConnector) instead of recomputing them, and answers what the first would. The router
+    is given the first instance and discovers the second, whose connector announces it (``advertise_url``)."""
     from tensorcast.policies import Request
     from tensorcast.router.choice import BackendLoad, HashedSessions, as_instances, make_policy
     from tensorcast.testing import running_cluster
@@ -195,11 +196,15 @@ def test_the_rebalancer_moves_a_session_whose_next_turn_is_answered_from_its_kv_
               "kv_connector_extra_config": {"address": cluster.address}}
         extra = ["--kv-transfer-config", json.dumps(kv), "--block-size", str(page), "--no-enable-prefix-caching",
                  "--enable-prompt-tokens-details"]
+        port = unused_port()
+        announced = ["--kv-transfer-config", json.dumps({**kv, "kv_connector_extra_config": {
+            "address": cluster.address, "advertise_url": f"http://127.0.0.1:{port}"}}), *extra[2:]]
         with vllm_server(model, tmp_path / "a.log", transfer=None, address=cluster.address, extra=extra,
                          env={"TENSORCAST_CLIENT_HOST_ID": cluster.host_id_of(0)}) as a, \
-                vllm_server(model, tmp_path / "b.log", transfer=None, address=cluster.address, extra=extra,
-                            env={"TENSORCAST_CLIENT_HOST_ID": cluster.host_id_of(1)}) as b, \
-                router_process([a, b], "round-robin", tmp_path / "router.log", extra=("--rebalance",)) as router:
+                vllm_server(model, tmp_path / "b.log", transfer=None, address=cluster.address, extra=announced,
+                            env={"TENSORCAST_CLIENT_HOST_ID": cluster.host_id_of(1)}, port=port) as b, \
+                router_process([a], "round-robin", tmp_path / "router.log",
+                               extra=("--rebalance", "--discover", "--address", cluster.address)) as router:
             hashed = HashedSessions(make_policy("round-robin", sessions="off"))
             backends = as_instances([BackendLoad("b0", a), BackendLoad("b1", b)])
             sessions = [s for s in (f"chat-{i}" for i in range(200))

@@ -17,8 +17,14 @@ from tensorcast.router.choice import POLICIES, SESSIONS, make_event_policy, make
 
 
 @click.command()
-@click.option("--backend", "backends", multiple=True, required=True, metavar="URL",
+@click.option("--backend", "backends", multiple=True, metavar="URL",
               help="An engine's OpenAI server (http://host:port); repeat for each.")
+@click.option("--discover", is_flag=True,
+              help="Also route to the engine servers the cluster lists (list_instances(): vLLM with the "
+                   "TensorCastConnector and an advertise_url), found as they start.")
+@click.option("--address", envvar="TENSORCAST_ADDRESS", default="", metavar="HOST:PORT",
+              help="With --discover: the cluster's gateway (default: TENSORCAST_ADDRESS).")
+@click.option("--token", envvar="TENSORCAST_TOKEN", default=None, help="With --discover: the cluster's token.")
 @click.option("--prefill", "prefill", multiple=True, metavar="URL",
               help="Disaggregated mode: a prefill instance (kv_producer; repeat for each); --backend are then the "
                    "decode instances (kv_consumer), the KV handed over through the pool.")
@@ -42,15 +48,22 @@ from tensorcast.router.choice import POLICIES, SESSIONS, make_event_policy, make
                    "the new one, which loads their KV from the pool with the TensorCastConnector).")
 @click.option("--seed", default=None, type=int,
               help="Seed of randomized policies (default: a random one, so that replicas do not herd together).")
-def router(backends: tuple[str, ...], prefill: tuple[str, ...], policy: str, kv_events: tuple[str, ...],
-           kv_block_size: int, host: str, port: int, session_header: str, sessions: str, rebalance: bool,
-           seed: int | None) -> None:
+def router(backends: tuple[str, ...], discover: bool, address: str, token: str | None, prefill: tuple[str, ...],
+           policy: str, kv_events: tuple[str, ...], kv_block_size: int, host: str, port: int, session_header: str,
+           sessions: str, rebalance: bool, seed: int | None) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics) in front of
     the BACKEND engine servers, each request to the one POLICY picks. Runs until interrupted."""
+    from tensorcast.router.discovery import Discovery
     from tensorcast.router.service import RouterService
 
     setup_logging("router")  # JSON lines on stderr (TENSORCAST_LOG_LEVEL), as the other processes'
 
+    if not backends and not discover:
+        raise InvalidArgument("give the backends (--backend URL, repeated) or --discover them in a cluster")
+    if discover and not address:
+        raise InvalidArgument("--discover needs the cluster's address (--address or TENSORCAST_ADDRESS)")
+    if discover and (prefill or policy == "event-cache-aware"):
+        raise InvalidArgument("--discover finds plain backends: give --prefill pools and --kv-events streams as URLs")
     seed = seed if seed is not None else secrets.randbits(32)
     feed = None
     if policy == "event-cache-aware":
@@ -61,6 +74,7 @@ def router(backends: tuple[str, ...], prefill: tuple[str, ...], policy: str, kv_
         chosen = make_policy(policy, seed, sessions=sessions)
     service = RouterService(list(backends), chosen, host=host, port=port, session_header=session_header,
                             prefill=list(prefill), feed=feed, rebalancer=Rebalancer() if rebalance else None,
+                            discovery=Discovery(address, token) if discover else None,
                             prefill_policy=make_policy("power-of-two" if feed else policy, seed + 1,
                                                        sessions=sessions) if prefill else None)
 

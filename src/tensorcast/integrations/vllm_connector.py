@@ -8,7 +8,10 @@ default: the served model), ``handoff_timeout`` (seconds a consumer waits for a 
 ``max_pending_save_bytes`` (saves in flight before a step waits for them, 256 MiB), ``page_keys``
 (``"tokens"``, default: TensorCast's chained token hashes; ``"block-hash"``: vLLM's own block hashes, in the
 namespace ``integrations.vllm_block_keys`` gives these pages, so that ``TensorCastTier`` finds them and the
-pool's KV events carry the hashes vLLM's own events do).
+pool's KV events carry the hashes vLLM's own events do), ``advertise_url`` (default
+``TENSORCAST_ADVERTISE_URL``): this server's OpenAI URL (``http://host:port``), announced in ``list_instances()``
+while the engine runs (``instance.announce``) so that ``tensorcast router --discover`` finds it; ``instance_id``
+(default ``vllm@URL``).
 
 KV events: with vLLM's ``kv_events_config``, ``take_events`` reports a ``BlockStored`` (medium ``CPU``,
 ownership ``tensorcast``) for the pages each step saves, named as the pool's events name them; whether a
@@ -190,6 +193,13 @@ class TensorCastConnector(KVConnectorBase_V1):
                         "kv_load_failure_policy=%r; set 'recompute' to have vLLM recompute it instead",
                         ktc.kv_load_failure_policy)
         self.client()  # connect now: a wrong address fails the engine's start, not its first request
+        url = str(extra.get("advertise_url") or os.environ.get("TENSORCAST_ADVERTISE_URL") or "")
+        self._announcing = None
+        if url and role == KVConnectorRole.SCHEDULER:  # one per engine, not one per rank
+            from tensorcast.instance.announce import Announcement
+
+            self._announcing = Announcement(self._address, url, engine="vllm", token=self._token,
+                                            instance_id=str(extra.get("instance_id") or ""))
 
     def _block_hash_chain(self, namespace_id: str) -> Any:
         """Each request's keys from its ``block_hashes`` (one per block: a single KV-cache group, whose hash
@@ -355,6 +365,8 @@ class TensorCastConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self) -> None:
+        if self._announcing is not None:
+            self._announcing.stop()  # the record turns not alive: routers stop finding it
         self._reap(block=True)
         if self._client is not None:
             log.info("TensorCast KV connector stats: %s", self.stats)

@@ -182,11 +182,16 @@ class BackendLoad:
         self.alive = True
 
 
-def as_instances(backends: Sequence[BackendLoad]) -> list[InstanceInfo]:
+def as_instances(backends: Sequence[BackendLoad], resident: Mapping[str, int] | None = None) -> list[InstanceInfo]:
     """Backends as ``InstanceInfo``: ``running`` is the larger of this router's requests in flight (current)
-    and the engine's last report (every replica's, but as old as the last poll)."""
+    and the engine's last report (every replica's, but as old as the last poll); ``kv_tokens_used`` the context
+    of the sessions this router has on it (``resident``, by backend id): between two turns an agent's session
+    is no request at all, yet its next turn will come, so least-loaded placement breaks ties of requests toward
+    the backend holding fewer sessions' tokens instead of piling new sessions onto the first one."""
+    resident = resident or {}
     return [InstanceInfo(instance_id=b.backend_id, address=b.url, home_worker="", running=max(b.in_flight,
-                         b.reported), alive=b.alive, engine="openai") for b in backends]
+                         b.reported), kv_tokens_used=resident.get(b.backend_id, 0), alive=b.alive, engine="openai")
+            for b in backends]
 
 
 _LOAD_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting")

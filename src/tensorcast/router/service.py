@@ -4,15 +4,16 @@ Owns: the routes (``POST /v1/completions`` and ``/v1/chat/completions``, streami
 ``/health``, ``/metrics``), forwarding a request to the backend its policy chose (``router.choice``) with the body
 and headers as they came, and the answer back as it arrives: a streamed answer is written to the client chunk by
 chunk as the backend sends it, never buffered; each backend's requests in flight (the load the policies see);
-health (a backend that refuses a connection is marked down and the request goes to another one, as long as nothing
-of the answer was sent; a background check brings it back when its ``/health`` answers, and reads the load the
-engine reports on its ``/metrics``); prefill/decode disaggregation (a prefill pool computes each prompt for one
-token and stores its KV pages; the request then goes to the decode pool with the prefill's ``kv_transfer_params``,
-and the decode instance loads those pages: the ``TensorCastConnector`` protocol, which ``examples/pd_proxy.py``
-shows alone); and the router's metrics (requests by backend and outcome, the routing decision's time, in flight);
-and, for ``event-cache-aware``, the engines' KV events applied as they arrive and text prompts tokenized by a
-backend (``/tokenize``) so that they match the events' token blocks; and the rebalancer's ticks (the sessions this
-replica saw and its moves among them: ``router.session_book``).
+backends found in the cluster as they announce themselves (``router.discovery``: added to the pool, then up or down
+by their health); health (a backend that refuses a connection is marked down and the request goes to another one, as
+long as nothing of the answer was sent; a background check brings it back when its ``/health`` answers, and reads
+the load the engine reports on its ``/metrics``); prefill/decode disaggregation (a prefill pool computes each prompt
+for one token and stores its KV pages; the request then goes to the decode pool with the prefill's
+``kv_transfer_params``, and the decode instance loads those pages: the ``TensorCastConnector`` protocol, which
+``examples/pd_proxy.py`` shows alone); and the router's metrics (requests by backend and outcome, the routing
+decision's time, in flight); and, for ``event-cache-aware``, the engines' KV events applied as they arrive and text
+prompts tokenized by a backend (``/tokenize``) so that they match the events' token blocks; and the rebalancer's
+ticks (the sessions this replica saw and its moves among them: ``router.session_book``).
 
 aiohttp (``pip install 'tensorcast[router]'``) on one event loop: a decision is microseconds of Python, forwarding
 is a pass-through of the backend's bytes. Does not own: the policies (``tensorcast.policies``), or the engines.
@@ -30,9 +31,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tensorcast.errors import InvalidArgument, Unavailable
+from tensorcast.errors import InvalidArgument, TensorCastError, Unavailable
 from tensorcast.policies import EventFeed, Rebalancer, Request, Router
 from tensorcast.router.choice import BackendLoad, as_instances, reported_load, route_view, wants_tokens
+from tensorcast.router.discovery import Discovery
 from tensorcast.router.session_book import SessionBook
 
 __all__ = ["RouterService"]
@@ -49,16 +51,17 @@ class RouterService:
                  session_header: str = "x-session-id", health_interval: float = 2.0,
                  request_timeout: float = 600.0, prefill: Sequence[str] = (),
                  prefill_policy: Router | None = None, feed: EventFeed | None = None,
-                 rebalancer: Rebalancer | None = None) -> None:
+                 rebalancer: Rebalancer | None = None, discovery: Discovery | None = None) -> None:
         """``request_timeout``: seconds a backend may stay silent (before its first byte, or between two).
         ``prefill``: disaggregated mode: each request's prompt first on one of these (``prefill_policy``),
         then the request on one of ``backends`` (the decode pool) with the prefill's ``kv_transfer_params``.
         ``feed``: the engines' KV events (for ``event-cache-aware``), applied on the service's loop as they come;
         a text prompt is then tokenized by a backend (``POST /tokenize``) so that it matches their blocks.
         ``rebalancer``: every ``interval_s`` it may move idle sessions off the most loaded backend
-        (``router.session_book``); a moved session's requests then go to its new backend."""
-        if not backends:
-            raise InvalidArgument("the router needs at least one backend URL")
+        (``router.session_book``); a moved session's requests then go to its new backend. ``discovery``: more
+        backends, found in the cluster's ``list_instances()`` at start and with every health check."""
+        if not backends and discovery is None:
+            raise InvalidArgument("the router needs at least one backend URL, or a cluster to discover them in")
         self.backends = [BackendLoad(f"b{i}", u.rstrip("/")) for i, u in enumerate(backends)]
         self.prefill = [BackendLoad(f"p{i}", u.rstrip("/")) for i, u in enumerate(prefill)]
         if self.prefill and prefill_policy is None:
@@ -79,6 +82,7 @@ class RouterService:
         self._in_flight = Gauge("tensorcast_router_in_flight", "Requests in flight", ["backend"],
                                 registry=self.registry)
         self.feed = feed
+        self.discovery = discovery
         self.book = SessionBook(rebalancer)
         self._pump: asyncio.Task[None] | None = None
         self._ticks: asyncio.Task[None] | None = None
@@ -107,6 +111,7 @@ class RouterService:
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
         self.port = int(self._runner.addresses[0][1])  # the port bound (port 0: one the system chose)
+        await self._discover()
         self._health = asyncio.create_task(self._check_health())
         if self.feed is not None:
             self._pump = asyncio.create_task(self._pump_events())
@@ -123,6 +128,8 @@ class RouterService:
                     await task
         if self.feed is not None:
             self.feed.close()
+        if self.discovery is not None:
+            await self.discovery.close()
         if self._runner is not None:
             await self._runner.cleanup()
         if self._session is not None:
@@ -152,7 +159,8 @@ class RouterService:
         """The backend ``policy`` picks among those of ``pool`` not tried yet (``Unavailable``: none left); a
         session the rebalancer moved goes where it moved (the decode pool)."""
         t0 = time.perf_counter()
-        candidates = as_instances([b for b in pool if b.backend_id not in tried])
+        candidates = as_instances([b for b in pool if b.backend_id not in tried],
+                                  self.book.resident if pool is self.backends else None)
         moved = self.book.override(view.session_id, [i for i in candidates if i.alive]) \
             if pool is self.backends else None
         chosen = moved or policy.route(view, candidates)
@@ -183,7 +191,7 @@ class RouterService:
         interval = self.book.rebalancer.interval_s
         while True:
             await asyncio.sleep(max(interval, 0.05))
-            for m in self.book.rebalance(time.monotonic(), as_instances(self.backends)):
+            for m in self.book.rebalance(time.monotonic(), as_instances(self.backends, self.book.resident)):
                 self._moves.inc()
                 log.info("moved session %s from %s to %s (%d tokens of context)", m.session_id, m.source, m.target,
                          m.kv_tokens)
@@ -327,8 +335,27 @@ class RouterService:
             b.alive = alive
 
         while True:
+            await self._discover()
             await asyncio.gather(*(check(b) for b in [*self.backends, *self.prefill]))
             await asyncio.sleep(self.health_interval)
+
+    async def _discover(self) -> None:
+        """Backends the cluster lists that this router does not know yet, added (up: their records are alive;
+        their health checks follow). Unreachable cluster: the backends known stay as they are."""
+        if self.discovery is None:
+            return
+        try:
+            urls = await self.discovery()
+        except (TensorCastError, OSError) as exc:
+            log.warning("cannot list the cluster's instances (%s); keeping the %d backends known", exc,
+                        len(self.backends))
+            return
+        known = {b.url for b in self.backends}
+        for url in urls:
+            if url not in known:
+                backend = BackendLoad(f"b{len(self.backends)}", url)
+                self.backends.append(backend)
+                log.info("discovered backend %s (%s)", backend.backend_id, url)
 
 
 def _passed(headers: Any) -> dict[str, str]:

@@ -72,22 +72,23 @@ def cpu_binding(tp: int) -> dict[str, str]:
 @contextlib.contextmanager
 def vllm_server(model_dir: Path, log: Path, *, address: str = "", transfer: str | None = "tensorcast",
                 extra: Sequence[str] = (), startup_timeout: float = 600.0,
-                env: dict[str, str] | None = None, tp: int = 1) -> Iterator[str]:
+                env: dict[str, str] | None = None, tp: int = 1, port: int = 0) -> Iterator[str]:
     """Serve ``model_dir`` (float32, eager, 256 tokens unless ``extra`` says otherwise: vLLM takes an option's
     last value); yields its base URL. ``transfer``: the weight-transfer backend (None: none); ``address``: the
     cluster's gateway (``TENSORCAST_ADDRESS``); ``tp``: tensor-parallel ranks (their threads bound to this
-    process's cores, ``cpu_binding``)."""
+    process's cores, ``cpu_binding``); ``port``: the one to listen on (default: a free one)."""
     with vllm_servers(model_dir, [log], address=address, transfer=transfer, extra=extra,
-                      startup_timeout=startup_timeout, envs=[env or {}], tp=tp) as urls:
+                      startup_timeout=startup_timeout, envs=[env or {}], tp=tp, ports=[port]) as urls:
         yield urls[0]
 
 
 @contextlib.contextmanager
 def vllm_servers(model_dir: Path, logs: Sequence[Path], *, address: str = "", transfer: str | None = "tensorcast",
                  extra: Sequence[str] = (), startup_timeout: float = 600.0,
-                 envs: Sequence[dict[str, str]] = (), tp: int = 1) -> Iterator[list[str]]:
+                 envs: Sequence[dict[str, str]] = (), tp: int = 1, ports: Sequence[int] = ()) -> Iterator[list[str]]:
     """``len(logs)`` servers as ``vllm_server`` starts one, all started at once (their start-ups overlap), server
-    ``i`` with ``envs[i]`` added to its environment; yields their URLs once every one is ready."""
+    ``i`` with ``envs[i]`` added to its environment, on ``ports[i]`` (0 or none: a free port); yields their URLs
+    once every one is ready."""
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "256",
             "--enforce-eager", "--max-logprobs", "5", "--tensor-parallel-size", str(tp)]
@@ -97,7 +98,7 @@ def vllm_servers(model_dir: Path, logs: Sequence[Path], *, address: str = "", tr
     try:
         urls = []
         for i, log in enumerate(logs):
-            port = _free_port()
+            port = (ports[i] if i < len(ports) else 0) or _free_port()
             environ = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **cpu_binding(tp),
                        **(envs[i] if i < len(envs) else {})}
             if address:
