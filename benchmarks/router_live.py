@@ -10,9 +10,10 @@ followed by a new one) for ``--duration`` seconds. Each turn is a streamed ``/v1
 as text (one word per token of the test model's tokenizer; the SGLang gateway refuses token ids), its session in
 ``X-Session-Id`` and the OpenAI ``user`` field; TTFT is from sending it to its first streamed token, its hit rate
 what vLLM reports as cached (``prompt_tokens_details.cached_tokens``: its prefix cache plus pages loaded from the
-pool) over its prompt. Turn gaps are the preset's x ``--time-scale``. Each run relabels token ids with its own
-seeded permutation of the vocabulary, so no run hits pages an earlier one stored while lengths, gaps and shared
-prefixes stay identical across routers.
+pool) over its prompt; each instance's own counters say how many requests it served and how many of its hits came
+from its own cache or from the pool. Turn gaps are the preset's x ``--time-scale``. Each run relabels token ids with
+its own seeded permutation of the vocabulary, so no run hits pages an earlier one stored while lengths, gaps and
+shared prefixes stay identical across routers.
 
 TensorCast's routes: ``round-robin``, ``power-of-two``, ``cache-aware`` (sessions off: every turn placed on its
 own), ``load-aware`` (least loaded per turn: the shared store makes any instance able to continue a session),
@@ -47,6 +48,9 @@ from tensorcast.cluster import LocalCluster
 from tensorcast.workloads import AgentWorkload, Session, load_trace
 
 VOCAB = 512
+# The test tokenizer's words are "t<id>", and its special tokens "t0", "t1", "t2" match inside words too ("t100"
+# reads as "t1", "00"): prompts use only the ids whose word starts with neither.
+WORDS = np.array([i for i in range(3, VOCAB) if str(i)[0] not in "12"])
 ROUTES: dict[str, list[str]] = {
     "round-robin": ["--policy", "round-robin", "--sessions", "off"],
     "power-of-two": ["--policy", "power-of-two", "--sessions", "off"],
@@ -67,7 +71,8 @@ def router_command(name: str, backends: list[str], port: int) -> list[str] | str
     if exe is None:
         return f"not installed (pip install {name})"
     launch = [exe] if name == "vllm-router" else [exe, "launch"]
-    return [*launch, "--worker-urls", *backends, "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port)]
+    return [*launch, "--worker-urls", *backends, "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]  # not the shared default port
 
 
 async def send(http: Any, url: str, model: str, session: str, prompt: str, tokens: int,
@@ -90,7 +95,8 @@ async def send(http: Any, url: str, model: str, session: str, prompt: str, token
                 ttft = time.perf_counter() - t0
             usage = chunk.get("usage") or usage
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return {"ttft": ttft if ttft is not None else time.perf_counter() - t0, "prompt": tokens, "cached": cached}
+    return {"ttft": ttft if ttft is not None else time.perf_counter() - t0,
+            "prompt": usage.get("prompt_tokens") or tokens, "cached": cached}
 
 
 async def replay(url: str, model: str, sessions: Any, n: int, duration: float, time_scale: float,
@@ -113,7 +119,7 @@ async def replay(url: str, model: str, sessions: Any, n: int, duration: float, t
             await asyncio.sleep(max(0.0, wait))
             if loop.time() >= stop:
                 return
-            prompt = " ".join(f"t{i}" for i in perm[turn.prompt])  # the test tokenizer's words: one token each
+            prompt = " ".join(f"t{i}" for i in perm[turn.prompt])  # one token per word
             rec = await send(http, url, model, session.session_id, prompt, turn.prompt_tokens,
                              max(1, min(turn.output_tokens, max_tokens)))
             out.append({"session": session.session_id, "turn": turn.turn, **rec})
@@ -133,6 +139,34 @@ async def replay(url: str, model: str, sessions: Any, n: int, duration: float, t
         else:
             await asyncio.gather(*(slot(k, http) for k in range(n)))
     return out
+
+
+COUNTERS = {"requests": "vllm:request_success_total", "local_hits": "vllm:prefix_cache_hits_total",
+            "pool_hits": "vllm:external_prefix_cache_hits_total"}
+
+
+def engine_counters(backends: list[str]) -> list[dict[str, float]]:
+    """Each instance's finished requests and prefix-cache hits (tokens: its own cache, the pool), as it reports
+    them: what every router did, the baselines included."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = []
+    for url in backends:
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+        samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+        out.append({k: sum(s.value for s in samples if s.name == series) for k, series in COUNTERS.items()})
+    return out
+
+
+def spread(before: list[dict[str, float]], after: list[dict[str, float]]) -> dict[str, Any]:
+    """A run's requests per instance and its hits split between the instances' own caches and the pool."""
+    delta = [{k: a[k] - b[k] for k in COUNTERS} for b, a in zip(before, after, strict=True)]
+    hits = sum(d["local_hits"] + d["pool_hits"] for d in delta)
+    return {"requests_per_instance": [int(d["requests"]) for d in delta],
+            "pool_share_of_hits": sum(d["pool_hits"] for d in delta) / hits if hits else None}
 
 
 def summarize(name: str, preset: str, turns: list[dict[str, Any]]) -> dict[str, Any]:
@@ -191,7 +225,7 @@ def main() -> None:
             print(f"{instances} vllm serve instances ready in {time.monotonic() - t0:.0f} s", flush=True)
             runs: list[tuple[str, Any]] = [(p, None) for p in presets]
             if args.trace:
-                runs.append(("trace", load_trace(args.trace, scale=args.trace_scale, vocab_size=VOCAB,
+                runs.append(("trace", load_trace(args.trace, scale=args.trace_scale, vocab_size=len(WORDS),
                                                  limit=args.trace_limit or pick(args, 2000, 400, 20))))
             for k, (preset, trace) in enumerate(runs):
                 for j, name in enumerate(routes):
@@ -199,25 +233,27 @@ def main() -> None:
                     if isinstance(cmd, str):
                         rows.append({"route": name, "preset": preset, "error": cmd})
                         continue
-                    perm = np.random.default_rng([args.seed, k, j]).permutation(VOCAB).astype(np.int64)
+                    perm = np.random.default_rng([args.seed, k, j]).permutation(WORDS)
                     if trace is None:
-                        workload = AgentWorkload(gaps=preset, scale=args.scale, vocab_size=VOCAB, seed=args.seed,
+                        workload = AgentWorkload(gaps=preset, scale=args.scale, vocab_size=len(WORDS), seed=args.seed,
                                                  session_prefix=f"{name}-{preset}")
                         sessions = (workload.session(i) for i in itertools.count())
                     else:
                         sessions = iter(trace)
                     try:
                         with process(cmd, f"http://127.0.0.1:{port}", ready_path="/v1/models") as url:
+                            before = engine_counters(backends)
                             turns = asyncio.run(replay(url, str(model), sessions, n, duration if trace is None
                                                        else 1e9, args.time_scale, args.max_tokens, args.max_len,
                                                        perm, trace is not None))
-                        rows.append(summarize(name, preset, turns))
+                        rows.append({**summarize(name, preset, turns), **spread(before, engine_counters(backends))})
                     except RuntimeError as exc:
                         rows.append({"route": name, "preset": preset, "error": str(exc)})
                     report(rows[-1])
     print()
     table = Table(("preset", "<7"), ("route", "<13"), ("turns", ">6d"), ("TTFT p50 ms", ">12.1f"),
-                  ("TTFT p90 ms", ">12.1f"), ("hit rate", ">9.3f"), ("p50 / load-aware", ">17.2f"))
+                  ("TTFT p90 ms", ">12.1f"), ("hit rate", ">9.3f"), ("from pool", ">10.2f"),
+                  ("p50 / load-aware", ">17.2f"), ("requests per instance", "<22"))
     table.header()
     for row in rows:
         if "error" in row or not row["turns"]:
@@ -226,7 +262,7 @@ def main() -> None:
                      and r.get("ttft_p50_ms")), None)
         row["p50_vs_load_aware"] = row["ttft_p50_ms"] / base["ttft_p50_ms"] if base and row["ttft_p50_ms"] else None
         table.row(row["preset"], row["route"], row["turns"], row["ttft_p50_ms"], row["ttft_p90_ms"], row["hit_rate"],
-                  row["p50_vs_load_aware"])
+                  row["pool_share_of_hits"], row["p50_vs_load_aware"], " ".join(map(str, row["requests_per_instance"])))
     for row in rows:
         if "error" in row:
             print(f"{row['preset']} {row['route']}: {row['error']}")
@@ -240,7 +276,9 @@ def report(row: dict[str, Any]) -> None:
         print(f"  {row['preset']:<7} {row['route']:<13} error: {row.get('error') or row['first_error']}", flush=True)
         return
     print(f"  {row['preset']:<7} {row['route']:<13} {row['turns']:>4} turns  TTFT p50 {row['ttft_p50_ms']:.1f} ms"
-          f"  p90 {row['ttft_p90_ms']:.1f} ms  hit {row['hit_rate']:.3f}  errors {row['errors']}", flush=True)
+          f"  p90 {row['ttft_p90_ms']:.1f} ms  hit {row['hit_rate']:.3f}  errors {row['errors']}"
+          f"  per instance {row['requests_per_instance']}  pool share of hits {row['pool_share_of_hits'] or 0:.2f}",
+          flush=True)
 
 
 if __name__ == "__main__":
