@@ -13,6 +13,7 @@ import pytest
 aiohttp = pytest.importorskip("aiohttp")
 
 import tensorcast as tc  # noqa: E402
+from tensorcast.credentials import Keyring  # noqa: E402
 from tensorcast.errors import InvalidArgument, Unavailable  # noqa: E402
 from tensorcast.instance.announce import Announcement  # noqa: E402
 from tensorcast.records import InstanceInfo  # noqa: E402
@@ -80,6 +81,29 @@ def test_the_router_finds_engines_as_they_announce_and_routes_around_one_that_st
                 await b0.stop()
 
         run(scenario)
+
+
+def test_only_the_worker_role_may_list_an_engine_for_routers() -> None:
+    """Routers send users' requests to what ``list_instances()`` lists: a client credential cannot put an
+    engine there (its announcement is refused and ends), a worker credential can."""
+    keys = Keyring.from_token("s3cret")
+    assert keys is not None
+    with running_cluster(workers=1, token="s3cret") as cluster, \
+            tc.connect(cluster.address, token=keys.credential("read-only")) as reader:
+        refused = Announcement(cluster.address, "http://127.0.0.1:9", engine="vllm", interval=BEAT,
+                               token=keys.credential("client"))
+        listed = Announcement(cluster.address, "http://127.0.0.1:10", engine="vllm", interval=BEAT,
+                              token=keys.credential("worker"))
+        try:
+            deadline = time.monotonic() + LIVENESS
+            while not backend_urls(reader.list_instances()):
+                assert time.monotonic() < deadline
+                time.sleep(BEAT)
+            time.sleep(3 * BEAT)  # the refused one had as many beats to get in
+            assert backend_urls(reader.list_instances()) == ["http://127.0.0.1:10"]
+        finally:
+            refused.stop()
+            listed.stop()
 
 
 class Unreachable(Discovery):

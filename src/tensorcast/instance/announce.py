@@ -3,10 +3,12 @@ in ``list_instances()`` under its own URL, so that a router finds its backends t
 
 Owns: ``announce`` (register the instance, then heartbeat it every ``interval`` with the load its caller reports,
 registering again when the global store has forgotten it, as after a restart; a failed heartbeat is logged and
-retried at the next tick: the record turns not alive after ``gs.worker_liveness_timeout`` without one, as a
-worker's does) and ``Announcement`` (the same on a thread and connection of its own, until stopped). A record is
-never deleted: an instance that stopped reads ``alive=False`` to every caller. Does not own: serving instance
-calls (``instance.runtime``, for engines TensorCast runs), or how routers use the records (``router.discovery``).
+retried at the next tick: the record turns not alive after ``gs.worker_liveness_timeout`` without one, as a worker's
+does; registering takes the worker role, since routers send users' requests to what is listed: a client credential
+is refused once, logged, and the announcement ends) and ``Announcement`` (the same on a thread and connection of its
+own, until stopped). A record is never deleted: an instance that stopped reads ``alive=False`` to every caller. Does
+not own: serving instance calls (``instance.runtime``, for engines TensorCast runs), or how routers use the records
+(``router.discovery``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 from tensorcast.client.aio import AsyncClient
 from tensorcast.client.loop import LoopThread
 from tensorcast.context import CallContext
-from tensorcast.errors import InvalidArgument, NotFound, TensorCastError
+from tensorcast.errors import InvalidArgument, NotFound, PermissionDenied, TensorCastError
 from tensorcast.records import InstanceInfo
 from tensorcast.wire.plan_messages import InstanceHeartbeat, RegisterInstance
 
@@ -48,9 +50,16 @@ async def announce(client: Any, info: InstanceInfo, interval: float, load: Load 
             else:
                 await client.caller.call(InstanceHeartbeat(instance_id=info.instance_id, running=running,
                                                            waiting=waiting), CallContext().with_timeout(timeout))
-        except NotFound:  # the global store forgot it (restarted from an older state): register again now
-            registered = False
-            continue
+        except NotFound:
+            if registered:  # the global store forgot it (restarted from an older state): register again now
+                registered = False
+                continue
+            log.warning("instance %s: registration failed (not found); retrying in %.1f s", info.instance_id,
+                        interval)
+        except PermissionDenied as exc:  # routers send users' requests to what is listed: workers' role only
+            log.error("instance %s cannot be announced: %s (announcing needs the worker role: the cluster secret "
+                      "or a worker credential)", info.instance_id, exc)
+            return
         except TensorCastError as exc:
             log.warning("instance %s: heartbeat failed (%s); retrying in %.1f s", info.instance_id, exc, interval)
         await asyncio.sleep(interval)
@@ -66,6 +75,8 @@ class Announcement:
                  interval: float | None = None, load: Load | None = None) -> None:
         if not url.startswith(("http://", "https://")):
             raise InvalidArgument(f"an instance's URL must be http(s)://host:port, not {url!r}")
+        if interval is not None and interval <= 0:
+            raise InvalidArgument(f"announce interval must be > 0, got {interval}")
         url = url.rstrip("/")
         self.info = InstanceInfo(instance_id=instance_id or f"{engine}@{url}", address=url, home_worker="",
                                  engine=engine)
@@ -82,7 +93,7 @@ class Announcement:
     async def _stop(self) -> None:
         assert self._task is not None and self._client is not None
         self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, InvalidArgument):
+        with contextlib.suppress(asyncio.CancelledError, TensorCastError):
             await self._task
         await self._client.close()
 
