@@ -18,7 +18,8 @@ from tensorcast.errors import InvalidArgument, Unavailable  # noqa: E402
 from tensorcast.instance.announce import Announcement  # noqa: E402
 from tensorcast.records import InstanceInfo  # noqa: E402
 from tensorcast.router import RouterService, make_policy  # noqa: E402
-from tensorcast.router.discovery import Discovery, backend_urls  # noqa: E402
+from tensorcast.router.choice import BackendLoad  # noqa: E402
+from tensorcast.router.discovery import Discovery, backend_urls, reconcile  # noqa: E402
 from tensorcast.testing import running_cluster  # noqa: E402
 
 from .conftest import Backend, complete, run  # noqa: E402
@@ -38,6 +39,16 @@ def test_backends_are_the_alive_instances_that_serve_http() -> None:
     assert backend_urls(records, engine="vllm") == ["http://10.0.0.1:8000"]
     with pytest.raises(InvalidArgument):
         Announcement("127.0.0.1:1", "10.0.0.1:8000", engine="vllm")  # not a URL: refused before anything is sent
+
+
+def test_a_discovered_backend_is_dropped_only_once_unlisted_down_and_idle() -> None:
+    given, found, busy = BackendLoad("b0", "http://a"), BackendLoad("b1", "http://b"), BackendLoad("b2", "http://c")
+    found.alive = busy.alive = given.alive = False
+    busy.in_flight = 1  # a request still on it: it stays until that ends
+    added, dropped = reconcile([given, found, busy], ["http://d", "http://a", "http://d"], {"http://b", "http://c"})
+    assert added == ["http://d"] and dropped == [found]  # given by hand: stays, down or not
+    found.alive = True
+    assert reconcile([found], [], {"http://b"}) == ([], [])  # unlisted but up: its health decides, not the list
 
 
 @pytest.mark.timeout(120)
@@ -73,6 +84,10 @@ def test_the_router_finds_engines_as_they_announce_and_routes_around_one_that_st
                     assert answers == ["b0"] * 6
                     deadline = time.monotonic() + LIVENESS + 5 * BEAT
                     while b1.url in backend_urls(client.list_instances()):  # its record stops being alive
+                        assert time.monotonic() < deadline
+                        await asyncio.sleep(BEAT)
+                    deadline = time.monotonic() + 5 * BEAT
+                    while [b.url for b in service.backends] != [b0.url]:  # unlisted and down: dropped
                         assert time.monotonic() < deadline
                         await asyncio.sleep(BEAT)
             finally:

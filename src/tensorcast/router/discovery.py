@@ -2,9 +2,11 @@
 (``instance.announce``; ``vllm serve`` with the ``TensorCastConnector`` and an ``advertise_url``).
 
 Owns: which instance records are a router's backends (``backend_urls``: alive, an ``http(s)://`` address, of the
-engine asked for) and a ``Discovery`` that asks the cluster for them (one client, opened on first use on the
-router's loop). Discovery only adds backends: whether one is up is its ``/health``'s answer (``router.service``),
-so a global store that is briefly unreachable, or an instance's late heartbeat, takes nothing out of service.
+engine asked for), how a router's backends follow the list (``reconcile``: listed ones added; a discovered one
+dropped only once it is both unlisted and down, with nothing in flight, so engines that come and go at new
+addresses do not pile up) and a ``Discovery`` that asks the cluster for them (one client, opened on first use on
+the router's loop). Whether a backend is up is its ``/health``'s answer (``router.service``), so a global store
+that is briefly unreachable, or an instance's late heartbeat, takes nothing out of service.
 Does not own: the service's backend list or its health checks.
 """
 
@@ -14,8 +16,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from tensorcast.records import InstanceInfo
+from tensorcast.router.choice import BackendLoad
 
-__all__ = ["Discovery", "backend_urls"]
+__all__ = ["Discovery", "backend_urls", "reconcile"]
 
 
 def backend_urls(instances: Sequence[InstanceInfo], engine: str = "") -> list[str]:
@@ -24,6 +27,18 @@ def backend_urls(instances: Sequence[InstanceInfo], engine: str = "") -> list[st
     urls = [i.address.rstrip("/") for i in instances
             if i.alive and i.address.startswith(("http://", "https://")) and (not engine or i.engine == engine)]
     return list(dict.fromkeys(urls))
+
+
+def reconcile(backends: Sequence[BackendLoad], listed: Sequence[str],
+              discovered: set[str]) -> tuple[list[str], list[BackendLoad]]:
+    """The URLs ``listed`` that no backend has (to add), and the backends that discovery added (their URLs in
+    ``discovered``) that are no longer listed, down, and idle (to drop). Backends given by hand always stay."""
+    known = {b.url for b in backends}
+    listed_now = set(listed)
+    added = [u for u in dict.fromkeys(listed) if u not in known]
+    dropped = [b for b in backends if b.url in discovered and b.url not in listed_now and not b.alive
+               and not b.in_flight]
+    return added, dropped
 
 
 class Discovery:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import time
@@ -34,7 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from tensorcast.errors import InvalidArgument, TensorCastError, Unavailable
 from tensorcast.policies import EventFeed, Rebalancer, Request, Router
 from tensorcast.router.choice import BackendLoad, as_instances, reported_load, route_view, wants_tokens
-from tensorcast.router.discovery import Discovery
+from tensorcast.router.discovery import Discovery, reconcile
 from tensorcast.router.session_book import SessionBook
 
 __all__ = ["RouterService"]
@@ -83,6 +84,8 @@ class RouterService:
                                 registry=self.registry)
         self.feed = feed
         self.discovery = discovery
+        self._found: set[str] = set()  # URLs discovery added
+        self._ids = itertools.count(len(self.backends))  # backend ids stay unique as discovered ones come and go
         self.book = SessionBook(rebalancer)
         self._pump: asyncio.Task[None] | None = None
         self._ticks: asyncio.Task[None] | None = None
@@ -341,7 +344,8 @@ class RouterService:
 
     async def _discover(self) -> None:
         """Backends the cluster lists that this router does not know yet, added (up: their records are alive;
-        their health checks follow). Unreachable cluster: the backends known stay as they are."""
+        their health checks follow); discovered ones gone from the list and down, dropped. Unreachable cluster:
+        the backends known stay as they are."""
         if self.discovery is None:
             return
         try:
@@ -350,12 +354,16 @@ class RouterService:
             log.warning("cannot list the cluster's instances (%s); keeping the %d backends known", exc,
                         len(self.backends))
             return
-        known = {b.url for b in self.backends}
-        for url in urls:
-            if url not in known:
-                backend = BackendLoad(f"b{len(self.backends)}", url)
-                self.backends.append(backend)
-                log.info("discovered backend %s (%s)", backend.backend_id, url)
+        added, dropped = reconcile(self.backends, urls, self._found)
+        for backend in dropped:
+            self.backends.remove(backend)
+            self._found.discard(backend.url)
+            log.info("dropped backend %s (%s): down and no longer listed", backend.backend_id, backend.url)
+        for url in added:
+            backend = BackendLoad(f"b{next(self._ids)}", url)
+            self.backends.append(backend)
+            self._found.add(url)
+            log.info("discovered backend %s (%s)", backend.backend_id, url)
 
 
 def _passed(headers: Any) -> dict[str, str]:
