@@ -122,7 +122,7 @@ def test_only_the_worker_role_may_list_an_engine_for_routers() -> None:
 
 
 class Unreachable(Discovery):
-    """A cluster that answers once, then cannot be asked (a global store blip)."""
+    """A cluster that answers once, then cannot be asked (a global store blip), or its client fails (a bug)."""
 
     def __init__(self, urls: list[str]) -> None:
         super().__init__("unused:1")
@@ -133,7 +133,7 @@ class Unreachable(Discovery):
         self.asked += 1
         urls, self.urls = self.urls, None
         if urls is None:
-            raise Unavailable("global store unreachable")
+            raise Unavailable("global store unreachable") if self.asked % 2 else RuntimeError("a bug")
         return urls
 
 

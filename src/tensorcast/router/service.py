@@ -32,7 +32,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tensorcast.errors import InvalidArgument, TensorCastError, Unavailable
+from tensorcast.errors import InvalidArgument, Unavailable
 from tensorcast.policies import EventFeed, Rebalancer, Request, Router
 from tensorcast.router.choice import BackendLoad, as_instances, reported_load, route_view, wants_tokens
 from tensorcast.router.discovery import Discovery, reconcile
@@ -350,9 +350,9 @@ class RouterService:
             return
         try:
             urls = await self.discovery()
-        except (TensorCastError, OSError) as exc:
-            log.warning("cannot list the cluster's instances (%s); keeping the %d backends known", exc,
-                        len(self.backends))
+        except Exception as exc:  # whatever it is, health checks go on: they run on the same task
+            log.warning("cannot list the cluster's instances (%s: %s); keeping the %d backends known",
+                        type(exc).__name__, exc, len(self.backends))
             return
         added, dropped = reconcile(self.backends, urls, self._found)
         for backend in dropped:
