@@ -11,7 +11,7 @@ speed: only that every path still runs. All of it takes about 3.5 minutes on a 2
 Skipped: the ``--netns`` modes unless asked for (``--netns``: they need root and iproute2, for hosts in network
 namespaces, and add half a minute), and runs whose subject is not here (``gpu_check``: a CUDA device;
 ``vllm_tier_check``: a CUDA device and vLLM;
-``kv_reuse`` and ``vllm_weight_transfer``: vLLM, which all their systems run on).
+``kv_reuse``, ``vllm_weight_transfer`` and ``router_live``: vLLM, which all their systems run on).
 
 Usage: python benchmarks/smoke.py [--only NAME[,NAME...]] [--netns] [--keep DIR] [--timeout S]
 """
@@ -84,6 +84,7 @@ RUNS = [
         after="rebalance_live"),
     Run("kv_reuse", "kv_reuse.py", (), ("rows", "summary"), needs=_no_vllm),
     Run("vllm_weight_transfer", "vllm_weight_transfer.py", (), ("rows",), needs=_no_vllm),
+    Run("router_live", "router_live.py", ("--trace", f"{{dir}}/{TRACE}"), ("rows",), needs=_no_vllm),
     Run("gpu_check", "gpu_check.py", (), needs=_no_cuda),
     Run("vllm_tier_check", "vllm_tier_check.py", (), needs=lambda: _no_cuda() or _no_vllm()),
     Run("transfer-netns", "transfer.py", ("--netns",), ("netns_transfer",), netns=True),
