@@ -39,6 +39,7 @@ def test_round_robin_models_health_and_metrics() -> None:
                 text = await r.text()
                 assert 'tensorcast_router_requests_total{backend="b0",outcome="200"} 3.0' in text  # 2 + 1 chat
                 assert "tensorcast_router_decision_seconds_count" in text
+                assert 'tensorcast_router_first_byte_seconds_count{backend="b0"} 3.0' in text
 
     run(scenario)
 
@@ -86,6 +87,8 @@ def test_streaming_is_passed_through_as_it_arrives() -> None:
                 assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
                 first = await asyncio.wait_for(r.content.readuntil(b"\n\n"), 10)  # before the second exists
                 assert json.loads(first[len(b"data: "):])["part"] == 1
+                async with session.get(service.url + "/metrics") as m:  # its TTFT, timed at the first chunk
+                    assert 'tensorcast_router_first_byte_seconds_count{backend="b0"} 1.0' in await m.text()
                 backends[0].gate.set()
                 rest = await r.content.read()
             assert b'"part": 2' in rest and rest.endswith(b"data: [DONE]\n\n")

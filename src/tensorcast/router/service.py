@@ -82,6 +82,10 @@ class RouterService:
                               registry=self.registry)
         self._in_flight = Gauge("tensorcast_router_in_flight", "Requests in flight", ["backend"],
                                 registry=self.registry)
+        self._first_byte = Histogram("tensorcast_router_first_byte_seconds", "From forwarding a request to the "
+                                     "backend's first byte of answer (a streamed answer's first chunk: its TTFT)",
+                                     ["backend"], buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+                                     registry=self.registry)
         self.feed = feed
         self.discovery = discovery
         self._found: set[str] = set()  # URLs discovery added
@@ -218,16 +222,22 @@ class RouterService:
             self.book.started(time.monotonic(), view.session_id, backend.backend_id, len(view.prompt))
             with self._counted(backend), self._session_done(view.session_id):
                 try:
+                    sent = time.perf_counter()
                     async with self._session.post(backend.url + request.path, data=raw, headers=headers) as up:
                         if up.content_length is not None and up.content_type != "text/event-stream":
                             # A whole answer of a known size: one write (a stream is never held back).
                             answer = web.Response(status=up.status, body=await up.read(),
                                                   headers=_passed(up.headers))
+                            self._first_byte.labels(backend.backend_id).observe(time.perf_counter() - sent)
                             self._requests.labels(backend.backend_id, str(up.status)).inc()
                             return answer
                         response = web.StreamResponse(status=up.status, headers=_passed(up.headers))
                         await response.prepare(request)
+                        first = True
                         async for chunk in up.content.iter_any():  # as it arrives: streaming is not buffered
+                            if first:
+                                self._first_byte.labels(backend.backend_id).observe(time.perf_counter() - sent)
+                                first = False
                             await response.write(chunk)
                         await response.write_eof()
                         self._requests.labels(backend.backend_id, str(up.status)).inc()
