@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from benchlib import Table, free_port, parse_args, parser, pct, pick, write_json
-from router_overhead import binary, process
+from router_overhead import process, router_args
 from tensorcast.cluster import LocalCluster
 from tensorcast.workloads import AgentWorkload, Session, load_trace
 
@@ -67,12 +67,7 @@ def router_command(name: str, backends: list[str], port: int) -> list[str] | str
     if name in ROUTES:
         return [sys.executable, "-m", "tensorcast", "router", *ROUTES[name], "--port", str(port),
                 *(x for b in backends for x in ("--backend", b))]
-    exe = binary(name)
-    if exe is None:
-        return f"not installed (pip install {name})"
-    launch = [exe] if name == "vllm-router" else [exe, "launch"]
-    return [*launch, "--worker-urls", *backends, "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port),
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]  # not the shared default port
+    return router_args(name, backends, port, policy="cache_aware")
 
 
 async def send(http: Any, url: str, model: str, session: str, prompt: str, tokens: int,
@@ -203,8 +198,8 @@ def main() -> None:
     n = args.sessions or pick(args, 16, 8, 4)
     duration = args.duration or pick(args, 90.0, 30.0, 8.0)
     presets = (args.presets or pick(args, "fast,medium,slow", "fast,medium,slow", "fast")).split(",")
-    routes = (args.routes or pick(args, ",".join([*ROUTES, *BASELINES]), ",".join([*ROUTES, *BASELINES]),
-                                  "round-robin,tensorcast,vllm-router")).split(",")
+    every = ",".join([*ROUTES, *BASELINES])
+    routes = (args.routes or pick(args, every, every, "round-robin,tensorcast,vllm-router")).split(",")
     from tensorcast.testing.vllm_engine import tiny_llama_dir
     from tensorcast.testing.vllm_server import vllm_servers, with_tokenizer
 

@@ -67,19 +67,18 @@ def process(args: list[str], url: str, ready_path: str = "/health", timeout: flo
             proc.wait()
 
 
-def router_args(name: str, backends: list[str], port: int) -> list[str] | str:
-    """The command line of router ``name`` on ``port``, or why it cannot run here."""
+def router_args(name: str, backends: list[str], port: int, policy: str = "round_robin") -> list[str] | str:
+    """The command line of router ``name`` on ``port`` (a baseline with its ``policy``), or why it cannot run
+    here."""
     if name == "tensorcast":
         return [sys.executable, "-m", "tensorcast", "router", "--policy", "round-robin", "--sessions", "off",
                 "--port", str(port), *(x for b in backends for x in ("--backend", b))]
     exe = binary(name)
     if exe is None:
         return f"not installed (pip install {name})"
-    if name == "vllm-router":
-        return [exe, "--worker-urls", *backends, "--policy", "round_robin", "--host", "127.0.0.1", "--port",
-                str(port)]
-    return [exe, "launch", "--worker-urls", *backends, "--policy", "round_robin", "--host", "127.0.0.1", "--port",
-            str(port)]
+    launch = [exe] if name == "vllm-router" else [exe, "launch"]
+    return [*launch, "--worker-urls", *backends, "--policy", policy, "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]  # not the shared default, 29000
 
 
 async def measure(url: str, sequential: int, concurrent: int) -> dict[str, float]:

@@ -243,6 +243,18 @@ def test_sessions_arriving_one_at_a_time_spread_over_idle_backends() -> None:
     run(scenario)
 
 
+def test_idle_sessions_leave_the_book_without_a_rebalancer() -> None:
+    from tensorcast.router.session_book import SessionBook
+
+    book = SessionBook(ttl_s=10.0)
+    book.started(0.0, "a", "b0", 100)
+    book.finished(1.0, "a")
+    book.started(5.0, "b", "b1", 7)
+    assert book.resident == {"b0": 100, "b1": 7} and len(book) == 2
+    book.started(12.0, "b", "b1", 9)  # a was last seen at 1.0: gone, and its context with it
+    assert book.resident == {"b0": 0, "b1": 9} and len(book) == 1
+
+
 class _Url:
     def __init__(self, url: str) -> None:
         self.url = url

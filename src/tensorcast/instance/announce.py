@@ -1,14 +1,14 @@
 """An engine server that TensorCast does not run (``vllm serve`` with the ``TensorCastConnector``) made visible
 in ``list_instances()`` under its own URL, so that a router finds its backends there.
 
-Owns: ``announce`` (register the instance, then heartbeat it every ``interval`` with the load its caller reports,
+Owns: ``announce`` (register an instance, then heartbeat it every ``interval`` with the load its caller reports,
 registering again when the global store has forgotten it, as after a restart; a failed heartbeat is logged and
 retried at the next tick: the record turns not alive after ``gs.worker_liveness_timeout`` without one, as a worker's
 does; registering takes the worker role, since routers send users' requests to what is listed: a client credential
 is refused once, logged, and the announcement ends) and ``Announcement`` (the same on a thread and connection of its
-own, until stopped). A record is never deleted: an instance that stopped reads ``alive=False`` to every caller. Does
-not own: serving instance calls (``instance.runtime``, for engines TensorCast runs), or how routers use the records
-(``router.discovery``).
+own, until stopped). ``instance.runtime`` heartbeats the engines TensorCast runs with ``announce`` too. A record is
+never deleted: an instance that stopped reads ``alive=False`` to every caller. Does not own: serving instance calls
+(``instance.runtime``), or how routers use the records (``router.discovery``).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any
 
 from tensorcast.client.aio import AsyncClient
 from tensorcast.client.loop import LoopThread
 from tensorcast.context import CallContext
 from tensorcast.errors import InvalidArgument, NotFound, PermissionDenied, TensorCastError
+from tensorcast.instance.adaptor import InstanceLoad
 from tensorcast.records import InstanceInfo
 from tensorcast.wire.plan_messages import InstanceHeartbeat, RegisterInstance
 
@@ -30,26 +30,26 @@ __all__ = ["Announcement", "announce"]
 
 log = logging.getLogger("tensorcast.instance")
 
-Load = Callable[[], tuple[int, int]]  # (running, waiting) requests now
-
-
-async def announce(client: Any, info: InstanceInfo, interval: float, load: Load | None = None) -> None:
-    """Register ``info`` with ``client``'s cluster (an ``AsyncClient``) and heartbeat it every ``interval``
-    seconds until cancelled. ``load``: the engine's running and waiting requests (zero when not given)."""
+async def announce(client: AsyncClient, info: InstanceInfo, interval: float,
+                   load: Callable[[], InstanceLoad] | None = None, *, registered: bool = False) -> None:
+    """Register ``info`` with ``client``'s cluster (unless ``registered`` already) and heartbeat it every
+    ``interval`` seconds until cancelled, with the engine's ``load`` (zero when not given: a router then reads
+    the engine's own metrics)."""
     if interval <= 0:
         raise InvalidArgument(f"announce interval must be > 0, got {interval}")
     timeout = max(2.0, 3 * interval)
-    registered = False
     while True:
-        running, waiting = load() if load is not None else (0, 0)
+        now = load() if load is not None else InstanceLoad()
         try:
             if not registered:
                 await client.caller.call(RegisterInstance(instance=info), CallContext().with_timeout(timeout))
                 registered = True
                 log.info("instance %s announced at %s", info.instance_id, info.address)
             else:
-                await client.caller.call(InstanceHeartbeat(instance_id=info.instance_id, running=running,
-                                                           waiting=waiting), CallContext().with_timeout(timeout))
+                await client.caller.call(InstanceHeartbeat(
+                    instance_id=info.instance_id, running=now.running, waiting=now.waiting,
+                    kv_tokens_used=now.kv_tokens_used, kv_tokens_capacity=now.kv_tokens_capacity),
+                    CallContext().with_timeout(timeout))
         except NotFound:
             if registered:  # the global store forgot it (restarted from an older state): register again now
                 registered = False
@@ -72,7 +72,7 @@ class Announcement:
     ``stop()``."""
 
     def __init__(self, address: str, url: str, *, engine: str, token: str | None = None, instance_id: str = "",
-                 interval: float | None = None, load: Load | None = None) -> None:
+                 interval: float | None = None) -> None:
         if not url.startswith(("http://", "https://")):
             raise InvalidArgument(f"an instance's URL must be http(s)://host:port, not {url!r}")
         if interval is not None and interval <= 0:
@@ -83,12 +83,12 @@ class Announcement:
         self._loop = LoopThread("tensorcast-announce")
         self._client: AsyncClient | None = None
         self._task: asyncio.Future[None] | None = None
-        self._loop.run(self._start(address, token, interval, load))
+        self._loop.run(self._start(address, token, interval))
 
-    async def _start(self, address: str, token: str | None, interval: float | None, load: Load | None) -> None:
+    async def _start(self, address: str, token: str | None, interval: float | None) -> None:
         self._client = AsyncClient(address, token)
         every = interval if interval is not None else self._client.config.worker.heartbeat_interval
-        self._task = asyncio.ensure_future(announce(self._client, self.info, every, load))
+        self._task = asyncio.ensure_future(announce(self._client, self.info, every))
 
     async def _stop(self) -> None:
         assert self._task is not None and self._client is not None

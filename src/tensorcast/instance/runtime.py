@@ -27,12 +27,13 @@ from tensorcast.context import CallContext
 from tensorcast.credentials import check_bind
 from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, clip
 from tensorcast.instance.adaptor import InstanceAdaptor
+from tensorcast.instance.announce import announce
 from tensorcast.kv.keys import KVLayout
 from tensorcast.obs import metrics, tracing
 from tensorcast.obs.http import HttpServer
 from tensorcast.obs.metrics import Sample
 from tensorcast.records import InstanceInfo
-from tensorcast.wire.messages import InstanceCall, InstanceHeartbeat, InstanceReply, RegisterInstance
+from tensorcast.wire.messages import InstanceCall, InstanceReply, RegisterInstance
 from tensorcast.wire.rpc import HandlerRegistry, Request, RpcServer
 
 __all__ = ["EngineKV", "InstanceRuntime", "serve"]
@@ -111,35 +112,19 @@ class InstanceRuntime:
             self.metrics_url = await self._http.start(self.config.metrics.host or self.host, self.config.metrics.port)
             self._source = metrics.add_source(self._samples)
         tracing.configure(self.config.tracing, f"tensorcast-instance-{self.instance_id}", roots=False)
-        await self._register()
-        self._heartbeat = asyncio.ensure_future(self._heartbeat_loop())
+        info = self._info()  # registered now: an instance the global store refuses does not start
+        await self._client.caller.call(RegisterInstance(instance=info), CallContext().with_timeout(10))
+        self._heartbeat = asyncio.ensure_future(announce(self._client, info, self.heartbeat_interval,
+                                                         self.adaptor.load, registered=True))
         log.info("instance %s (%s) serving at %s, home worker %s", self.instance_id, self.adaptor.engine,
                  self.address, self.home_worker)
 
-    async def _register(self) -> None:
-        assert self._client is not None
+    def _info(self) -> InstanceInfo:
         load = self.adaptor.load()
-        info = InstanceInfo(instance_id=self.instance_id, address=self.address, home_worker=self.home_worker,
+        return InstanceInfo(instance_id=self.instance_id, address=self.address, home_worker=self.home_worker,
                             running=load.running, waiting=load.waiting, kv_tokens_used=load.kv_tokens_used,
                             kv_tokens_capacity=load.kv_tokens_capacity, engine=self.adaptor.engine,
                             metrics_url=self.metrics_url)
-        await self._client.caller.call(RegisterInstance(instance=info), CallContext().with_timeout(10))
-
-    async def _heartbeat_loop(self) -> None:
-        assert self._client is not None
-        while True:
-            await asyncio.sleep(self.heartbeat_interval)
-            load = self.adaptor.load()
-            try:
-                await self._client.caller.call(InstanceHeartbeat(
-                    instance_id=self.instance_id, running=load.running, waiting=load.waiting,
-                    kv_tokens_used=load.kv_tokens_used, kv_tokens_capacity=load.kv_tokens_capacity),
-                    CallContext().with_timeout(max(2.0, 3 * self.heartbeat_interval)))
-            except NotFound:
-                with contextlib.suppress(TensorCastError):
-                    await self._register()
-            except TensorCastError as exc:
-                log.warning("instance heartbeat failed: %s", exc)
 
     def stop(self) -> None:
         with contextlib.suppress(Exception):

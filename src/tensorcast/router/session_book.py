@@ -52,6 +52,7 @@ class SessionBook:
     def started(self, now: float, session_id: str, backend: str, context: int) -> None:
         if not session_id:
             return
+        self.expire(now)  # the idle ones leave here too: with or without a rebalancer ticking
         s = self._sessions.pop(session_id, None)
         if s is None:
             s = _Session(backend, 0, 0, now)
