@@ -8,7 +8,7 @@ timeout, so every process an operation touches sees the same instant. Does not o
 from __future__ import annotations
 
 import contextvars
-import uuid
+import random
 from dataclasses import dataclass, field, replace
 
 from tensorcast import clock
@@ -21,7 +21,10 @@ _current_trace: contextvars.ContextVar[str] = contextvars.ContextVar("tensorcast
 
 
 def new_trace_id() -> str:
-    return uuid.uuid4().hex[:16]
+    """64 random bits in hex. From ``random``, not the OS: a trace id only has to be unique, and every call
+    makes one (``uuid4`` reads ``os.urandom``, a system call, and was a sixth of a call's time on the
+    caller's side). ``random`` reseeds in a forked child, so processes never share a sequence."""
+    return f"{random.getrandbits(64):016x}"
 
 
 def current_trace_id() -> str:

@@ -63,6 +63,8 @@ class RpcChannel:
     async def connect(self, ctx: CallContext | None = None) -> Welcome:
         """Open the connection (or reuse it) and handshake; bounded by the handshake timeout and by
         ``ctx``'s deadline, whichever comes first."""
+        if self._conn is not None and self.welcome is not None and not self._conn.closed.is_set():
+            return self.welcome  # the common case, before the lock: every call comes here
         if self._connecting is None:
             self._connecting = asyncio.Lock()
         limit = CallContext(deadline=time.time() + self.config.handshake_timeout)

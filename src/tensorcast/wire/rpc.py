@@ -316,9 +316,10 @@ class RpcServer:
             await verify_payload(frame)
             coro = entry[0](frame.message, Request(conn, ctx, frame.payload, conn.peer,
                                                    landing.context if landing is not None else None))
-            left = ctx.remaining()
             try:
-                result = await (coro if left is None else asyncio.wait_for(coro, left))
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for wraps the handler in a task of its own
+                async with asyncio.timeout(ctx.remaining()):
+                    result = await coro
             except TimeoutError:
                 raise DeadlineExceeded(f"{type(frame.message).__name__}: deadline passed while running",
                                        trace_id=env.trace_id) from None
@@ -354,7 +355,7 @@ class RpcServer:
         self._spawn(self._send(conn, body))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(coro)
+        task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)  # keep a reference until done
         task.add_done_callback(self._tasks.discard)
 
