@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from tensorcast.gs.backend import MetadataBackend, Unbound
+from tensorcast.gs.backend import ArtifactCommit, MetadataBackend, Unbound
 from tensorcast.gs.etcd import EtcdBackend
 from tensorcast.gs.refs import References
 from tensorcast.gs.sqlite import SqliteBackend
@@ -342,6 +342,27 @@ def test_big_updates_are_not_limited_by_one_transaction(make: Callable[[], Metad
     assert run(b.unbind(B, "alias/keep", 60.0, "deleted")) == Unbound(True, ("w0",))
     assert run(b.get_artifact(B)) is None and run(b.expired_references(100.0)) == []
     assert all(run(b.resolve_key(k)) is None for k in [*keys, "alias/keep"])
+
+
+def test_a_group_commit_records_each_as_one_commit_would(make: Callable[[], MetadataBackend]) -> None:
+    b = make()
+    run(b.register_worker(worker("w0"), 1.0))
+    run(b.commit_artifact(artifact(C), "w0", None, None, 1.0, ("disk",)))
+    run(b.delete_artifact(C, 2.0, "deleted"))  # w0 still owes its drop: a restored copy of C is refused
+    group = [ArtifactCommit(artifact(A), "w0", "ka", None, ("memory",)),
+             ArtifactCommit(artifact(B), "w1", "kb", 90.0, ("memory", "disk")),
+             ArtifactCommit(artifact(C), "w0", None, None, ("disk",), restored=True),
+             ArtifactCommit(artifact(A), "w1", None, None, ("memory",))]
+    assert run(b.commit_artifacts(group, 3.0)) == [True, True, False, True]
+    assert run(b.resolve_key("ka")) == (A, None) and run(b.resolve_key("kb")) == (B, 90.0)
+    assert sorted(run(b.replicas_of(A))) == [("w0", "memory"), ("w1", "memory")]
+    assert sorted(run(b.replicas_of(B))) == [("w1", "disk"), ("w1", "memory")]
+    assert run(b.get_artifact(A)).refs == References((("ka", None),), anonymous=True, anon_expiry=None)
+    assert run(b.get_artifact(C)) is None
+    assert run(b.commit_artifacts([], 4.0)) == []
+    run(b.close())
+    again = make()  # acknowledged: all there after a reopen
+    assert run(again.resolve_key("kb")) == (B, 90.0) and sorted(run(again.replicas_of(B)))[0] == ("w1", "disk")
 
 
 def test_everything_acknowledged_survives_a_reopen(make: Callable[[], MetadataBackend]) -> None:

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from tensorcast.gs.backend import ArtifactCommit
 from tensorcast.gs.sqlite import SqliteBackend
 from tensorcast.records import ArtifactInfo, TensorMeta
 
@@ -48,3 +49,22 @@ def test_only_commits_a_power_loss_would_not_make_moot_wait_for_an_fsync(tmp_pat
             await b.close()
 
     assert asyncio.run(go()) == [False, False, True, True, True]
+
+
+def test_a_group_commit_is_one_transaction_waiting_for_an_fsync_if_any_commit_needs_one(tmp_path: Path) -> None:
+    async def go() -> list[bool]:
+        b = Spy(tmp_path / "gs.sqlite3")
+        await b.open()
+        try:
+            now = time.time()
+            memory = [ArtifactCommit(_artifact(n), "w0", None, None) for n in range(3)]
+            assert await b.commit_artifacts(memory, now) == [True] * 3
+            mixed = [ArtifactCommit(_artifact(n), "w1", None, None) for n in range(3, 6)]
+            mixed.append(ArtifactCommit(_artifact(6), "w1", None, None, ("disk",)))
+            assert await b.commit_artifacts(mixed, now) == [True] * 4
+            assert all([await b.get_artifact(_artifact(n).id) for n in range(7)])
+            return b.durable
+        finally:
+            await b.close()
+
+    assert asyncio.run(go()) == [False, True]

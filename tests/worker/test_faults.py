@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import urllib.request
 from typing import Any
@@ -154,3 +155,47 @@ def test_a_put_cancelled_before_its_plan_arrives_frees_its_room_at_once() -> Non
                     await asyncio.sleep(0.05)
 
         asyncio.run(main())
+
+
+def _gs_groups(cluster: tc.LocalCluster) -> float:
+    """How many CommitArtifacts (group commits) the global store has served since it started."""
+    with urllib.request.urlopen(cluster.metrics_urls["gs"] + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith('tensorcast_rpc_served_seconds_count{method="CommitArtifacts"}'))
+
+
+def test_concurrent_durable_puts_survive_kill_9_of_worker_and_global_store() -> None:
+    """Puts that commit together (one group commit, one fsync) are each acknowledged only once durable:
+    kill -9 of the worker and of the global store right after the last put returns loses none of them."""
+    with running_cluster(workers=1) as cluster:
+        clients = [tc.connect(cluster.address) for _ in range(8)]
+        try:
+            put: dict[str, int] = {}
+
+            def one(c: tc.Client, k: int, round_: int) -> None:
+                for i in range(4):
+                    key = f"durable/{round_}/{k}/{i}"
+                    c.put(np.full(1024, k * 100 + i, np.int32), key=key, policy="durable")
+                    put[key] = k * 100 + i
+
+            for round_ in range(5):  # until some commits went together (nearly always the first round)
+                threads = [threading.Thread(target=one, args=(c, k, round_)) for k, c in enumerate(clients)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                if _gs_groups(cluster):
+                    break
+            assert _gs_groups(cluster) > 0 and len(put) >= 32
+        finally:
+            for c in clients:
+                c.close()
+        cluster.kill_worker("w0")
+        cluster.kill_global_store()
+        cluster.restart_global_store()
+        cluster.restart_worker("w0")
+        with tc.connect(cluster.address) as c:
+            for key, value in put.items():
+                got = c.artifact(key).tensor(like="numpy")
+                assert got.shape == (1024,) and int(got[0]) == value and int(got[-1]) == value, key

@@ -1,21 +1,22 @@
 """The global store's artifact requests: records, key bindings and leases, listing, deleting, replicas.
 
-Owns: the handlers of ``CommitArtifact``, ``GetArtifact``, ``ListArtifacts``, ``DeleteArtifact``,
-``RenewLease``, ``ReleaseLease``, ``AddReplica`` and ``RemoveReplica`` over a ``MetadataBackend``; the
-``NotFound`` that says why an artifact or key is gone; reaping (an artifact whose last copy went, references
-whose lease ended). Keys are independent names (``gs.refs``): deleting a key unbinds that key only, deleting
-by id removes the content with every key, and an artifact goes when no live reference remains. Does not own:
-the reference rules (``gs.refs``), storage (the backends), the GS process (``gs.service``).
+Owns: the handlers of ``CommitArtifact`` (and ``CommitArtifacts``, a group of them), ``GetArtifact``,
+``ListArtifacts``, ``DeleteArtifact``, ``RenewLease``, ``ReleaseLease``, ``AddReplica`` and ``RemoveReplica`` over a
+``MetadataBackend``; the ``NotFound`` that says why an artifact or key is gone; reaping (an artifact whose last
+copy went, references whose lease ended). Keys are independent names (``gs.refs``): deleting a key unbinds that
+key only, deleting by id removes the content with every key, and an artifact goes when no live reference remains.
+Does not own: the reference rules (``gs.refs``), storage (the backends), the GS process (``gs.service``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from tensorcast import clock
 from tensorcast.config import Config
-from tensorcast.errors import InvalidArgument, NotFound, clip
-from tensorcast.gs.backend import ArtifactRow, MetadataBackend, Unbound
+from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, clip
+from tensorcast.gs.backend import ArtifactCommit, ArtifactRow, MetadataBackend, Unbound
 from tensorcast.gs.refs import live, renew_outcome
 from tensorcast.limits import check_ttl
 from tensorcast.records import ArtifactInfo, ReplicaInfo, WorkerInfo
@@ -24,6 +25,9 @@ from tensorcast.wire.messages import (
     ArtifactList,
     ArtifactReply,
     CommitArtifact,
+    CommitArtifacts,
+    CommitOutcome,
+    CommitsDone,
     DeleteArtifact,
     Deleted,
     GetArtifact,
@@ -43,6 +47,18 @@ def validate_key(key: str) -> None:
         raise InvalidArgument(f"invalid key {clip(key)}: 1..1024 printable characters")
     if ARTIFACT_ID_RE.match(key):
         raise InvalidArgument(f"invalid key {clip(key)}: keys may not look like artifact ids")
+
+
+def _checked(msg: CommitArtifact, now: float) -> ArtifactCommit:
+    """A commit's arguments for the backend: its key valid, its TTL turned into an expiry."""
+    if msg.key is not None:
+        validate_key(msg.key)
+    lease = None if msg.ttl is None else now + check_ttl(msg.ttl)
+    return ArtifactCommit(msg.artifact, msg.worker_id, msg.key, lease, msg.tiers, msg.restored)
+
+
+def _failed(exc: TensorCastError) -> CommitOutcome:
+    return CommitOutcome(code=exc.code, message=exc.message)
 
 
 def _ref_name(artifact_id: str, key: str | None) -> str:
@@ -112,14 +128,43 @@ class ArtifactService:
 
     # ----------------------------------------------------------------- handlers
     async def commit(self, msg: CommitArtifact, workers: dict[str, WorkerInfo]) -> ArtifactReply:
-        if msg.key is not None:
-            validate_key(msg.key)
         now = clock.time()
-        lease = None if msg.ttl is None else now + check_ttl(msg.ttl)
-        if not await self.backend.commit_artifact(msg.artifact, msg.worker_id, msg.key, lease, now, msg.tiers,
-                                                  restored=msg.restored):
-            raise await self.gone(msg.artifact.id, f"artifact {msg.artifact.id} was deleted")
-        return ArtifactReply(artifact=await self.info(msg.artifact.id, workers))
+        c = _checked(msg, now)
+        if not await self.backend.commit_artifact(c.info, c.worker_id, c.key, c.lease_expiry, now, c.tiers,
+                                                  restored=c.restored):
+            raise await self.gone(c.info.id, f"artifact {c.info.id} was deleted")
+        return ArtifactReply(artifact=await self.info(c.info.id, workers))
+
+    async def commit_group(self, msg: CommitArtifacts, workers: dict[str, WorkerInfo]) -> CommitsDone:
+        """Each commit checked on its own (a bad one is answered with its error, the others go on), the rest
+        recorded by one ``commit_artifacts`` of the backend, whose error is every one of theirs."""
+        now = clock.time()
+        outcomes: list[CommitOutcome] = [CommitOutcome()] * len(msg.commits)
+        todo: list[tuple[int, ArtifactCommit]] = []
+        for i, one in enumerate(msg.commits):
+            try:
+                todo.append((i, _checked(one, now)))
+            except TensorCastError as exc:
+                outcomes[i] = _failed(exc)
+        try:
+            recorded = await self.backend.commit_artifacts([c for _, c in todo], now) if todo else []
+        except TensorCastError as exc:
+            for i, _ in todo:
+                outcomes[i] = _failed(exc)
+            return CommitsDone(outcomes=tuple(outcomes))
+        async def answer(c: ArtifactCommit, ok: bool) -> CommitOutcome:
+            try:
+                if not ok:
+                    raise await self.gone(c.info.id, f"artifact {c.info.id} was deleted")
+                return CommitOutcome(artifact=await self.info(c.info.id, workers))
+            except TensorCastError as exc:
+                return _failed(exc)
+
+        # All at once: on etcd each answer is a read of its own (on SQLite they run one after another anyway).
+        answers = await asyncio.gather(*(answer(c, ok) for (_, c), ok in zip(todo, recorded, strict=True)))
+        for (i, _), out in zip(todo, answers, strict=True):
+            outcomes[i] = out
+        return CommitsDone(outcomes=tuple(outcomes))
 
     async def get(self, msg: GetArtifact, workers: dict[str, WorkerInfo]) -> ArtifactReply:
         return ArtifactReply(artifact=await self.info(await self.resolve(msg.key_or_id), workers))

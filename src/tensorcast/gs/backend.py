@@ -10,6 +10,7 @@ the RPC surface (``gs.service``).
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ from tensorcast.gs.refs import References, merge_lease
 from tensorcast.kv.leases import LeaseRecord
 from tensorcast.records import ArtifactInfo, InstanceInfo, WorkerInfo, WorkerLoad
 
-__all__ = ["ArtifactRow", "GoalRow", "MetadataBackend", "Unbound", "merge_lease"]
+__all__ = ["ArtifactCommit", "ArtifactRow", "GoalRow", "MetadataBackend", "Unbound", "merge_lease"]
 
 # An artifact wanting more than one copy: (id, wanted copies, its (worker, tier) replicas).
 GoalRow = tuple[str, int, list[tuple[str, str]]]
@@ -29,6 +30,18 @@ class ArtifactRow:
 
     info: ArtifactInfo  # tensors, nbytes, created_at; keys/replicas empty
     refs: References
+
+
+@dataclass(frozen=True, slots=True)
+class ArtifactCommit:
+    """One commit of a group (``MetadataBackend.commit_artifacts``): ``commit_artifact``'s arguments."""
+
+    info: ArtifactInfo
+    worker_id: str
+    key: str | None
+    lease_expiry: float | None
+    tiers: tuple[str, ...] = ("memory",)
+    restored: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +137,18 @@ class MetadataBackend(abc.ABC):
         anonymous reference (merged), so it stays reachable by id as before. ``restored``: a copy announced
         after the worker restarted — refused (False, nothing changes) when the artifact was deleted meanwhile
         (a tombstone, or a drop this worker owes)."""
+
+    async def commit_artifacts(self, commits: Sequence[ArtifactCommit], now: float) -> list[bool]:
+        """``commit_artifact`` of each (a group commit); a backend that can records them all in one
+        transaction, durable once if any of them needs it. An error fails the group: none of them may be taken
+        as recorded. Here, each its own transaction, all at once (as many single commits in flight would be),
+        the first error raised once all are done."""
+        done = await asyncio.gather(*(self.commit_artifact(c.info, c.worker_id, c.key, c.lease_expiry, now, c.tiers,
+                                                           c.restored) for c in commits), return_exceptions=True)
+        for outcome in done:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return [bool(d) for d in done]
 
     @abc.abstractmethod
     async def resolve_key(self, key: str) -> tuple[str, float | None] | None:

@@ -53,6 +53,8 @@ from tensorcast.wire.messages import (
     ArtifactList,
     ArtifactReply,
     CommitArtifact,
+    CommitArtifacts,
+    CommitsDone,
     DeleteArtifact,
     Deleted,
     GetArtifact,
@@ -97,6 +99,7 @@ class GlobalStore:
             (Heartbeat, self.heartbeat),
             (ListWorkers, self.list_workers),
             (CommitArtifact, self.commit_artifact),
+            (CommitArtifacts, self.commit_artifacts),
             (GetArtifact, self.get_artifact),
             (ListArtifacts, self.list_artifacts),
             (DeleteArtifact, self.delete_artifact),
@@ -157,6 +160,9 @@ class GlobalStore:
 
     async def commit_artifact(self, msg: CommitArtifact, req: Request) -> ArtifactReply:
         return await self.artifacts.commit(msg, await self._workers())
+
+    async def commit_artifacts(self, msg: CommitArtifacts, req: Request) -> CommitsDone:
+        return await self.artifacts.commit_group(msg, await self._workers())
 
     async def get_artifact(self, msg: GetArtifact, req: Request) -> ArtifactReply:
         return await self.artifacts.get(msg, await self._workers())

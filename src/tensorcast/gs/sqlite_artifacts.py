@@ -14,12 +14,13 @@ import abc
 import contextlib
 import json
 import sqlite3
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
 from tensorcast.gs import sqlite_goals
-from tensorcast.gs.backend import ArtifactRow, GoalRow, MetadataBackend, Unbound
+from tensorcast.gs.backend import ArtifactCommit, ArtifactRow, GoalRow, MetadataBackend, Unbound
 from tensorcast.gs.refs import References, list_cursor, merge_lease, parse_cursor, unbind_outcome
 from tensorcast.records import ArtifactInfo, TensorMeta
 
@@ -42,31 +43,42 @@ class SqliteArtifacts(MetadataBackend):
     async def commit_artifact(self, info: ArtifactInfo, worker_id: str, key: str | None,
                               lease_expiry: float | None, now: float, tiers: tuple[str, ...] = ("memory",),
                               restored: bool = False) -> bool:
+        commit = ArtifactCommit(info, worker_id, key, lease_expiry, tiers, restored)
+        with self._tx(durable=self._durable(commit)) as db:
+            return self._commit(db, commit, now)
+
+    async def commit_artifacts(self, commits: Sequence[ArtifactCommit], now: float) -> list[bool]:
+        """One transaction for the group, which waits for an fsync once if any commit needs one."""
+        with self._tx(durable=any(self._durable(c) for c in commits)) as db:
+            return [self._commit(db, c, now) for c in commits]
+
+    def _durable(self, c: ArtifactCommit) -> bool:
         # An artifact held in memory only is gone after a power loss whether or not its record survives, so
         # its commit need not wait for an fsync (it still survives a crash of this process) -- unless it
         # rebinds a key in use, which a lost commit would silently point back at the older artifact.
-        durable = set(tiers) != {"memory"} or (key is not None and self.db.execute(
-            "SELECT 1 FROM keys WHERE key=?", (key,)).fetchone() is not None)
-        with self._tx(durable=durable) as db:
-            row = db.execute("SELECT anonymous, lease_expiry FROM artifacts WHERE artifact_id=?",
-                             (info.id,)).fetchone()
-            if restored and self._deleted_here(db, info.id, worker_id):
-                return False
-            db.execute("DELETE FROM tombstones WHERE artifact_id=?", (info.id,))
-            if row is None:
-                db.execute("INSERT INTO artifacts (artifact_id, tensors, nbytes, created_at, lease_expiry, policy, "
-                           "meta, anonymous) VALUES (?,?,?,?,?,?,?,?)",
-                           (info.id, _TENSORS.encode(info.tensors), info.nbytes, now,
-                            lease_expiry if key is None else None, info.policy, json.dumps(info.meta),
-                            int(key is None)))
-            elif key is None:
-                self._hold(db, info.id, row, lease_expiry)
-            sqlite_goals.note(db, info.id, info.replicas_wanted, new=row is None)
-            if key is not None:
-                self._bind(db, key, info.id, lease_expiry, now)
-            for tier in tiers:
-                db.execute("INSERT OR IGNORE INTO replicas VALUES (?,?,?)", (info.id, worker_id, tier))
-            db.execute("DELETE FROM drops WHERE artifact_id=? AND worker_id=?", (info.id, worker_id))
+        return set(c.tiers) != {"memory"} or (c.key is not None and self.db.execute(
+            "SELECT 1 FROM keys WHERE key=?", (c.key,)).fetchone() is not None)
+
+    def _commit(self, db: sqlite3.Connection, c: ArtifactCommit, now: float) -> bool:
+        info, key = c.info, c.key
+        row = db.execute("SELECT anonymous, lease_expiry FROM artifacts WHERE artifact_id=?", (info.id,)).fetchone()
+        if c.restored and self._deleted_here(db, info.id, c.worker_id):
+            return False
+        db.execute("DELETE FROM tombstones WHERE artifact_id=?", (info.id,))
+        if row is None:
+            db.execute("INSERT INTO artifacts (artifact_id, tensors, nbytes, created_at, lease_expiry, policy, "
+                       "meta, anonymous) VALUES (?,?,?,?,?,?,?,?)",
+                       (info.id, _TENSORS.encode(info.tensors), info.nbytes, now,
+                        c.lease_expiry if key is None else None, info.policy, json.dumps(info.meta),
+                        int(key is None)))
+        elif key is None:
+            self._hold(db, info.id, row, c.lease_expiry)
+        sqlite_goals.note(db, info.id, info.replicas_wanted, new=row is None)
+        if key is not None:
+            self._bind(db, key, info.id, c.lease_expiry, now)
+        for tier in c.tiers:
+            db.execute("INSERT OR IGNORE INTO replicas VALUES (?,?,?)", (info.id, c.worker_id, tier))
+        db.execute("DELETE FROM drops WHERE artifact_id=? AND worker_id=?", (info.id, c.worker_id))
         return True
 
     @staticmethod

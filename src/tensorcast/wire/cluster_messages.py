@@ -1,10 +1,10 @@
 """The cluster's own bookkeeping with the global store: worker membership, heartbeats, replicas and
 under-replication.
 
-Owns: ``ListWorkers``, ``RegisterWorker``, ``Heartbeat``, ``CommitArtifact``, ``AddReplica``, ``RemoveReplica``
-and ``ListUnderReplicated`` with their replies. Does not own: what callers ask of artifacts
-(``wire.artifact_messages``, ``wire.metadata_messages``), the KV shard leases (``wire.kv_messages``), or the
-tables derived from the messages (``wire.protocol``).
+Owns: ``ListWorkers``, ``RegisterWorker``, ``Heartbeat``, ``CommitArtifact`` (and ``CommitArtifacts``, several
+at once), ``AddReplica``, ``RemoveReplica`` and ``ListUnderReplicated`` with their replies. Does not own: what
+callers ask of artifacts (``wire.artifact_messages``, ``wire.metadata_messages``), the KV shard leases
+(``wire.kv_messages``), or the tables derived from the messages (``wire.protocol``).
 """
 
 from __future__ import annotations
@@ -67,6 +67,27 @@ class CommitArtifact(Request[ArtifactReply]):
     tiers: tuple[str, ...] = ("memory",)
     # Announced after the worker restarted: refused (NotFound) if the artifact was deleted meanwhile.
     restored: bool = False
+
+
+class CommitArtifacts(Request["CommitsDone"]):
+    """Several ``CommitArtifact`` of one worker sent together (a group commit, ``worker.commit_group``): the
+    store records them in one transaction, made durable once if any of them needs it, and answers each on its
+    own (``CommitsDone.outcomes``, in order)."""
+    idempotent: ClassVar[bool] = True
+
+    commits: tuple[CommitArtifact, ...]
+
+
+class CommitOutcome(Msg):
+    """One commit's answer: the artifact as recorded, or the code and message of the error it met."""
+
+    artifact: ArtifactInfo | None = None
+    code: str = ""
+    message: str = ""
+
+
+class CommitsDone(Msg):
+    outcomes: tuple[CommitOutcome, ...]
 
 
 class AddReplica(Request[Ack]):

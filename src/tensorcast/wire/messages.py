@@ -50,6 +50,9 @@ from tensorcast.wire.artifact_messages import (
 from tensorcast.wire.cluster_messages import (
     AddReplica,
     CommitArtifact,
+    CommitArtifacts,
+    CommitOutcome,
+    CommitsDone,
     Heartbeat,
     HeartbeatReply,
     ListUnderReplicated,
@@ -94,8 +97,9 @@ from tensorcast.wire.session_messages import (
     Welcome,
 )
 
-__all__ = ["Ack", "AddReplica", "ArtifactList", "ArtifactReply", "Challenge", "CommitArtifact", "DataHello",
-           "DataReply", "DataRequest", "DeleteArtifact", "Deleted", "DropArtifact", "ErrorReply", "Evict",
+__all__ = ["Ack", "AddReplica", "ArtifactList", "ArtifactReply", "Challenge", "CommitArtifact", "CommitArtifacts",
+           "CommitOutcome", "CommitsDone", "DataHello", "DataReply", "DataRequest", "DeleteArtifact", "Deleted",
+           "DropArtifact", "ErrorReply", "Evict",
            "GetArtifact", "Heartbeat", "HeartbeatReply", "Hello", "InstanceCall", "InstanceHeartbeat", "InstanceList",
            "InstanceReply", "ListArtifacts", "ListInstances", "ListUnderReplicated", "ListWorkers",
            "MAX_REPORTED_READS", "MESSAGE_MODULES", "MapTensors", "Mapped", "Msg", "PROTOCOL_VERSION", "PlanResult",

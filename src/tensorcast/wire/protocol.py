@@ -35,6 +35,7 @@ from tensorcast.wire.messages import (
     MESSAGE_MODULES,
     AddReplica,
     CommitArtifact,
+    CommitArtifacts,
     DataHello,
     DataRequest,
     DeleteArtifact,
@@ -125,7 +126,8 @@ REQUIRED_ROLE: dict[type, str] = {
     ReleaseLease: CLIENT, RunPlan: CLIENT, InstanceCall: CLIENT, KVPut: CLIENT, KVCommit: CLIENT,
     PageIndexPut: CLIENT,
     # the cluster's own bookkeeping
-    RegisterWorker: WORKER, Heartbeat: WORKER, CommitArtifact: WORKER, AddReplica: WORKER, RemoveReplica: WORKER,
+    RegisterWorker: WORKER, Heartbeat: WORKER, CommitArtifact: WORKER, CommitArtifacts: WORKER, AddReplica: WORKER,
+    RemoveReplica: WORKER,
     DropArtifact: WORKER, AcquireShards: WORKER, RenewShards: WORKER, ReleaseShards: WORKER, KVHandoff: WORKER,
     KVReplicate: WORKER, KVShardsReleased: WORKER, RegisterInstance: WORKER, InstanceHeartbeat: WORKER,
 }

@@ -1,10 +1,10 @@
 """A worker's link to the global store: typed metadata calls, registration and heartbeats.
 
 Owns: every request a worker makes of the global store, each with its reply type (no frame handling
-elsewhere), registering (retried until a deadline; the storage role then re-announces its replicas), the
-heartbeat loop (usage and network pressure out; artifacts to drop and "register again" back), and
-acknowledging drops. Does not own: what the worker holds (``worker.storage``) or the peers it talks to
-(``worker.peers``).
+elsewhere; artifact commits are grouped while the store is busy, ``worker.commit_group``), registering
+(retried until a deadline; the storage role then re-announces its replicas), the heartbeat loop (usage and
+network pressure out; artifacts to drop and "register again" back), and acknowledging drops. Does not own:
+what the worker holds (``worker.storage``) or the peers it talks to (``worker.peers``).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from tensorcast.wire.messages import (
 )
 from tensorcast.wire.messages import Request as StoreRequest
 from tensorcast.wire.rpc import Request
+from tensorcast.worker.commit_group import CommitGroup
 
 __all__ = ["GlobalStoreLink"]
 
@@ -53,6 +54,7 @@ class GlobalStoreLink:
         self.heartbeat_interval = heartbeat_interval
         self.incarnation = 0
         self._dropped: set[str] = set()  # dropped since the last heartbeat, acknowledged with the next one
+        self.commits = CommitGroup(caller.call)
 
     @staticmethod
     def _ctx(timeout: float = _CALL_TIMEOUT) -> CallContext:
@@ -121,7 +123,7 @@ class GlobalStoreLink:
                               restored: bool = False) -> ArtifactInfo:
         msg = CommitArtifact(artifact=info, worker_id=self.worker_id, key=key, ttl=ttl, tiers=tiers,
                              restored=restored)
-        return (await self.caller.call(msg, ctx)).artifact
+        return await self.commits.commit(msg, ctx)
 
     async def add_replica(self, artifact_id: str, tiers: tuple[str, ...], ctx: CallContext | None = None, *,
                           restored: bool = False) -> None:
@@ -139,6 +141,10 @@ class GlobalStoreLink:
     async def under_replicated(self, ctx: CallContext, limit: int = 100) -> UnderReplicated:
         """The artifacts this worker holds a replica of that have fewer copies on live workers than wanted."""
         return await self.caller.call(ListUnderReplicated(holder=self.worker_id, limit=limit), ctx)
+
+    async def close(self) -> None:
+        """Stop sending commits (what is queued fails with ``Unavailable``)."""
+        await self.commits.close()
 
     # ----------------------------------------------------------------- signals
     async def list_workers(self, ctx: CallContext) -> list[WorkerInfo]:

@@ -204,6 +204,7 @@ class Worker:
             metrics.remove_source(self._source)
         for service in reversed(self.services):
             await service.stop()
+        await self.parts.gs.close()
         await self.parts.caller.close()
 
 
