@@ -65,6 +65,7 @@ class Run:
 # Cheap ones first: a broken harness fails in seconds.
 RUNS = [
     Run("rebalance-sim", "rebalance.py", ("--sim", "--trace", f"{{dir}}/{TRACE}"), ("rows", "trace")),
+    Run("rebalance_seeds", "rebalance_seeds.py", ("--trace", f"{{dir}}/{TRACE}"), ("cells", "runs")),
     Run("plan_overhead", "plan_overhead.py", (), ("rows", "signals_per_s")),
     Run("put_get", "put_get.py", (), ("rows", "many_small")),
     Run("transfer", "transfer.py", (), ("latency", "transfer", "tp_view", "same_host_tensor")),
