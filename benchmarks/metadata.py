@@ -6,8 +6,9 @@ against a raw socket: ``benchmarks/transfer.py --netns``.)
    artifact with a key; of a memory replica, which commits without an fsync, and of a disk replica, which
    waits for one), each sent alone and through a worker's group commit (``worker.commit_group``: with 32 in
    flight, those arriving while a group is on its way go together in the next), GetArtifact, Heartbeat and
-   RenewShards (64 shards); p50/p99 one at a time, and ops/s with 32 in flight. Baseline: the same process on
-   SQLite (FULL sync, the embedded default); for the group commit, the same commits sent alone.
+   RenewShards (64 shards); p50/p99 one at a time, and ops/s with 32 in flight, with 64 workers registered (a
+   64-worker cluster's table). Baseline: the same process on SQLite (FULL sync, the embedded default); for the
+   group commit, the same commits sent alone.
 2. Shard-lease failover: kill -9 a shard home of a 3-worker cluster and time until every shard it held is
    held by a survivor, for several ``kv.lease_ttl`` (renew interval TTL/4); the bound is TTL + renew interval.
 
@@ -41,11 +42,17 @@ from tensorcast.wire.messages import (
 )
 from tensorcast.worker.commit_group import CommitGroup
 
+# Workers registered with the global store during the metadata ops (one of them the benchmark's own).
+CLUSTER_WORKERS = 64
+
 
 async def _metadata_ops(address: str, n: int) -> dict[str, float]:
     caller = Caller(Config().wire, token=None, peer_id="bench", host_id="bench", address=address)
     worker = WorkerInfo(worker_id="bench-w", address="127.0.0.1:1", host_id="bench", roles=("basic",))
     inc = (await caller.call(RegisterWorker(worker=worker))).incarnation
+    for i in range(1, CLUSTER_WORKERS):  # the workers table of a cluster this size
+        await caller.call(RegisterWorker(worker=WorkerInfo(worker_id=f"bench-w{i}", address="127.0.0.1:1",
+                                                           host_id=f"bench-{i}", roles=("basic",))))
     shards = tuple(range(64))
     grants = await caller.call(AcquireShards(worker_id="bench-w", shards=shards, ttl=60.0))
     tokens = tuple(g.token for g in sorted(grants.leases, key=lambda g: g.shard))

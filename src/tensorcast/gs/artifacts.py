@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable, Collection
 
 from tensorcast import clock
 from tensorcast.config import Config
@@ -66,14 +67,19 @@ def _ref_name(artifact_id: str, key: str | None) -> str:
 
 
 def _deleted(artifact_id: str, done: Unbound, workers: dict[str, WorkerInfo]) -> Deleted:
+    """``workers``: at least the holders (``done.holders``), whose addresses the reply names."""
     return Deleted(artifact_id=artifact_id, removed=done.removed, keys=done.keys, replicas=tuple(
         ReplicaInfo(worker_id=w, address=workers[w].address if w in workers else "") for w in done.holders))
 
 
 class ArtifactService:
-    def __init__(self, backend: MetadataBackend, config: Config) -> None:
+    """``workers(ids)``: those workers (every one with None), each marked alive or not as of now."""
+
+    def __init__(self, backend: MetadataBackend, config: Config,
+                 workers: Callable[[Collection[str] | None], Awaitable[dict[str, WorkerInfo]]]) -> None:
         self.backend = backend
         self.config = config
+        self.workers = workers
 
     async def resolve(self, key_or_id: str) -> str:
         """The artifact id a live key names, or the id itself; ``NotFound`` saying why otherwise."""
@@ -110,10 +116,15 @@ class ArtifactService:
             raise await self.gone(artifact_id, f"no artifact {artifact_id}")
         return row
 
-    async def info(self, artifact_id: str, workers: dict[str, WorkerInfo]) -> ArtifactInfo:
+    async def info(self, artifact_id: str, workers: dict[str, WorkerInfo] | None = None) -> ArtifactInfo:
+        """The artifact's record with its replicas; ``workers``: workers already read (at least its holders),
+        else its holders are read."""
         row = await self._row(artifact_id)
         replicas = []
-        for wid, tier in await self.backend.replicas_of(artifact_id):
+        held = await self.backend.replicas_of(artifact_id)
+        if workers is None:
+            workers = await self.workers({wid for wid, _ in held})
+        for wid, tier in held:
             w = workers.get(wid)
             replicas.append(ReplicaInfo(worker_id=wid, address=w.address if w else "",
                                         host_id=w.host_id if w else "", tier=tier,
@@ -127,15 +138,15 @@ class ArtifactService:
         )
 
     # ----------------------------------------------------------------- handlers
-    async def commit(self, msg: CommitArtifact, workers: dict[str, WorkerInfo]) -> ArtifactReply:
+    async def commit(self, msg: CommitArtifact) -> ArtifactReply:
         now = clock.time()
         c = _checked(msg, now)
         if not await self.backend.commit_artifact(c.info, c.worker_id, c.key, c.lease_expiry, now, c.tiers,
                                                   restored=c.restored):
             raise await self.gone(c.info.id, f"artifact {c.info.id} was deleted")
-        return ArtifactReply(artifact=await self.info(c.info.id, workers))
+        return ArtifactReply(artifact=await self.info(c.info.id))
 
-    async def commit_group(self, msg: CommitArtifacts, workers: dict[str, WorkerInfo]) -> CommitsDone:
+    async def commit_group(self, msg: CommitArtifacts) -> CommitsDone:
         """Each commit checked on its own (a bad one is answered with its error, the others go on), the rest
         recorded by one ``commit_artifacts`` of the backend, whose error is every one of theirs."""
         now = clock.time()
@@ -152,6 +163,11 @@ class ArtifactService:
             for i, _ in todo:
                 outcomes[i] = _failed(exc)
             return CommitsDone(outcomes=tuple(outcomes))
+        # The group's holders read once, not once per commit.
+        held = await asyncio.gather(*(self.backend.replicas_of(c.info.id)
+                                      for (_, c), ok in zip(todo, recorded, strict=True) if ok))
+        workers = await self.workers({wid for replicas in held for wid, _ in replicas})
+
         async def answer(c: ArtifactCommit, ok: bool) -> CommitOutcome:
             try:
                 if not ok:
@@ -166,8 +182,8 @@ class ArtifactService:
             outcomes[i] = out
         return CommitsDone(outcomes=tuple(outcomes))
 
-    async def get(self, msg: GetArtifact, workers: dict[str, WorkerInfo]) -> ArtifactReply:
-        return ArtifactReply(artifact=await self.info(await self.resolve(msg.key_or_id), workers))
+    async def get(self, msg: GetArtifact) -> ArtifactReply:
+        return ArtifactReply(artifact=await self.info(await self.resolve(msg.key_or_id)))
 
     async def list(self, msg: ListArtifacts, workers: dict[str, WorkerInfo]) -> ArtifactList:
         if msg.limit < 1:
@@ -189,7 +205,7 @@ class ArtifactService:
                 keys.append(key or "")
         return ArtifactList(artifacts=tuple(out), next=cursor, entry_keys=tuple(keys))
 
-    async def delete(self, msg: DeleteArtifact, workers: dict[str, WorkerInfo]) -> Deleted:
+    async def delete(self, msg: DeleteArtifact) -> Deleted:
         """By id: the content, with every key. By key: that key only; the content goes with its last
         reference."""
         aid = await self.resolve(msg.key_or_id)
@@ -203,7 +219,7 @@ class ArtifactService:
                 raise await self.gone(msg.key_or_id, f"no artifact with key {clip(msg.key_or_id)}")
             done = unbound
         log.debug("deleted %s (artifact %s, removed: %s)", msg.key_or_id, aid, done.removed)
-        return _deleted(aid, done, workers)
+        return _deleted(aid, done, await self.workers(done.holders))
 
     async def _leased(self, artifact_id: str, key: str | None, verb: str) -> None:
         """``InvalidArgument`` unless reference ``key`` of the artifact is a live lease."""
@@ -223,20 +239,20 @@ class ArtifactService:
                                   f"leases are its keys' ({clip(row.refs.live_keys(clock.time()))}): "
                                   f"{verb} through a handle of one of them")
 
-    async def renew(self, msg: RenewLease, workers: dict[str, WorkerInfo]) -> ArtifactReply:
+    async def renew(self, msg: RenewLease) -> ArtifactReply:
         check_ttl(msg.ttl)
         await self._leased(msg.artifact_id, msg.key, "renew")
         if not await self.backend.set_lease(msg.artifact_id, msg.key, clock.time() + msg.ttl):
             raise NotFound(f"{_ref_name(msg.artifact_id, msg.key)}: its lease ended meanwhile")
-        return ArtifactReply(artifact=await self.info(msg.artifact_id, workers))
+        return ArtifactReply(artifact=await self.info(msg.artifact_id))
 
-    async def release(self, msg: ReleaseLease, workers: dict[str, WorkerInfo]) -> Deleted:
+    async def release(self, msg: ReleaseLease) -> Deleted:
         """End the handle's own lease; the artifact goes only if nothing else keeps it."""
         await self._leased(msg.artifact_id, msg.key, "release")
         done = await self.backend.unbind(msg.artifact_id, msg.key, clock.time(), "its lease was released")
         if done is None:
             raise NotFound(f"{_ref_name(msg.artifact_id, msg.key)}: released meanwhile")
-        return _deleted(msg.artifact_id, done, workers)
+        return _deleted(msg.artifact_id, done, await self.workers(done.holders))
 
     async def reap_expired(self, now: float) -> None:
         """Unbind the key bindings and drop the anonymous leases whose lease ended; an artifact left with no

@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import uuid
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +87,7 @@ class GlobalStore:
     def __init__(self, backend: MetadataBackend, config: Config) -> None:
         self.backend = backend
         self.config = config
-        self.artifacts = ArtifactService(backend, config)
+        self.artifacts = ArtifactService(backend, config, self._workers)
         self.page_index = PageIndex(backend, config.gs)
         # Requests served, by message type: lets tests prove which paths touch the GS.
         self.request_counts: collections.Counter[str] = collections.Counter()
@@ -132,10 +133,13 @@ class GlobalStore:
     def _alive(self, w: WorkerInfo, now: float) -> bool:
         return now - w.last_heartbeat < self.config.gs.worker_liveness_timeout
 
-    async def _workers(self) -> dict[str, WorkerInfo]:
+    async def _workers(self, only: Collection[str] | None = None) -> dict[str, WorkerInfo]:
+        """Every worker, alive or not as of now; or only those in ``only`` (the holders of one artifact's
+        replicas: a row each, where a whole table would be read for every commit and read of one artifact)."""
         now = clock.time()
-        return {w.worker_id: msgspec.structs.replace(w, alive=self._alive(w, now))
-                for w in await self.backend.list_workers()}
+        found = await self.backend.list_workers() if only is None else \
+            [w for w in [await self.backend.get_worker(wid) for wid in only] if w is not None]
+        return {w.worker_id: msgspec.structs.replace(w, alive=self._alive(w, now)) for w in found}
 
     async def reap(self, artifact_id: str, reason: str) -> None:
         await self.artifacts.reap(artifact_id, reason)
@@ -159,25 +163,25 @@ class GlobalStore:
         return WorkerList(workers=tuple((await self._workers()).values()))
 
     async def commit_artifact(self, msg: CommitArtifact, req: Request) -> ArtifactReply:
-        return await self.artifacts.commit(msg, await self._workers())
+        return await self.artifacts.commit(msg)
 
     async def commit_artifacts(self, msg: CommitArtifacts, req: Request) -> CommitsDone:
-        return await self.artifacts.commit_group(msg, await self._workers())
+        return await self.artifacts.commit_group(msg)
 
     async def get_artifact(self, msg: GetArtifact, req: Request) -> ArtifactReply:
-        return await self.artifacts.get(msg, await self._workers())
+        return await self.artifacts.get(msg)
 
     async def list_artifacts(self, msg: ListArtifacts, req: Request) -> ArtifactList:
         return await self.artifacts.list(msg, await self._workers())
 
     async def delete_artifact(self, msg: DeleteArtifact, req: Request) -> Deleted:
-        return await self.artifacts.delete(msg, await self._workers())
+        return await self.artifacts.delete(msg)
 
     async def renew_lease(self, msg: RenewLease, req: Request) -> ArtifactReply:
-        return await self.artifacts.renew(msg, await self._workers())
+        return await self.artifacts.renew(msg)
 
     async def release_lease(self, msg: ReleaseLease, req: Request) -> Deleted:
-        return await self.artifacts.release(msg, await self._workers())
+        return await self.artifacts.release(msg)
 
     async def register_instance(self, msg: RegisterInstance, req: Request) -> Ack:
         await self.backend.upsert_instance(msg.instance, clock.time())
