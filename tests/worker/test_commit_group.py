@@ -48,10 +48,14 @@ class Store:
         self.release = asyncio.Event()
         self.refuse: set[str] = set()
         self.fail: Exception | None = None
+        self.delay = 0.0  # seconds each call takes once released
 
     async def call(self, msg: Any, ctx: CallContext) -> Any:
         self.calls.append((msg, ctx))
         await self.release.wait()
+        await asyncio.sleep(self.delay)
+        if ctx.deadline is not None and time.time() > ctx.deadline:  # as the store does: nothing started late
+            raise DeadlineExceeded(f"{type(msg).__name__}: deadline passed")
         if self.fail is not None:
             raise self.fail
         if isinstance(msg, CommitArtifact):
@@ -73,7 +77,7 @@ def test_a_lone_commit_goes_alone_and_the_ones_behind_it_go_together() -> None:
     async def main() -> None:
         store = Store()
         group = CommitGroup(store.call)
-        ctxs = [_ctx() for _ in range(4)]
+        ctxs = [_ctx(10 + n) for n in range(4)]
         first = asyncio.ensure_future(group.commit(_commit(0), ctxs[0]))
         await _settle()
         assert [type(m) for m, _ in store.calls] == [CommitArtifact]  # at once, alone, with its own context
@@ -86,7 +90,8 @@ def test_a_lone_commit_goes_alone_and_the_ones_behind_it_go_together() -> None:
         assert [a.id for a in got] == [_commit(n).artifact.id for n in range(4)]
         msg, ctx = store.calls[1]
         assert isinstance(msg, CommitArtifacts) and [c.artifact.id for c in msg.commits] == [a.id for a in got[1:]]
-        assert ctx.deadline == max(c.deadline or 0 for c in ctxs[1:])  # the group runs to its latest deadline
+        # The group's call ends by its earliest deadline: the store starts no commit after that commit's own.
+        assert ctx.deadline == min(c.deadline or 0 for c in ctxs[1:])
         assert group.grouped == 3
 
     asyncio.run(main())
@@ -121,7 +126,7 @@ def test_each_caller_gets_its_own_outcome_and_its_own_error() -> None:
     asyncio.run(main())
 
 
-def test_a_caller_past_its_deadline_stops_waiting_and_the_rest_of_its_group_is_recorded() -> None:
+def test_a_commit_whose_deadline_passes_while_it_queues_is_never_sent() -> None:
     async def main() -> None:
         store = Store()
         group = CommitGroup(store.call)
@@ -133,6 +138,8 @@ def test_a_caller_past_its_deadline_stops_waiting_and_the_rest_of_its_group_is_r
             await hasty
         store.release.set()
         assert (await first).id == _commit(0).artifact.id and (await patient).id == _commit(2).artifact.id
+        # The store never saw the commit whose put had already failed.
+        assert [m.artifact.id for m, _ in store.calls] == [_commit(0).artifact.id, _commit(2).artifact.id]
         with pytest.raises(DeadlineExceeded):  # a deadline already passed: refused before anything is sent
             await group.commit(_commit(3), CallContext(deadline=time.time() - 1))
         assert len(store.calls) == 2
@@ -141,6 +148,27 @@ def test_a_caller_past_its_deadline_stops_waiting_and_the_rest_of_its_group_is_r
         warnings.simplefilter("error")
         asyncio.run(main())
         gc.collect()  # no "exception was never retrieved" from the caller that gave up
+
+
+def test_a_group_carries_its_earliest_deadline_and_the_others_go_again_when_it_passes() -> None:
+    async def main() -> None:
+        store = Store()
+        store.release.set()
+        store.delay = 0.3
+        group = CommitGroup(store.call)
+        first = asyncio.ensure_future(group.commit(_commit(0), _ctx()))
+        await _settle()
+        short, long = _ctx(0.4), _ctx()
+        hasty = asyncio.ensure_future(group.commit(_commit(1), short))
+        patient = asyncio.ensure_future(group.commit(_commit(2), long))
+        assert (await first).id == _commit(0).artifact.id
+        with pytest.raises(DeadlineExceeded):  # its group's call outlived it: the store started nothing late
+            await hasty
+        assert (await patient).id == _commit(2).artifact.id  # sent again, alone, within its own deadline
+        assert [type(m).__name__ for m, _ in store.calls] == ["CommitArtifact", "CommitArtifacts", "CommitArtifact"]
+        assert store.calls[1][1].deadline == short.deadline and store.calls[2][1] is long
+
+    asyncio.run(main())
 
 
 def test_stopping_fails_what_is_queued_and_on_its_way() -> None:

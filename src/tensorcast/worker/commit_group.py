@@ -5,9 +5,12 @@ instead of queueing one behind the other.
 Owns: ``CommitGroup`` — queueing commits, sending one group at a time, and handing each caller its own outcome
 (its artifact as recorded, or its typed error). A commit that finds nothing on its way goes at once, alone, as a
 plain ``CommitArtifact``, so a lone put waits no longer than it would without grouping; the batch forms only
-while the store is busy with the previous one. Each caller waits until its own deadline; the group's call runs
-until the latest of them. Does not own: what a commit means (``gs.artifacts``) or what a put does when its
-commit fails (``worker.storage``, ``worker.unrecorded``).
+while the store is busy with the previous one. The group's call carries the earliest deadline of its commits:
+the store starts none of them after that commit's deadline, as it would not start that commit alone (what
+``worker.unrecorded`` counts on before it settles a failed put's copy); each caller waits until its own
+deadline, and a group that ran out of time goes again with the commits whose deadlines have not passed (a commit
+is idempotent). Does not own: what a commit means (``gs.artifacts``) or what a put does when its commit fails
+(``worker.storage``, ``worker.unrecorded``).
 """
 
 from __future__ import annotations
@@ -71,8 +74,13 @@ class CommitGroup:
 
     async def _send_all(self) -> None:
         while self._queue:
-            group, self._queue = self._queue[: self._max], self._queue[self._max :]
-            await self._send(group)
+            # A commit whose caller's deadline passed while it queued is not sent: its put has failed.
+            late = [w for w in self._queue if not _time_left(w[1])]
+            _fail(late, DeadlineExceeded("CommitArtifact: deadline passed before it was sent"))
+            ready = [w for w in self._queue if _time_left(w[1])]
+            group, self._queue = ready[: self._max], ready[self._max :]
+            if group:
+                await self._send(group)
 
     async def _send(self, group: list[_Waiter]) -> None:
         error: TensorCastError | None = None
@@ -83,9 +91,8 @@ class CommitGroup:
                 if not fut.done():
                     fut.set_result(reply.artifact)
                 return
-            deadlines = [ctx.deadline for _, ctx, _ in group]
-            ctx = CallContext(trace_id=group[0][1].trace_id,
-                              deadline=None if None in deadlines else max(d for d in deadlines if d is not None))
+            deadlines = [ctx.deadline for _, ctx, _ in group if ctx.deadline is not None]
+            ctx = CallContext(trace_id=group[0][1].trace_id, deadline=min(deadlines, default=None))
             done = await self._call(CommitArtifacts(commits=tuple(m for m, _, _ in group)), ctx)
             if len(done.outcomes) != len(group):
                 error = InternalError(f"{len(done.outcomes)} outcomes for {len(group)} commits")
@@ -97,6 +104,10 @@ class CommitGroup:
         except Exception as exc:  # a bug: every caller hears of it, and the next group still goes
             error = InternalError(f"group commit failed: {type(exc).__name__}: {exc}")
         if error is not None:
+            if isinstance(error, DeadlineExceeded) and len(group) > 1:  # the earliest deadline passed: the rest
+                again = [w for w in group if not w[2].done() and _time_left(w[1])]  # go again, first
+                self._queue[:0] = again
+                group = [w for w in group if w not in again]
             _fail(group, error)
             return
         self.grouped += len(group)
@@ -114,6 +125,11 @@ def _fail(waiters: list[_Waiter], error: TensorCastError) -> None:
     for _, ctx, fut in waiters:
         if not fut.done():
             fut.set_exception(error if len(waiters) == 1 else error_from_code(error.code, error.message, ctx.trace_id))
+
+
+def _time_left(ctx: CallContext) -> bool:
+    left = ctx.remaining()
+    return left is None or left > 0
 
 
 def _retrieved(fut: asyncio.Future[Any]) -> None:
