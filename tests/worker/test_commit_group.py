@@ -202,7 +202,18 @@ def test_a_group_through_a_real_global_store() -> None:
             finally:
                 await caller.close()
 
+        async def too_many() -> None:
+            caller = Caller(Config().wire, token=None, peer_id="test", host_id="test", address=cluster.gs_address)
+            try:
+                with pytest.raises(InvalidArgument, match="at most"):
+                    await caller.call(CommitArtifacts(commits=(_commit(5),) * 1025), _ctx())
+            finally:
+                await caller.close()
+
         done = asyncio.run(main())
+        asyncio.run(too_many())  # refused whole: nothing of it recorded
+        with pytest.raises(NotFound):
+            client.artifact(_commit(5).artifact.id)
         assert [o.artifact.id if o.artifact else o.code for o in done.outcomes] == \
             [_commit(1).artifact.id, InvalidArgument.code, NotFound.code, _commit(3).artifact.id]
         assert [a.key for a in client.ls("group/")] == ["group/one", "group/three"]

@@ -40,6 +40,8 @@ from tensorcast.wire.messages import (
 __all__ = ["ArtifactService", "validate_key"]
 
 log = logging.getLogger("tensorcast.gs")
+# The most commits one CommitArtifacts may carry (a worker sends at most ``worker.commit_group.MAX_GROUP``).
+MAX_COMMIT_GROUP = 1024
 EXPIRED = "its lease expired"
 
 
@@ -149,6 +151,8 @@ class ArtifactService:
     async def commit_group(self, msg: CommitArtifacts) -> CommitsDone:
         """Each commit checked on its own (a bad one is answered with its error, the others go on), the rest
         recorded by one ``commit_artifacts`` of the backend, whose error is every one of theirs."""
+        if len(msg.commits) > MAX_COMMIT_GROUP:  # one transaction holds the store's loop: bounded
+            raise InvalidArgument(f"{len(msg.commits)} commits in one group; at most {MAX_COMMIT_GROUP}")
         now = clock.time()
         outcomes: list[CommitOutcome] = [CommitOutcome()] * len(msg.commits)
         todo: list[tuple[int, ArtifactCommit]] = []
