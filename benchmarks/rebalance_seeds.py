@@ -116,8 +116,7 @@ def main() -> None:
     total = sum(c["runs"] for c in cells)
     print(f"\ntensorcast within 2% of the best baseline or better in {wins} of {total} runs; "
           f"{time.perf_counter() - t0:.0f} s")
-    write_json(args.json, "rebalance_seeds", args.quick, seeds=seeds, cells=cells,
-               runs=[{k: v for k, v in r.items() if k != "rows"} | {"rows": r["rows"]} for r in runs])
+    write_json(args.json, "rebalance_seeds", args.quick, seeds=seeds, cells=cells, runs=runs)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,10 @@ def _checked(msg: CommitArtifact, now: float) -> ArtifactCommit:
     return ArtifactCommit(msg.artifact, msg.worker_id, msg.key, lease, msg.tiers, msg.restored)
 
 
+async def _nothing() -> list[tuple[str, str]]:
+    return []
+
+
 def _failed(exc: TensorCastError) -> CommitOutcome:
     return CommitOutcome(code=exc.code, message=exc.message)
 
@@ -118,12 +122,14 @@ class ArtifactService:
             raise await self.gone(artifact_id, f"no artifact {artifact_id}")
         return row
 
-    async def info(self, artifact_id: str, workers: dict[str, WorkerInfo] | None = None) -> ArtifactInfo:
+    async def info(self, artifact_id: str, workers: dict[str, WorkerInfo] | None = None,
+                   held: list[tuple[str, str]] | None = None) -> ArtifactInfo:
         """The artifact's record with its replicas; ``workers``: workers already read (at least its holders),
-        else its holders are read."""
+        else its holders are read; ``held``: its (worker, tier) replicas already read."""
         row = await self._row(artifact_id)
         replicas = []
-        held = await self.backend.replicas_of(artifact_id)
+        if held is None:
+            held = await self.backend.replicas_of(artifact_id)
         if workers is None:
             workers = await self.workers({wid for wid, _ in held})
         for wid, tier in held:
@@ -168,20 +174,21 @@ class ArtifactService:
                 outcomes[i] = _failed(exc)
             return CommitsDone(outcomes=tuple(outcomes))
         # The group's holders read once, not once per commit.
-        held = await asyncio.gather(*(self.backend.replicas_of(c.info.id)
-                                      for (_, c), ok in zip(todo, recorded, strict=True) if ok))
+        held = await asyncio.gather(*(self.backend.replicas_of(c.info.id) if ok else _nothing()
+                                      for (_, c), ok in zip(todo, recorded, strict=True)))
         workers = await self.workers({wid for replicas in held for wid, _ in replicas})
 
-        async def answer(c: ArtifactCommit, ok: bool) -> CommitOutcome:
+        async def answer(c: ArtifactCommit, ok: bool, replicas: list[tuple[str, str]]) -> CommitOutcome:
             try:
                 if not ok:
                     raise await self.gone(c.info.id, f"artifact {c.info.id} was deleted")
-                return CommitOutcome(artifact=await self.info(c.info.id, workers))
+                return CommitOutcome(artifact=await self.info(c.info.id, workers, replicas))
             except TensorCastError as exc:
                 return _failed(exc)
 
         # All at once: on etcd each answer is a read of its own (on SQLite they run one after another anyway).
-        answers = await asyncio.gather(*(answer(c, ok) for (_, c), ok in zip(todo, recorded, strict=True)))
+        answers = await asyncio.gather(*(answer(c, ok, replicas) for (_, c), ok, replicas
+                                         in zip(todo, recorded, held, strict=True)))
         for (i, _), out in zip(todo, answers, strict=True):
             outcomes[i] = out
         return CommitsDone(outcomes=tuple(outcomes))

@@ -28,8 +28,6 @@ __all__ = ["CommitGroup"]
 
 # At most this many commits in one CommitArtifacts: bounds the store's transaction and the frame.
 MAX_GROUP = 64
-# Calls on their way at once: the commits that arrive while all are out form the next group.
-IN_FLIGHT = 1
 
 _Waiter = tuple[CommitArtifact, CallContext, "asyncio.Future[ArtifactInfo]"]
 
@@ -37,12 +35,11 @@ _Waiter = tuple[CommitArtifact, CallContext, "asyncio.Future[ArtifactInfo]"]
 class CommitGroup:
     """``call(message, ctx)`` sends a request to the global store and returns its reply (``Caller.call``)."""
 
-    def __init__(self, call: Callable[[Any, CallContext], Awaitable[Any]], max_group: int = MAX_GROUP,
-                 in_flight: int = IN_FLIGHT) -> None:
+    def __init__(self, call: Callable[[Any, CallContext], Awaitable[Any]], max_group: int = MAX_GROUP) -> None:
         self._call = call
-        self._max, self._in_flight = max_group, in_flight
+        self._max = max_group
         self._queue: list[_Waiter] = []
-        self._senders: set[asyncio.Task[None]] = set()
+        self._sender: asyncio.Task[None] | None = None  # sending the queue, one call at a time
         self.grouped = 0  # commits that went in a group of more than one (a signal for metrics and tests)
 
     async def commit(self, msg: CommitArtifact, ctx: CallContext) -> ArtifactInfo:
@@ -52,10 +49,8 @@ class CommitGroup:
         fut: asyncio.Future[ArtifactInfo] = loop.create_future()
         fut.add_done_callback(_retrieved)  # a caller that gave up leaves no "never retrieved" error behind
         self._queue.append((msg, ctx, fut))
-        if len(self._senders) < self._in_flight:
-            sender = loop.create_task(self._send_all())
-            self._senders.add(sender)
-            sender.add_done_callback(self._senders.discard)
+        if self._sender is None:
+            self._sender = loop.create_task(self._send_all())
         try:
             async with asyncio.timeout(ctx.remaining()):
                 return await asyncio.shield(fut)  # a caller that stops waiting leaves the group's call running
@@ -65,22 +60,24 @@ class CommitGroup:
 
     async def close(self) -> None:
         """Stop sending: what is queued or on its way fails with ``Unavailable``."""
-        senders = list(self._senders)
-        for sender in senders:
-            sender.cancel()
-        await asyncio.gather(*senders, return_exceptions=True)
+        if self._sender is not None:
+            self._sender.cancel()
+            await asyncio.gather(self._sender, return_exceptions=True)
         left, self._queue = self._queue, []
         _fail(left, Unavailable("the worker is stopping"))
 
     async def _send_all(self) -> None:
-        while self._queue:
-            # A commit whose caller's deadline passed while it queued is not sent: its put has failed.
-            late = [w for w in self._queue if not _time_left(w[1])]
-            _fail(late, DeadlineExceeded("CommitArtifact: deadline passed before it was sent"))
-            ready = [w for w in self._queue if _time_left(w[1])]
-            group, self._queue = ready[: self._max], ready[self._max :]
-            if group:
-                await self._send(group)
+        try:
+            while self._queue:
+                # A commit whose caller's deadline passed while it queued is not sent: its put has failed.
+                late = [w for w in self._queue if not _time_left(w[1])]
+                _fail(late, DeadlineExceeded("CommitArtifact: deadline passed before it was sent"))
+                ready = [w for w in self._queue if _time_left(w[1])]
+                group, self._queue = ready[: self._max], ready[self._max :]
+                if group:
+                    await self._send(group)
+        finally:  # (no await between the empty queue and here: a commit queued meanwhile starts a sender)
+            self._sender = None
 
     async def _send(self, group: list[_Waiter]) -> None:
         error: TensorCastError | None = None
