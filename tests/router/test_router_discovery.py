@@ -16,7 +16,7 @@ import tensorcast as tc  # noqa: E402
 from tensorcast.credentials import Keyring  # noqa: E402
 from tensorcast.errors import InvalidArgument, Unavailable  # noqa: E402
 from tensorcast.instance.announce import Announcement  # noqa: E402
-from tensorcast.records import InstanceInfo  # noqa: E402
+from tensorcast.records import InstanceInfo, WorkerInfo  # noqa: E402
 from tensorcast.router import RouterService, make_policy  # noqa: E402
 from tensorcast.router.choice import BackendLoad  # noqa: E402
 from tensorcast.router.discovery import Discovery, backend_urls, reconcile  # noqa: E402
@@ -129,12 +129,12 @@ class Unreachable(Discovery):
         self.urls: list[str] | None = urls
         self.asked = 0
 
-    async def __call__(self) -> list[str]:
+    async def survey(self) -> tuple[list[InstanceInfo], list[WorkerInfo]]:
         self.asked += 1
         urls, self.urls = self.urls, None
         if urls is None:
             raise Unavailable("global store unreachable") if self.asked % 2 else RuntimeError("a bug")
-        return urls
+        return [InstanceInfo(instance_id=f"i{n}", address=u, home_worker="w0") for n, u in enumerate(urls)], []
 
 
 def test_a_cluster_that_cannot_be_asked_leaves_the_backends_known_in_service() -> None:

@@ -10,6 +10,7 @@ import click
 
 from tensorcast.cli.common import say
 from tensorcast.client.loop import new_event_loop
+from tensorcast.config import KVConfig
 from tensorcast.errors import InvalidArgument
 from tensorcast.log import setup_logging
 from tensorcast.policies import EventFeed, Rebalancer, Router
@@ -23,13 +24,15 @@ from tensorcast.router.choice import POLICIES, SESSIONS, make_event_policy, make
               help="Also route to the engine servers the cluster lists (list_instances(): vLLM with the "
                    "TensorCastConnector and an advertise_url), found as they start.")
 @click.option("--address", envvar="TENSORCAST_ADDRESS", default="", metavar="HOST:PORT",
-              help="With --discover: the cluster's gateway (default: TENSORCAST_ADDRESS).")
-@click.option("--token", envvar="TENSORCAST_TOKEN", default=None, help="With --discover: the cluster's token.")
+              help="The cluster's gateway (default: TENSORCAST_ADDRESS): where --discover finds backends, and where "
+                   "event-cache-aware reads each backend's home worker and follows the pool's shard homes' KV events.")
+@click.option("--token", envvar="TENSORCAST_TOKEN", default=None, help="With --address: the cluster's token.")
 @click.option("--prefill", "prefill", multiple=True, metavar="URL",
               help="Disaggregated mode: a prefill instance (kv_producer; repeat for each); --backend are then the "
                    "decode instances (kv_consumer), the KV handed over through the pool.")
 @click.option("--policy", default="power-of-two", show_default=True,
-              help=f"How to pick a backend: {', '.join(POLICIES)}, event-cache-aware (with --kv-events), or "
+              help=f"How to pick a backend: {', '.join(POLICIES)}, event-cache-aware (with --kv-events or "
+                   "--address), or "
                    "module:factory (your own policies.Router).")
 @click.option("--kv-events", "kv_events", multiple=True, metavar="URL=ENDPOINT[,REPLAY]",
               help="With --policy event-cache-aware: a backend's KV event stream (vLLM's kv_events_config "
@@ -62,19 +65,20 @@ def router(backends: tuple[str, ...], discover: bool, address: str, token: str |
         raise InvalidArgument("give the backends (--backend URL, repeated) or --discover them in a cluster")
     if discover and not address:
         raise InvalidArgument("--discover needs the cluster's address (--address or TENSORCAST_ADDRESS)")
-    if discover and (prefill or policy == "event-cache-aware"):
-        raise InvalidArgument("--discover finds plain backends: give --prefill pools and --kv-events streams as URLs")
+    if discover and prefill:
+        raise InvalidArgument("--discover finds plain backends: give --prefill pools as URLs")
     seed = seed if seed is not None else secrets.randbits(32)
     feed = None
     if policy == "event-cache-aware":
-        chosen, feed = _event_policy(list(backends), kv_events, kv_block_size, sessions)
+        chosen, feed = _event_policy(list(backends), kv_events, kv_block_size, sessions, bool(address))
     elif kv_events:
         raise InvalidArgument("--kv-events feeds --policy event-cache-aware only")
     else:
         chosen = make_policy(policy, seed, sessions=sessions)
     service = RouterService(list(backends), chosen, host=host, port=port, session_header=session_header,
                             prefill=list(prefill), feed=feed, rebalancer=Rebalancer() if rebalance else None,
-                            discovery=Discovery(address, token) if discover else None,
+                            discovery=Discovery(address, token, adds_backends=discover)
+                            if discover or (feed is not None and address) else None,
                             prefill_policy=make_policy("power-of-two" if feed else policy, seed + 1,
                                                        sessions=sessions) if prefill else None)
 
@@ -95,18 +99,20 @@ def router(backends: tuple[str, ...], discover: bool, address: str, token: str |
         runner.run(run())
 
 
-def _event_policy(backends: list[str], streams: tuple[str, ...], block_size: int,
-                  sessions: str) -> tuple[Router, EventFeed]:
-    """``event-cache-aware`` and the feed of its backends' KV event streams (``URL=ENDPOINT[,REPLAY]``)."""
+def _event_policy(backends: list[str], streams: tuple[str, ...], block_size: int, sessions: str,
+                  pool: bool) -> tuple[Router, EventFeed]:
+    """``event-cache-aware`` and the feed of its backends' KV event streams (``URL=ENDPOINT[,REPLAY]``), which
+    also follows the pool's shard homes when the router reads a cluster (``pool``)."""
     urls = [b.rstrip("/") for b in backends]
     chosen, index = make_event_policy(block_size, sessions)
-    feed = EventFeed(index)
+    feed = EventFeed(index, topic=KVConfig().events_topic)  # the homes' topic; an engine's stream is added with ""
     for spec in streams:
         url, _, endpoints = spec.partition("=")
         endpoint, _, replay = endpoints.partition(",")
         if url.rstrip("/") not in urls or not endpoint:
             raise InvalidArgument(f"--kv-events {spec!r}: expected BACKEND_URL=ENDPOINT[,REPLAY] of a --backend")
         feed.add_instance(f"b{urls.index(url.rstrip('/'))}", endpoint, replay or None)
-    if not streams:
-        raise InvalidArgument("--policy event-cache-aware needs --kv-events for the backends")
+    if not streams and not pool:
+        raise InvalidArgument("--policy event-cache-aware needs the backends' --kv-events, or the cluster (--address) "
+                              "whose shard homes' events it follows")
     return chosen, feed

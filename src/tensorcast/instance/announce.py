@@ -18,6 +18,8 @@ import contextlib
 import logging
 from collections.abc import Callable
 
+import msgspec
+
 from tensorcast.client.aio import AsyncClient
 from tensorcast.client.loop import LoopThread
 from tensorcast.context import CallContext
@@ -34,7 +36,8 @@ async def announce(client: AsyncClient, info: InstanceInfo, interval: float,
                    load: Callable[[], InstanceLoad] | None = None, *, registered: bool = False) -> None:
     """Register ``info`` with ``client``'s cluster (unless ``registered`` already) and heartbeat it every
     ``interval`` seconds until cancelled, with the engine's ``load`` (zero when not given: a router then reads
-    the engine's own metrics)."""
+    the engine's own metrics). Without a ``home_worker``, the record names the worker ``client`` is connected to
+    (a router credits the instance with the KV pages the shard homes on that worker's host hold)."""
     if interval <= 0:
         raise InvalidArgument(f"announce interval must be > 0, got {interval}")
     timeout = max(2.0, 3 * interval)
@@ -42,6 +45,8 @@ async def announce(client: AsyncClient, info: InstanceInfo, interval: float,
         now = load() if load is not None else InstanceLoad()
         try:
             if not registered:
+                if not info.home_worker:  # the worker this engine's pages go through: the one its client reaches
+                    info = msgspec.structs.replace(info, home_worker=(await client.caller.connect()).server_id)
                 await client.caller.call(RegisterInstance(instance=info), CallContext().with_timeout(timeout))
                 registered = True
                 log.info("instance %s announced at %s", info.instance_id, info.address)

@@ -4,11 +4,14 @@ Owns the I/O around the pure index: one ``kv.event_stream.EventSubscriber`` per 
 in ``list_workers()`` as ``kv_events_url``; an engine's, given: vLLM's ``kv_events_config`` endpoint), a
 replay from the start of each stream when it is first followed (what the publisher still buffers), and the
 lifecycle a router needs: ``follow_workers`` subscribes to new homes and forgets those that died or restarted
-(their pages are gone; a restarted home's first batch also says so). ``pump`` applies what arrived.
+(their pages are gone; a restarted home's first batch also says so). ``pump`` applies what arrived. Every change
+to the index is made under ``lock``: a router that follows the streams on a thread of its own (their waits and
+replays are network round trips) takes the same lock around its decisions, which read the index.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -23,6 +26,7 @@ class EventFeed:
     def __init__(self, index: EventIndex, *, topic: str = "") -> None:
         self.index = index
         self.topic = topic
+        self.lock = threading.Lock()  # held while the index changes
         self._subs: dict[str, tuple[str, EventSubscriber]] = {}  # source -> (endpoint, subscriber)
 
     def add(self, source: str, endpoint: str, replay_endpoint: str | None = None, *, topic: str | None = None,
@@ -34,7 +38,8 @@ class EventFeed:
         self._subs[source] = (endpoint, sub)
         if replay and replay_endpoint:
             for seq, batch in sub.replay(0, 2.0):
-                self.index.apply(source, batch)
+                with self.lock:
+                    self.index.apply(source, batch)
                 sub.next_seq = seq + 1
 
     def add_instance(self, instance_id: str, endpoint: str, replay_endpoint: str | None = None) -> None:
@@ -45,7 +50,8 @@ class EventFeed:
         old = self._subs.pop(source, None)
         if old is not None:
             old[1].close()
-        self.index.forget(source)
+        with self.lock:
+            self.index.forget(source)
 
     def follow_workers(self, workers: list[Any]) -> None:
         """Follow every live shard home's stream (``WorkerInfo``s); forget homes that died or moved."""
@@ -63,7 +69,8 @@ class EventFeed:
         deadline = time.monotonic() + timeout
         for source, (_, sub) in list(self._subs.items()):
             for _, batch in sub.poll(max(0.0, deadline - time.monotonic()) if n == 0 else 0.0):
-                self.index.apply(source, batch)
+                with self.lock:
+                    self.index.apply(source, batch)
                 n += 1
         return n
 

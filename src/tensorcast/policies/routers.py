@@ -16,7 +16,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -73,6 +73,12 @@ class Router(abc.ABC):
         chosen = self.choose(request, instances)
         self.observe(request, chosen)
         return chosen
+
+    def set_topology(self, workers: Sequence[Any]) -> None:
+        """The pool's workers (``WorkerInfo``s: ``list_workers()``), each time a router reads them: which worker
+        is on which host, with which roles. Nothing to learn by default (``EventCacheAware`` credits an instance
+        with what a shard home on its host holds)."""
+        return None
 
 
 class LoadAwareShared(Router):

@@ -12,6 +12,7 @@ Does not own: the routing decision for unplaced requests (``policies.routers``) 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from tensorcast.errors import InvalidArgument
 from tensorcast.policies.routers import Request, Router, least_loaded, live, load
@@ -99,3 +100,6 @@ class StickySessions(Router):
         if request.session_id:
             self.table.assign(request.session_id, chosen)
         return chosen
+
+    def set_topology(self, workers: Sequence[Any]) -> None:
+        self.router.set_topology(workers)

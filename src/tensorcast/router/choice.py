@@ -91,6 +91,9 @@ class HashedSessions(Router):
         self.router.observe(request, chosen)  # a cache-aware index learns where the session's prefix is
         return chosen
 
+    def set_topology(self, workers: Sequence[Any]) -> None:
+        self.router.set_topology(workers)
+
 
 SESSIONS = ("hrw", "table", "off")
 
@@ -170,9 +173,9 @@ def _chars(text: str) -> tuple[int, ...]:
 class BackendLoad:
     """One backend as a policy sees it: requests in flight through this router, the running and waiting
     requests the engine last reported (its own metrics: those of every router replica and direct client),
-    and whether it is up."""
+    whether it is up, and its home worker (the pool worker on its host, when the cluster lists it; "" else)."""
 
-    __slots__ = ("alive", "backend_id", "in_flight", "reported", "url")
+    __slots__ = ("alive", "backend_id", "home_worker", "in_flight", "reported", "url")
 
     def __init__(self, backend_id: str, url: str) -> None:
         self.backend_id = backend_id
@@ -180,6 +183,7 @@ class BackendLoad:
         self.in_flight = 0
         self.reported = 0
         self.alive = True
+        self.home_worker = ""
 
 
 def as_instances(backends: Sequence[BackendLoad], resident: Mapping[str, int] | None = None) -> list[InstanceInfo]:
@@ -189,7 +193,7 @@ def as_instances(backends: Sequence[BackendLoad], resident: Mapping[str, int] | 
     is no request at all, yet its next turn will come, so least-loaded placement breaks ties of requests toward
     the backend holding fewer sessions' tokens instead of piling new sessions onto the first one."""
     resident = resident or {}
-    return [InstanceInfo(instance_id=b.backend_id, address=b.url, home_worker="", running=max(b.in_flight,
+    return [InstanceInfo(instance_id=b.backend_id, address=b.url, home_worker=b.home_worker, running=max(b.in_flight,
                          b.reported), kv_tokens_used=resident.get(b.backend_id, 0), alive=b.alive, engine="openai")
             for b in backends]
 

@@ -1,24 +1,29 @@
-"""Backends found in the cluster: the engine servers that announced themselves in ``list_instances()``
-(``instance.announce``; ``vllm serve`` with the ``TensorCastConnector`` and an ``advertise_url``).
+"""What a router reads from the cluster: its backends (the engine servers that announced themselves in
+``list_instances()``: ``instance.announce``; ``vllm serve`` with the ``TensorCastConnector`` and an
+``advertise_url``), each backend's home worker (the pool worker on its host, from the same records) and the
+pool's workers (``list_workers()``: where the shard homes are, for routing by the pool's KV presence).
 
 Owns: which instance records are a router's backends (``backend_urls``: alive, an ``http(s)://`` address, of the
-engine asked for), how a router's backends follow the list (``reconcile``: listed ones added; a discovered one
-dropped only once it is both unlisted and down, with nothing in flight, so engines that come and go at new
-addresses do not pile up) and a ``Discovery`` that asks the cluster for them (one client, opened on first use on
-the router's loop). Whether a backend is up is its ``/health``'s answer (``router.service``), so a global store
-that is briefly unreachable, or an instance's late heartbeat, takes nothing out of service.
-Does not own: the service's backend list or its health checks.
+engine asked for), which worker is a backend's home (``home_workers``), how a router's backends follow the list
+(``reconcile``: listed ones added; a discovered one dropped only once it is both unlisted and down, with nothing in
+flight, so engines that come and go at new addresses do not pile up) and a ``Discovery`` that asks the cluster
+(one client, opened on first use on the router's loop). Whether a backend is up is its ``/health``'s answer
+(``router.service``), so a global store that is briefly unreachable, or an instance's late heartbeat, takes
+nothing out of service. Does not own: the service's backend list, its health checks, or following event streams.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from tensorcast.records import InstanceInfo
+from tensorcast.records import InstanceInfo, WorkerInfo
 from tensorcast.router.choice import BackendLoad
 
-__all__ = ["Discovery", "backend_urls", "reconcile"]
+__all__ = ["Discovery", "adopt", "backend_urls", "home_workers", "reconcile"]
+
+log = logging.getLogger("tensorcast.router")
 
 
 def backend_urls(instances: Sequence[InstanceInfo], engine: str = "") -> list[str]:
@@ -41,20 +46,50 @@ def reconcile(backends: Sequence[BackendLoad], listed: Sequence[str],
     return added, dropped
 
 
-class Discovery:
-    """``await discovery()``: the backend URLs the cluster at ``address`` lists now (``TensorCastError`` when it
-    cannot be asked)."""
+def adopt(backends: list[BackendLoad], listed: Sequence[str], discovered: set[str],
+          new_id: Callable[[], str]) -> None:
+    """``reconcile`` carried out on ``backends`` (and ``discovered``, the URLs discovery added), each added
+    backend under a fresh id (``new_id``)."""
+    added, dropped = reconcile(backends, listed, discovered)
+    for backend in dropped:
+        backends.remove(backend)
+        discovered.discard(backend.url)
+        log.info("dropped backend %s (%s): down and no longer listed", backend.backend_id, backend.url)
+    for url in added:
+        backend = BackendLoad(new_id(), url)
+        backends.append(backend)
+        discovered.add(url)
+        log.info("discovered backend %s (%s)", backend.backend_id, url)
 
-    def __init__(self, address: str, token: str | None = None, engine: str = "") -> None:
+
+def home_workers(instances: Sequence[InstanceInfo]) -> dict[str, str]:
+    """Each announced server's URL and the worker on its host that its engine stores through (its home), the
+    live records' over the dead ones' (an engine restarted at the same URL), else the latest listed."""
+    homes: dict[str, str] = {}
+    for alive in (False, True):
+        homes.update((i.address.rstrip("/"), i.home_worker) for i in instances
+                     if i.alive == alive and i.home_worker and i.address.startswith(("http://", "https://")))
+    return homes
+
+
+class Discovery:
+    """The cluster at ``address``, read by a router: ``await survey()`` is its instance records and workers
+    (``TensorCastError`` when it cannot be asked); ``adds_backends`` (``--discover``): the announced servers
+    of ``engine`` become backends (``backend_urls``), else the cluster is only read for each backend's home
+    worker and the shard homes."""
+
+    def __init__(self, address: str, token: str | None = None, engine: str = "", *,
+                 adds_backends: bool = True) -> None:
         self.address, self.token, self.engine = address, token, engine
+        self.adds_backends = adds_backends
         self._client: Any = None
 
-    async def __call__(self) -> list[str]:
+    async def survey(self) -> tuple[list[InstanceInfo], list[WorkerInfo]]:
         from tensorcast.client.aio import connect
 
         if self._client is None:
             self._client = await connect(self.address, self.token)
-        return backend_urls(await self._client.list_instances(), self.engine)
+        return await self._client.list_instances(), await self._client.list_workers()
 
     async def close(self) -> None:
         if self._client is not None:

@@ -11,9 +11,11 @@ the load the engine reports on its ``/metrics``); prefill/decode disaggregation 
 for one token and stores its KV pages; the request then goes to the decode pool with the prefill's
 ``kv_transfer_params``, and the decode instance loads those pages: the ``TensorCastConnector`` protocol, which
 ``examples/pd_proxy.py`` shows alone); and the router's metrics (requests by backend and outcome, the routing
-decision's time, in flight); and, for ``event-cache-aware``, the engines' KV events applied as they arrive and text
-prompts tokenized by a backend (``/tokenize``) so that they match the events' token blocks; and the rebalancer's
-ticks (the sessions this replica saw and its moves among them: ``router.session_book``).
+decision's time, in flight); and, for ``event-cache-aware``, the KV events of the engines and of the pool's shard
+homes applied as they arrive (on a thread: ``router.event_thread``), each backend's home worker and the pool's
+workers read from the cluster with every health check (an instance is credited with what a shard home on its host
+holds), and text prompts tokenized by a backend (``/tokenize``) so that they match the events' token blocks; and
+the rebalancer's ticks (the sessions this replica saw and its moves among them: ``router.session_book``).
 
 aiohttp (``pip install 'tensorcast[router]'``) on one event loop: a decision is microseconds of Python, forwarding
 is a pass-through of the backend's bytes. Does not own: the policies (``tensorcast.policies``), or the engines.
@@ -34,8 +36,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from tensorcast.errors import InvalidArgument, Unavailable
 from tensorcast.policies import EventFeed, Rebalancer, Request, Router
-from tensorcast.router.choice import BackendLoad, as_instances, reported_load, route_view, wants_tokens
-from tensorcast.router.discovery import Discovery, reconcile
+from tensorcast.router.backend_calls import probe, prompt_tokens
+from tensorcast.router.choice import BackendLoad, as_instances, route_view, wants_tokens
+from tensorcast.router.discovery import Discovery, adopt, backend_urls, home_workers
+from tensorcast.router.event_thread import EventThread
 from tensorcast.router.session_book import SessionBook
 
 __all__ = ["RouterService"]
@@ -56,12 +60,15 @@ class RouterService:
         """``request_timeout``: seconds a backend may stay silent (before its first byte, or between two).
         ``prefill``: disaggregated mode: each request's prompt first on one of these (``prefill_policy``),
         then the request on one of ``backends`` (the decode pool) with the prefill's ``kv_transfer_params``.
-        ``feed``: the engines' KV events (for ``event-cache-aware``), applied on the service's loop as they come;
-        a text prompt is then tokenized by a backend (``POST /tokenize``) so that it matches their blocks.
+        ``feed``: the engines' and the pool's KV events (for ``event-cache-aware``), applied on a thread as they
+        come (with ``discovery``, the feed also follows the pool's shard homes); a text prompt is then tokenized by
+        a backend (``POST /tokenize``) so that it matches their blocks.
         ``rebalancer``: every ``interval_s`` it may move idle sessions off the most loaded backend
         (``router.session_book``); a moved session's requests then go to its new backend. ``discovery``: more
-        backends, found in the cluster's ``list_instances()`` at start and with every health check."""
-        if not backends and discovery is None:
+        backends, found in the cluster's ``list_instances()`` at start and with every health check (unless it
+        only reads the cluster: ``adds_backends`` False); either way each backend's home worker, and the pool's
+        workers for the policy (``Router.set_topology``) and the feed."""
+        if not backends and (discovery is None or not discovery.adds_backends):
             raise InvalidArgument("the router needs at least one backend URL, or a cluster to discover them in")
         self.backends = [BackendLoad(f"b{i}", u.rstrip("/")) for i, u in enumerate(backends)]
         self.prefill = [BackendLoad(f"p{i}", u.rstrip("/")) for i, u in enumerate(prefill)]
@@ -87,11 +94,11 @@ class RouterService:
                                      ["backend"], buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
                                      registry=self.registry)
         self.feed = feed
+        self._events = EventThread(feed) if feed is not None else None
         self.discovery = discovery
         self._found: set[str] = set()  # URLs discovery added
         self._ids = itertools.count(len(self.backends))  # backend ids stay unique as discovered ones come and go
         self.book = SessionBook(rebalancer)
-        self._pump: asyncio.Task[None] | None = None
         self._ticks: asyncio.Task[None] | None = None
         self._runner: Any = None
         self._session: Any = None
@@ -118,23 +125,23 @@ class RouterService:
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
         self.port = int(self._runner.addresses[0][1])  # the port bound (port 0: one the system chose)
+        if self._events is not None:
+            self._events.start()
         await self._discover()
         self._health = asyncio.create_task(self._check_health())
-        if self.feed is not None:
-            self._pump = asyncio.create_task(self._pump_events())
         if self.book.rebalancer is not None:
             self._ticks = asyncio.create_task(self._rebalance())
         log.info("router on %s: %d backends%s", self.url, len(self.backends),
                  f", {len(self.prefill)} prefill" if self.prefill else "")
 
     async def stop(self) -> None:
-        for task in (self._health, self._pump, self._ticks):
+        for task in (self._health, self._ticks):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        if self.feed is not None:
-            self.feed.close()
+        if self._events is not None:
+            await asyncio.to_thread(self._events.stop)
         if self.discovery is not None:
             await self.discovery.close()
         if self._runner is not None:
@@ -154,7 +161,7 @@ class RouterService:
         view = route_view(body, request.headers.get(self.session_header, ""))
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         if self.feed is not None and wants_tokens(body):  # engines' events name token blocks, not text
-            view = Request(view.session_id, await self._tokens(body) or view.prompt)
+            view = Request(view.session_id, await prompt_tokens(self._session, self.backends, body) or view.prompt)
         if self.prefill:  # disaggregated: the prompt on a prefill backend, its KV handed over through the pool
             params = await self._prefill_leg(request.path, body, view, headers)
             if not isinstance(params, dict):
@@ -170,7 +177,11 @@ class RouterService:
                                   self.book.resident if pool is self.backends else None)
         moved = self.book.override(view.session_id, [i for i in candidates if i.alive]) \
             if pool is self.backends else None
-        chosen = moved or policy.route(view, candidates)
+        if not moved:
+            with self._index_lock():
+                chosen = policy.route(view, candidates)
+        else:
+            chosen = moved
         self._decide.observe(time.perf_counter() - t0)
         tried.add(chosen)
         return next(b for b in pool if b.backend_id == chosen)
@@ -278,31 +289,9 @@ class RouterService:
                 except ValueError:
                     return _error(502, f"prefill backend {backend.backend_id} answered something not JSON")
 
-    async def _tokens(self, body: dict[str, Any]) -> tuple[int, ...]:
-        """The prompt's token ids, from a live backend's ``/tokenize`` (chat template applied to messages);
-        empty when none answers (the request is then routed on load alone)."""
-        from aiohttp import ClientError, ClientTimeout
-
-        ask = {k: body[k] for k in ("model", "prompt", "messages") if k in body}
-        for backend in [b for b in self.backends if b.alive]:
-            try:
-                async with self._session.post(backend.url + "/tokenize", json=ask,
-                                              timeout=ClientTimeout(total=10)) as up:
-                    if up.status == 200:
-                        tokens = (await up.json()).get("tokens")
-                        if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):
-                            return tuple(tokens)
-            except (TimeoutError, ClientError, OSError, ValueError):
-                continue
-        return ()
-
-    async def _pump_events(self) -> None:
-        """Apply the engines' KV events as they arrive (non-blocking polls on this loop: the index is not
-        shared with another thread)."""
-        assert self.feed is not None
-        while True:
-            self.feed.pump(0.0)
-            await asyncio.sleep(0.02)
+    def _index_lock(self) -> Any:
+        """Held around a decision that may read the KV event index (changed on the event thread)."""
+        return self.feed.lock if self.feed is not None else contextlib.nullcontext()
 
     async def _models(self, request: Any) -> Any:
         from aiohttp import ClientError, web
@@ -329,51 +318,38 @@ class RouterService:
         return web.Response(body=generate_latest(self.registry), content_type="text/plain")
 
     async def _check_health(self) -> None:
-        """Every ``health_interval``: each backend's ``GET /health`` decides whether it is up, and its
-        ``GET /metrics`` (vLLM's running and waiting requests) what load it reports."""
-        from aiohttp import ClientError, ClientTimeout
-
-        async def check(b: BackendLoad) -> None:
-            try:
-                async with self._session.get(b.url + "/health", timeout=ClientTimeout(total=5)) as up:
-                    alive = up.status == 200
-                if alive:  # the engine's own count of its requests: every replica's and client's
-                    async with self._session.get(b.url + "/metrics", timeout=ClientTimeout(total=5)) as up:
-                        load = reported_load(await up.text()) if up.status == 200 else None
-                    b.reported = load or 0
-            except (TimeoutError, ClientError, OSError):
-                alive = False
-            if alive != b.alive:
-                log.warning("backend %s (%s) is %s", b.backend_id, b.url, "up" if alive else "down")
-            b.alive = alive
-
+        """Every ``health_interval``: what the cluster says (``_discover``), then every backend probed (up or
+        down, the load it reports: ``router.backend_calls.probe``)."""
         while True:
             await self._discover()
-            await asyncio.gather(*(check(b) for b in [*self.backends, *self.prefill]))
+            await asyncio.gather(*(probe(self._session, b) for b in [*self.backends, *self.prefill]))
             await asyncio.sleep(self.health_interval)
 
     async def _discover(self) -> None:
-        """Backends the cluster lists that this router does not know yet, added (up: their records are alive;
-        their health checks follow); discovered ones gone from the list and down, dropped. Unreachable cluster:
-        the backends known stay as they are."""
+        """What the cluster says now: its workers to the policies and the event thread, each backend's home
+        worker, and (``adds_backends``) the backends it lists that this router does not know yet, added (up:
+        their records are alive; their health checks follow), discovered ones gone from the list and down,
+        dropped. Unreachable cluster: everything known stays as it is."""
         if self.discovery is None:
             return
         try:
-            urls = await self.discovery()
+            instances, workers = await self.discovery.survey()
         except Exception as exc:  # whatever it is, health checks go on: they run on the same task
             log.warning("cannot list the cluster's instances (%s: %s); keeping the %d backends known",
                         type(exc).__name__, exc, len(self.backends))
             return
-        added, dropped = reconcile(self.backends, urls, self._found)
-        for backend in dropped:
-            self.backends.remove(backend)
-            self._found.discard(backend.url)
-            log.info("dropped backend %s (%s): down and no longer listed", backend.backend_id, backend.url)
-        for url in added:
-            backend = BackendLoad(f"b{next(self._ids)}", url)
-            self.backends.append(backend)
-            self._found.add(url)
-            log.info("discovered backend %s (%s)", backend.backend_id, url)
+        with self._index_lock():
+            self.policy.set_topology(workers)
+            if self.prefill_policy is not self.policy:
+                self.prefill_policy.set_topology(workers)
+        if self._events is not None:
+            self._events.follow(workers)
+        if self.discovery.adds_backends:
+            adopt(self.backends, backend_urls(instances, self.discovery.engine), self._found,
+                  lambda: f"b{next(self._ids)}")
+        homes = home_workers(instances)
+        for b in [*self.backends, *self.prefill]:
+            b.home_worker = homes.get(b.url, b.home_worker)
 
 
 def _passed(headers: Any) -> dict[str, str]:
