@@ -203,3 +203,35 @@ def test_releasing_a_lease_forgets_its_places(reader: tc.Client) -> None:
     assert reader.aio.reader.kept.places(art.id, art.info.replicas[0].worker_id, art.tensor_names) is None
     with pytest.raises(NotFound):
         art.tensor(like="numpy")
+
+
+def test_a_first_read_after_a_lookup_makes_no_call_of_its_own(cluster: tc.LocalCluster, reader: tc.Client) -> None:
+    """The gateway on the caller's host names its memory copy's places with the lookup (``GetArtifact`` with
+    ``map``): the first read maps them without asking; a caller on another host is named none."""
+    data = np.random.default_rng(5).integers(0, 255, (512, 1024), dtype=np.uint8)
+    far = tc.Config.from_flat({"client.host_id": "elsewhere"})
+    with tc.connect(cluster.address, config=far) as remote:
+        art = remote.put({"w": data, "b": data[:2].copy()})  # sent over the socket: hashed by the worker
+        looked_up = remote.artifact(art.id)
+        assert len(remote.aio.reader.kept) == 0  # no places named to another host (it could not map them)
+        assert np.array_equal(looked_up.tensor("b", like="numpy"), data[:2])
+    calls = CountCalls(reader, MapTensors)
+    got = reader.artifact(art.id).tensor_dict(like="numpy")
+    assert calls.seen == 0 and np.array_equal(got["w"], data) and np.array_equal(got["b"], data[:2])
+    reader.delete(art.id)
+
+
+def test_a_lookup_names_no_places_of_bytes_not_checked_yet(cluster: tc.LocalCluster, reader: tc.Client) -> None:
+    """A same-host put's bytes are written by its caller, who stated their digest: they are handed out only once
+    checked. So the lookup names no places until then; the first read asks (and the check runs there), and the
+    lookups after it name them."""
+    data = np.random.default_rng(6).integers(0, 255, (512, 1024), dtype=np.uint8)
+    with tc.connect(cluster.address) as writer:
+        art = writer.put(data)
+    calls = CountCalls(reader, MapTensors)
+    assert np.array_equal(reader.artifact(art.id).tensor(like="numpy"), data)
+    assert calls.seen == 1  # unchecked: named only by the read's own MapTensors, which checked them
+    with tc.connect(cluster.address) as later:
+        calls = CountCalls(later, MapTensors)
+        assert np.array_equal(later.artifact(art.id).tensor(like="numpy"), data) and calls.seen == 0
+    reader.delete(art.id)

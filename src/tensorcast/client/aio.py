@@ -191,8 +191,16 @@ class AsyncClient:
 
     async def artifact(self, key_or_id: str, *, timeout: float | None = None) -> AsyncArtifact:
         """The artifact a key points at (a handle of that key), or with this id; ``NotFound`` otherwise."""
-        reply = await self.caller.call(GetArtifact(key_or_id=key_or_id), self.caller.context(timeout))
-        return AsyncArtifact(self, reply.artifact, None if ARTIFACT_ID_RE.match(key_or_id) else key_or_id)
+        ctx = self.caller.context(timeout)
+        by_id = ARTIFACT_ID_RE.match(key_or_id) is not None
+        # Places asked for unless this client keeps the gateway's already (naming them costs the gateway time).
+        kept = by_id and self.reader.kept.holds(key_or_id, self.caller.server_id())
+        want = self.locality.shared_memory and not kept
+        reply = await self.caller.call(GetArtifact(key_or_id=key_or_id, map=want), ctx)
+        if reply.segments and len(reply.segments) == len(reply.artifact.tensors):  # its first read: no call
+            self.reader.kept.remember(reply.artifact.id, reply.mapped_by, [t.name for t in reply.artifact.tensors],
+                                      reply.segments)
+        return AsyncArtifact(self, reply.artifact, None if by_id else key_or_id)
 
     async def ls(self, prefix: str = "", *, limit: int | None = None) -> list[AsyncArtifact]:
         """One handle per key under ``prefix`` in key order (two keys of one artifact: two handles); with no

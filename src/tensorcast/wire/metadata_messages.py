@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from tensorcast.records import ArtifactInfo, ReplicaInfo
+from tensorcast.records import ArtifactInfo, ReplicaInfo, SegmentRef
 from tensorcast.wire.message_base import Msg, Request
 
 # --------------------------------------------------------------------------- metadata (GS; gateways forward)
@@ -21,11 +21,19 @@ class ArtifactReply(Msg):
     """The reply to GetArtifact, CommitArtifact, RenewLease and RegisterCheckpoint."""
 
     artifact: ArtifactInfo
+    # GetArtifact with ``map``: where the relaying worker (``mapped_by``) holds each tensor of ``artifact`` in
+    # memory, in the order of ``artifact.tensors`` (as ``Mapped.segments``: None, read it instead); () if not.
+    segments: tuple[SegmentRef | None, ...] = ()
+    mapped_by: str = ""
 
 
 class GetArtifact(Request[ArtifactReply]):
+    """The artifact a key points at, or with this id. ``map``: a same-host caller that will read it asks the
+    gateway to name its memory copy's places too (``MapTensors``' answer, saving that call), when it holds one
+    whose bytes need no check first; the global store ignores it."""
     idempotent: ClassVar[bool] = True
     key_or_id: str
+    map: bool = False
 
 
 class ListArtifacts(Request["ArtifactList"]):

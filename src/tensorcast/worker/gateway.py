@@ -1,7 +1,9 @@
 """The gateway role: the callers' entry point — metadata relayed to the global store, deletes, plans.
 
 Owns: relaying metadata requests (``GetArtifact``, ``ListArtifacts``, ``ListWorkers``, ``RenewLease``,
-``ListShards``, ``GSStats``, the page-index benchmark calls) with the caller's trace id and deadline;
+``ListShards``, ``GSStats``, the page-index benchmark calls) with the caller's trace id and deadline (a
+same-host caller's ``GetArtifact`` with ``map`` also gets the places of this worker's memory copy, so that its
+first read makes no call of its own);
 ``DeleteArtifact``/``ReleaseLease`` (recorded at the store; when that removed the artifact — no reference
 keeps it — this worker's copy is freed at once, and the other holders drop theirs at their next heartbeat);
 and running plans (``RunPlan``) as the ``GatewayPort`` the plan operations use. Does not own: plan scheduling
@@ -12,10 +14,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from tensorcast.context import CallContext
+from tensorcast.errors import TensorCastError
 from tensorcast.plans.executor import PlanExecutor
+from tensorcast.records import ArtifactInfo, SegmentRef
 from tensorcast.wire.kv_messages import GSStats, ListShards, PageIndexGet, PageIndexPut
 from tensorcast.wire.messages import (
+    ArtifactReply,
     DeleteArtifact,
     Deleted,
     GetArtifact,
@@ -33,8 +40,7 @@ from tensorcast.worker.roles import StoragePort, WorkerParts
 
 __all__ = ["GatewayRole"]
 
-RELAYED: tuple[type, ...] = (GetArtifact, ListArtifacts, ListWorkers, RenewLease, ListShards, GSStats, PageIndexPut,
-                             PageIndexGet)
+RELAYED: tuple[type, ...] = (ListArtifacts, ListWorkers, RenewLease, ListShards, GSStats, PageIndexPut, PageIndexGet)
 
 
 class GatewayRole:
@@ -46,6 +52,7 @@ class GatewayRole:
     def register(self, registry: HandlerRegistry) -> None:
         for msg_type in RELAYED:
             registry.register(msg_type, self.parts.gs.relay)
+        registry.register(GetArtifact, self.get_artifact)
         registry.register(DeleteArtifact, self.delete)
         registry.register(ReleaseLease, self.delete)
         registry.register(RunPlan, self.run_plan)
@@ -55,6 +62,26 @@ class GatewayRole:
 
     async def stop(self) -> None:
         return None
+
+    async def get_artifact(self, msg: GetArtifact, req: Request) -> ArtifactReply:
+        reply: ArtifactReply = await self.parts.gs.relay(msg, req)
+        if msg.map and req.peer is not None and req.peer.host_id == self.parts.host_id:
+            places = self._places(reply.artifact)
+            if places:
+                reply = msgspec.structs.replace(reply, segments=places, mapped_by=self.parts.worker_id)
+        return reply
+
+    def _places(self, info: ArtifactInfo) -> tuple[SegmentRef | None, ...]:
+        """Where this worker's memory copy of ``info`` keeps each tensor, if it holds one whose bytes need no
+        check before they are handed out (else (): the caller's read asks, and the check runs then)."""
+        store = self.storage.store
+        names = tuple(t.name for t in info.tensors)
+        if not names or not store.memory.has_replica(info.id) or self.storage.trust.unchecked_read(info.id, names):
+            return ()
+        try:
+            return tuple(store.segment_refs(info.id, names, "memory"))
+        except TensorCastError:  # a tensor without a memory copy here (dropped meanwhile): the read asks
+            return ()
 
     async def delete(self, msg: DeleteArtifact | ReleaseLease, req: Request) -> Deleted:
         reply = await self.parts.gs.call(msg, req.ctx)

@@ -104,6 +104,10 @@ class BlobTrust:
         sizes = self.store.memory.state.blob_size
         return all(t == "memory" for t, _ in blobs) and sum(sizes.get(d, 0) for _, d in blobs) < _INLINE_CHECK_BYTES
 
+    def unchecked_read(self, artifact_id: str, names: Iterable[str]) -> bool:
+        """Whether a memory read of these tensors would be served from a blob not checked yet."""
+        return bool(self._read_blobs(artifact_id, names, "memory"))
+
     # ----------------------------------------------------------------- checks (any thread)
     def check(self, blob: Blob, reason: str, threads: int = blake3.blake3.AUTO) -> bool:
         """Check one blob's bytes against its digest, once (a match is remembered; one gone counts as fine:
