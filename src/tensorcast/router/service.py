@@ -175,13 +175,11 @@ class RouterService:
         t0 = time.perf_counter()
         candidates = as_instances([b for b in pool if b.backend_id not in tried],
                                   self.book.resident if pool is self.backends else None)
-        moved = self.book.override(view.session_id, [i for i in candidates if i.alive]) \
+        chosen = self.book.override(view.session_id, [i for i in candidates if i.alive]) \
             if pool is self.backends else None
-        if not moved:
+        if not chosen:  # a session the rebalancer moved goes where it moved; any other, where the policy says
             with self._index_lock():
                 chosen = policy.route(view, candidates)
-        else:
-            chosen = moved
         self._decide.observe(time.perf_counter() - t0)
         tried.add(chosen)
         return next(b for b in pool if b.backend_id == chosen)
