@@ -89,18 +89,25 @@ def test_a_prefix_only_the_pool_holds_goes_to_the_backend_on_its_host() -> None:
                 stored = BlockStored(block_hashes=[block_hash], parent_block_hash=None, token_ids=TOKENS,
                                      block_size=BLOCK, lora_id=None, medium="GPU", lora_name=None)
 
-                def b0_holds() -> bool:
-                    engine.publish(KVEventBatch(ts=0.0, events=[stored]))  # until its subscriber has joined
-                    return index.matched_tokens("instance:b0", block_keys(view.prompt, BLOCK)) == BLOCK
+                def b0_holds() -> int:  # the router's event thread changes the index under the feed's lock
+                    with feed.lock:
+                        return index.matched_tokens("instance:b0", block_keys(view.prompt, BLOCK))
 
-                await _until("b0's engine events reach the router", b0_holds, 10)
+                def publish_until_held() -> bool:
+                    engine.publish(KVEventBatch(ts=0.0, events=[stored]))  # until its subscriber has joined
+                    return b0_holds() == BLOCK
+
+                await _until("b0's engine events reach the router", publish_until_held, 10)
                 engine.publish(KVEventBatch(ts=1.0, events=[BlockRemoved(block_hashes=[block_hash], medium="GPU")]))
-                await _until("b0's eviction reaches the router",
-                             lambda: index.matched_tokens("instance:b0", block_keys(view.prompt, BLOCK)) == 0, 10)
+                await _until("b0's eviction reaches the router", lambda: b0_holds() == 0, 10)
                 assert (await complete(session, service, body))["backend"] == "b0"  # held nowhere: least loaded
 
                 c.kv.put([key], [np.full(4096, 1, np.uint8)], ttl=PAGE_TTL)  # in the pool, on w1's host
-                matched = lambda: policy.matched_tokens(view, as_instances(service.backends))  # noqa: E731
+
+                def matched() -> dict[str, int]:
+                    with feed.lock:
+                        return policy.matched_tokens(view, as_instances(service.backends))  # type: ignore[attr-defined,no-any-return]
+
                 await _until("the shard home's event reaches the router", lambda: matched()["b1"] == BLOCK, 10)
                 assert matched()["b0"] == 0
                 assert [(await complete(session, service, body))["backend"] for _ in range(3)] == ["b1"] * 3

@@ -315,7 +315,12 @@ def test_event_cache_aware_routes_by_the_engines_kv_events() -> None:
                                  block_size=block, lora_id=None, medium="GPU", lora_name=None)
             deadline = asyncio.get_running_loop().time() + 10
             view = Request("", tuple(held))
-            while policy.matched_tokens(view, as_instances(service.backends))["b1"] < len(held):  # type: ignore[attr-defined]
+
+            def held_by_b1() -> int:  # the router's event thread changes the index under the feed's lock
+                with feed.lock:
+                    return policy.matched_tokens(view, as_instances(service.backends))["b1"]  # type: ignore[attr-defined,no-any-return]
+
+            while held_by_b1() < len(held):
                 assert asyncio.get_running_loop().time() < deadline, "the events never reached the router"
                 publisher.publish(KVEventBatch(ts=0.0, events=[stored]))  # until the subscriber has joined
                 await asyncio.sleep(0.05)
