@@ -60,8 +60,9 @@ def test_reads_are_counted_per_worker_until_taken() -> None:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tc.LocalCluster]:
+    # No idle verification: a test that reads unchecked bytes sees them checked by its read, not before it.
     with running_cluster(workers=1, memory_capacity="256MiB",
-                         config={"worker.prefault_chunk_bytes": str(CHUNK)}) as c:
+                         config={"worker.prefault_chunk_bytes": str(CHUNK), "worker.verify_idle_bytes": 0}) as c:
         yield c
 
 
@@ -234,4 +235,17 @@ def test_a_lookup_names_no_places_of_bytes_not_checked_yet(cluster: tc.LocalClus
     with tc.connect(cluster.address) as later:
         calls = CountCalls(later, MapTensors)
         assert np.array_equal(later.artifact(art.id).tensor(like="numpy"), data) and calls.seen == 0
+    reader.delete(art.id)
+
+
+def test_a_lookup_that_will_not_read_asks_for_no_places(cluster: tc.LocalCluster, reader: tc.Client) -> None:
+    """To prefetch, unpin or release a handle, nothing is mapped: the gateway names no places (a named segment
+    never goes back to the worker's stock)."""
+    data = np.random.default_rng(7).integers(0, 255, (64, 1024), dtype=np.uint8)
+    with tc.connect(cluster.address, config=tc.Config.from_flat({"client.host_id": "elsewhere"})) as remote:
+        art = remote.put(data)  # checked by the worker: a lookup to read it would be named its places
+    handle = reader.lookup(art.id, to_read=False)
+    assert len(reader.aio.reader.kept) == 0
+    calls = CountCalls(reader, MapTensors)
+    assert np.array_equal(handle.tensor(like="numpy"), data) and calls.seen == 1  # read anyway: it asks
     reader.delete(art.id)

@@ -160,6 +160,49 @@ def test_a_cluster_that_cannot_be_asked_leaves_the_backends_known_in_service() -
     run(scenario)
 
 
+class _Listed(Discovery):
+    """A cluster that lists one announced server, with its home worker, at every survey."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__("unused:1", adds_backends=False)
+        self.url, self.asked = url, 0
+
+    async def survey(self) -> tuple[list[InstanceInfo], list[WorkerInfo]]:
+        self.asked += 1
+        return [InstanceInfo(instance_id="i0", address=self.url, home_worker="w7")], []
+
+
+def test_a_policy_failing_on_the_topology_stops_no_health_check() -> None:
+    """``Router.set_topology`` is a user's hook: one that raises is logged, and the router's surveys and health
+    checks (which bring a backend that failed a request back into service) go on."""
+    from tensorcast.policies import Router
+
+    class Faulty(Router):
+        def choose(self, request: Any, instances: Any) -> str:
+            return str(instances[0].instance_id)
+
+        def set_topology(self, workers: Any) -> None:
+            raise RuntimeError("a bug in a policy of one's own")
+
+    async def scenario() -> None:
+        b0 = Backend("b0")
+        await b0.start()
+        discovery = _Listed(b0.url)
+        service = RouterService([b0.url], Faulty(), health_interval=0.05, discovery=discovery)
+        await service.start()  # the first survey's failure does not fail the start
+        try:
+            service.backends[0].alive = False  # as after a failed request: a health check brings it back
+            while discovery.asked < 4 or not service.backends[0].alive:
+                await asyncio.sleep(0.05)
+            async with aiohttp.ClientSession() as http:
+                assert (await complete(http, service, {"prompt": "x"}))["backend"] == "b0"
+        finally:
+            await service.stop()
+            await b0.stop()
+
+    run(scenario)
+
+
 def test_a_router_without_backends_or_a_cluster_is_refused() -> None:
     with pytest.raises(InvalidArgument):
         RouterService([], make_policy("round-robin"))

@@ -24,7 +24,7 @@ from tensorcast.instance.announce import Announcement  # noqa: E402
 from tensorcast.kv.keys import shard_of  # noqa: E402
 from tensorcast.kv_event_stream import EventPublisher  # noqa: E402
 from tensorcast.kv_events import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
-from tensorcast.policies import EventFeed, Request, block_keys  # noqa: E402
+from tensorcast.policies import EventFeed, EventIndex, Request, block_keys  # noqa: E402
 from tensorcast.records import InstanceInfo, WorkerInfo  # noqa: E402
 from tensorcast.router import RouterService  # noqa: E402
 from tensorcast.router.choice import as_instances, make_event_policy  # noqa: E402
@@ -78,8 +78,10 @@ def test_a_prefix_only_the_pool_holds_goes_to_the_backend_on_its_host() -> None:
             policy, index = make_event_policy(BLOCK, sessions="off")
             feed = EventFeed(index, topic="tensorcast")
             feed.add_instance("b0", engine.endpoint)
+            # The router runs on the second host: the first's home streams on its own loopback, out of reach.
             service = RouterService([b0.url, b1.url], policy, feed=feed, health_interval=BEAT,
-                                    discovery=Discovery(cluster.address, adds_backends=False))
+                                    discovery=Discovery(cluster.address, adds_backends=False,
+                                                        host_id=cluster.host_id_of(1)))
             await service.start()
             view = Request("", (*TOKENS, 7, 8))
             body = {"prompt": list(view.prompt), "max_tokens": 1}
@@ -109,6 +111,7 @@ def test_a_prefix_only_the_pool_holds_goes_to_the_backend_on_its_host() -> None:
                         return policy.matched_tokens(view, as_instances(service.backends))  # type: ignore[attr-defined,no-any-return]
 
                 await _until("the shard home's event reaches the router", lambda: matched()["b1"] == BLOCK, 10)
+                assert feed.streams() == ["instance:b0", f"worker:{w1}"]
                 assert matched()["b0"] == 0
                 assert [(await complete(session, service, body))["backend"] for _ in range(3)] == ["b1"] * 3
 
@@ -144,8 +147,9 @@ class _SilentHome(Discovery):
 
     async def survey(self) -> tuple[list[InstanceInfo], list[WorkerInfo]]:
         self.asked += 1
-        home = WorkerInfo(worker_id=f"w{self.asked}", address="127.0.0.1:1", host_id="h", roles=("shard-home",),
-                          kv_events_url="tcp://127.0.0.1:1", kv_events_replay_url=self.replay_url)
+        home = WorkerInfo(worker_id=f"w{self.asked}", address="127.0.0.1:1", host_id=self.host_id,
+                          roles=("shard-home",), kv_events_url="tcp://127.0.0.1:1",
+                          kv_events_replay_url=self.replay_url)
         return [], [home]  # a new home every time: a replay to wait for at every survey
 
 
@@ -175,3 +179,19 @@ def test_a_home_that_never_answers_its_replay_holds_up_no_request() -> None:
         run(scenario)
     finally:
         silent.close()
+
+
+def test_a_home_is_followed_where_this_host_can_reach_it_and_one_failing_stops_no_other() -> None:
+    def home(worker_id: str, host_id: str, url: str) -> WorkerInfo:
+        return WorkerInfo(worker_id=worker_id, address="127.0.0.1:1", host_id=host_id, roles=("shard-home",),
+                          kv_events_url=url)
+
+    feed = EventFeed(EventIndex(BLOCK), topic="tensorcast")
+    try:
+        feed.follow_workers([home("bad", "here", "tcp://no-port"),  # refused by ZeroMQ: logged, the rest go on
+                             home("w0", "here", "tcp://127.0.0.1:9"), home("w1", "there", "tcp://127.0.0.1:9"),
+                             home("w2", "there", "ipc:///tmp/tensorcast-events"),
+                             home("w3", "there", "tcp://10.1.2.3:9")], host_id="here")
+        assert feed.streams() == ["worker:w0", "worker:w3"]  # another host's loopback and ipc: not this host's
+    finally:
+        feed.close()

@@ -25,14 +25,14 @@ from tensorcast.router.choice import POLICIES, SESSIONS, make_event_policy, make
                    "TensorCastConnector and an advertise_url), found as they start.")
 @click.option("--address", envvar="TENSORCAST_ADDRESS", default="", metavar="HOST:PORT",
               help="The cluster's gateway (default: TENSORCAST_ADDRESS): where --discover finds backends, and where "
-                   "event-cache-aware reads each backend's home worker and follows the pool's shard homes' KV events.")
+                   "the router reads each backend's home worker and the pool's workers (event-cache-aware also "
+                   "follows the shard homes' KV events).")
 @click.option("--token", envvar="TENSORCAST_TOKEN", default=None, help="With --address: the cluster's token.")
 @click.option("--prefill", "prefill", multiple=True, metavar="URL",
               help="Disaggregated mode: a prefill instance (kv_producer; repeat for each); --backend are then the "
                    "decode instances (kv_consumer), the KV handed over through the pool.")
 @click.option("--policy", default="power-of-two", show_default=True,
-              help=f"How to pick a backend: {', '.join(POLICIES)}, event-cache-aware (with --kv-events or "
-                   "--address), or "
+              help=f"How to pick a backend: {', '.join(POLICIES)}, event-cache-aware (with --kv-events), or "
                    "module:factory (your own policies.Router).")
 @click.option("--kv-events", "kv_events", multiple=True, metavar="URL=ENDPOINT[,REPLAY]",
               help="With --policy event-cache-aware: a backend's KV event stream (vLLM's kv_events_config "
@@ -70,39 +70,39 @@ def router(backends: tuple[str, ...], discover: bool, address: str, token: str |
     seed = seed if seed is not None else secrets.randbits(32)
     feed = None
     if policy == "event-cache-aware":
-        chosen, feed = _event_policy(list(backends), kv_events, kv_block_size, sessions, bool(address))
+        chosen, feed = _event_policy(list(backends), kv_events, kv_block_size, sessions)
     elif kv_events:
         raise InvalidArgument("--kv-events feeds --policy event-cache-aware only")
     else:
         chosen = make_policy(policy, seed, sessions=sessions)
     service = RouterService(list(backends), chosen, host=host, port=port, session_header=session_header,
                             prefill=list(prefill), feed=feed, rebalancer=Rebalancer() if rebalance else None,
-                            discovery=Discovery(address, token, adds_backends=discover)
-                            if discover or (feed is not None and address) else None,
+                            discovery=Discovery(address, token, adds_backends=discover) if address else None,
                             prefill_policy=make_policy("power-of-two" if feed else policy, seed + 1,
                                                        sessions=sessions) if prefill else None)
 
     async def run() -> None:
-        await service.start()
-        pools = f"{len(prefill)} prefill + {len(backends)} decode backends" if prefill else f"{len(backends)} backends"
-        say(f"router on {service.url}: {pools}, policy {policy}")
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
         try:
+            await service.start()
+            pools = f"{len(prefill)} prefill + {len(backends)} decode backends" if prefill \
+                else f"{len(backends)} backends"
+            say(f"router on {service.url}: {pools}, policy {policy}")
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
             await stop.wait()
-        finally:
+        finally:  # also when start() failed half-way: its port and threads are released
             await service.stop()
 
     with asyncio.Runner(loop_factory=new_event_loop) as runner:  # uvloop where installed
         runner.run(run())
 
 
-def _event_policy(backends: list[str], streams: tuple[str, ...], block_size: int, sessions: str,
-                  pool: bool) -> tuple[Router, EventFeed]:
+def _event_policy(backends: list[str], streams: tuple[str, ...], block_size: int,
+                  sessions: str) -> tuple[Router, EventFeed]:
     """``event-cache-aware`` and the feed of its backends' KV event streams (``URL=ENDPOINT[,REPLAY]``), which
-    also follows the pool's shard homes when the router reads a cluster (``pool``)."""
+    also follows the pool's shard homes when the router reads a cluster (``--address``)."""
     urls = [b.rstrip("/") for b in backends]
     chosen, index = make_event_policy(block_size, sessions)
     feed = EventFeed(index, topic=KVConfig().events_topic)  # the homes' topic; an engine's stream is added with ""
@@ -112,7 +112,7 @@ def _event_policy(backends: list[str], streams: tuple[str, ...], block_size: int
         if url.rstrip("/") not in urls or not endpoint:
             raise InvalidArgument(f"--kv-events {spec!r}: expected BACKEND_URL=ENDPOINT[,REPLAY] of a --backend")
         feed.add_instance(f"b{urls.index(url.rstrip('/'))}", endpoint, replay or None)
-    if not streams and not pool:
-        raise InvalidArgument("--policy event-cache-aware needs the backends' --kv-events, or the cluster (--address) "
-                              "whose shard homes' events it follows")
+    if not streams:  # the pool's events name block hashes, never tokens: an engine's own events chain them
+        raise InvalidArgument("--policy event-cache-aware needs the backends' --kv-events (the pool's shard homes' "
+                              "events, with --address, add to them: they name no tokens)")
     return chosen, feed

@@ -186,16 +186,21 @@ class AsyncClient:
         if ARTIFACT_ID_RE.match(key_or_id) and not wants_view(options):
             msg = prefetch_request(key_or_id, to, options)
             return await self.workers.send(to, msg, self.caller.context(options.get("timeout")))
-        art = await self.artifact(key_or_id, timeout=options.get("timeout"))
+        art = await self.lookup(key_or_id, timeout=options.get("timeout"), to_read=False)
         return await art.prefetch(to, **options)
 
     async def artifact(self, key_or_id: str, *, timeout: float | None = None) -> AsyncArtifact:
         """The artifact a key points at (a handle of that key), or with this id; ``NotFound`` otherwise."""
+        return await self.lookup(key_or_id, timeout=timeout)
+
+    async def lookup(self, key_or_id: str, *, timeout: float | None = None, to_read: bool = True) -> AsyncArtifact:
+        """``artifact``; ``to_read=False`` for a handle that will not be read (to unpin, release or prefetch
+        it): the gateway is then not asked for its places (naming them makes a segment unfit for recycling)."""
         ctx = self.caller.context(timeout)
         by_id = ARTIFACT_ID_RE.match(key_or_id) is not None
         # Places asked for unless this client keeps the gateway's already (naming them costs the gateway time).
         kept = by_id and self.reader.kept.holds(key_or_id, self.caller.server_id())
-        want = self.locality.shared_memory and not kept
+        want = to_read and self.locality.shared_memory and self.reader.kept.max_entries > 0 and not kept
         reply = await self.caller.call(GetArtifact(key_or_id=key_or_id, map=want), ctx)
         if reply.segments and len(reply.segments) == len(reply.artifact.tensors):  # its first read: no call
             self.reader.kept.remember(reply.artifact.id, reply.mapped_by, [t.name for t in reply.artifact.tensors],

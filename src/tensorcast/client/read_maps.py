@@ -68,7 +68,8 @@ class ReadMaps:
 
     def holds(self, artifact_id: str, worker_id: str) -> bool:
         """Whether places of the artifact on that worker are kept (some of its tensors' at least)."""
-        return (artifact_id, worker_id) in self._places
+        with self._lock:
+            return (artifact_id, worker_id) in self._places
 
     def forget(self, artifact_id: str, worker_id: str | None = None) -> None:
         """Drop the places of an artifact (on one worker, or on all: it was deleted)."""

@@ -80,6 +80,10 @@ class Client:
     def artifact(self, key_or_id: str, *, timeout: float | None = None) -> Artifact:
         return self._wrap(self._run(self.aio.artifact(key_or_id, timeout=timeout)))
 
+    def lookup(self, key_or_id: str, *, timeout: float | None = None, to_read: bool = True) -> Artifact:
+        """``artifact``; ``to_read=False``: a handle that will not be read (see ``AsyncClient.lookup``)."""
+        return self._wrap(self._run(self.aio.lookup(key_or_id, timeout=timeout, to_read=to_read)))
+
     def ls(self, prefix: str = "", *, limit: int | None = None) -> list[Artifact]:
         """One handle per key under ``prefix`` (with none: every key, then artifacts without a key), or the
         first ``limit``, paged through; see ``AsyncClient.ls``."""

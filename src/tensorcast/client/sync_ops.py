@@ -120,7 +120,7 @@ class Operations:
 
     def unpin(self, key_or_id: str, on: str) -> Operation[None]:
         async def go() -> None:
-            await (await self._aio.artifact(key_or_id)).unpin(on)
+            await (await self._aio.lookup(key_or_id, to_read=False)).unpin(on)
 
         return self._op("unpin", go())
 
@@ -135,7 +135,7 @@ class Operations:
 
     def release(self, key_or_id: str) -> Operation[Deletion]:
         async def go() -> Deletion:
-            return await (await self._aio.artifact(key_or_id)).release()
+            return await (await self._aio.lookup(key_or_id, to_read=False)).release()
 
         return self._op("release", go())
 

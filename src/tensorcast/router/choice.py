@@ -105,7 +105,8 @@ def make_policy(name: str, seed: int = 0, *, sessions: str = "hrw") -> Router:
     if sessions not in SESSIONS:
         raise InvalidArgument(f"sessions must be one of {', '.join(SESSIONS)}, got {sessions!r}")
     if name == "event-cache-aware":
-        raise InvalidArgument("event-cache-aware needs the engines' KV events: make_event_policy (CLI: --kv-events)")
+        raise InvalidArgument("event-cache-aware needs the engines' KV events: make_event_policy (CLI: --kv-events, "
+                              "and --address for the pool's)")
     if name in POLICIES:
         router = POLICIES[name](seed)
     elif ":" in name:

@@ -18,6 +18,9 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
+
+from tensorcast.config import Config, default_host_id
 from tensorcast.records import InstanceInfo, WorkerInfo
 from tensorcast.router.choice import BackendLoad
 
@@ -79,16 +82,23 @@ class Discovery:
     worker and the shard homes."""
 
     def __init__(self, address: str, token: str | None = None, engine: str = "", *,
-                 adds_backends: bool = True) -> None:
+                 adds_backends: bool = True, host_id: str = "") -> None:
+        """``host_id``: the router's host (default: this machine's, or ``client.host_id``): which shard homes'
+        streams it can reach (``EventFeed.follow_workers``)."""
         self.address, self.token, self.engine = address, token, engine
         self.adds_backends = adds_backends
+        self.config = Config.load()
+        if host_id:
+            self.config = msgspec.structs.replace(
+                self.config, client=msgspec.structs.replace(self.config.client, host_id=host_id))
+        self.host_id = self.config.client.host_id or default_host_id()
         self._client: Any = None
 
     async def survey(self) -> tuple[list[InstanceInfo], list[WorkerInfo]]:
         from tensorcast.client.aio import connect
 
         if self._client is None:
-            self._client = await connect(self.address, self.token)
+            self._client = await connect(self.address, self.token, config=self.config)
         return await self._client.list_instances(), await self._client.list_workers()
 
     async def close(self) -> None:

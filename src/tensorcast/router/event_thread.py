@@ -31,6 +31,7 @@ class EventThread:
         self.feed = feed
         self.wait_s = wait_s
         self._workers: list[Any] | None = None  # handed over by follow(), taken by the thread
+        self._host_id: str | None = None
         self._handover = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tensorcast-router-events", daemon=True)
@@ -38,28 +39,35 @@ class EventThread:
     def start(self) -> None:
         self._thread.start()
 
-    def follow(self, workers: Sequence[Any]) -> None:
-        """The pool's workers now: the thread follows their shard homes' streams from its next turn."""
+    def follow(self, workers: Sequence[Any], host_id: str | None = None) -> None:
+        """The pool's workers now: the thread follows their shard homes' streams from its next turn (those this
+        host, ``host_id``, can reach: ``EventFeed.follow_workers``)."""
         with self._handover:
-            self._workers = list(workers)
+            self._workers, self._host_id = list(workers), host_id
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            with self._handover:
-                workers, self._workers = self._workers, None
-            try:
-                if workers is not None:
-                    self.feed.follow_workers(workers)
-                if not self.feed.pump(self.wait_s):
-                    self._stop.wait(self.wait_s / 5)  # no stream yet (pump returned at once), or a quiet spell
-            except Exception:  # a stream's failure must not end routing by events for good
-                log.exception("following the KV event streams failed; going on")
-                self._stop.wait(1.0)
+        try:
+            while not self._stop.is_set():
+                with self._handover:
+                    workers, self._workers = self._workers, None
+                try:
+                    if workers is not None:
+                        self.feed.follow_workers(workers, self._host_id)
+                    if not len(self.feed):
+                        self._stop.wait(self.wait_s)  # nothing to follow yet
+                    else:
+                        self.feed.pump(self.wait_s)
+                except Exception:  # a stream's failure must not end routing by events for good
+                    log.exception("following the KV event streams failed; going on")
+                    self._stop.wait(1.0)
+        finally:
+            self.feed.close()  # the streams' sockets are this thread's: closed here, whenever it ends
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Ends the thread (its longest wait is a replay's, 2 s) and closes the streams."""
+        """Ends the thread (at its next turn: a wait on the network, a replay's at most 2 s per new stream), which
+        closes the streams; waits for it ``timeout`` at most."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        if not self._thread.is_alive():
+        elif self._thread.ident is None:  # never started: the streams are closed here
             self.feed.close()

@@ -336,18 +336,21 @@ class RouterService:
             log.warning("cannot list the cluster's instances (%s: %s); keeping the %d backends known",
                         type(exc).__name__, exc, len(self.backends))
             return
-        with self._index_lock():
-            self.policy.set_topology(workers)
-            if self.prefill_policy is not self.policy:
-                self.prefill_policy.set_topology(workers)
-        if self._events is not None:
-            self._events.follow(workers)
-        if self.discovery.adds_backends:
-            adopt(self.backends, backend_urls(instances, self.discovery.engine), self._found,
-                  lambda: f"b{next(self._ids)}")
-        homes = home_workers(instances)
-        for b in [*self.backends, *self.prefill]:
-            b.home_worker = homes.get(b.url, b.home_worker)
+        try:
+            with self._index_lock():
+                self.policy.set_topology(workers)
+                if self.prefill_policy is not self.policy:
+                    self.prefill_policy.set_topology(workers)
+            if self._events is not None:
+                self._events.follow(workers, self.discovery.host_id)
+            if self.discovery.adds_backends:
+                adopt(self.backends, backend_urls(instances, self.discovery.engine), self._found,
+                      lambda: f"b{next(self._ids)}")
+            homes = home_workers(instances)
+            for b in [*self.backends, *self.prefill]:
+                b.home_worker = homes.get(b.url, b.home_worker)
+        except Exception:  # a policy's own set_topology, say: health checks go on (they run on this task)
+            log.exception("applying what the cluster said failed; keeping the backends known")
 
 
 def _passed(headers: Any) -> dict[str, str]:

@@ -76,9 +76,9 @@ class GatewayRole:
         check before they are handed out (else (): the caller's read asks, and the check runs then)."""
         store = self.storage.store
         names = tuple(t.name for t in info.tensors)
-        if not names or not store.memory.has_replica(info.id) or self.storage.trust.unchecked_read(info.id, names):
-            return ()
         try:
+            if not names or not store.memory.has_replica(info.id) or self.storage.trust.unchecked_read(info.id, names):
+                return ()
             return tuple(store.segment_refs(info.id, names, "memory"))
         except TensorCastError:  # a tensor without a memory copy here (dropped meanwhile): the read asks
             return ()
