@@ -159,10 +159,14 @@ class EventSubscriber:
         self._zmq = zmq
         self._ctx = zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.LINGER, 0)
-        self._sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        self._sub.connect(endpoint)
+        try:
+            self._sub.setsockopt(zmq.LINGER, 0)
+            self._sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+            self._sub.connect(endpoint)
+        except BaseException:  # an endpoint ZeroMQ refuses: the socket is not left behind
+            self._sub.close()
+            raise
         self._replay_endpoint = replay_endpoint
         self.next_seq: int | None = None  # the sequence expected next (None: nothing seen yet)
         self.gaps = 0  # batches missed and not replayed
