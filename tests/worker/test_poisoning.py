@@ -13,6 +13,7 @@ import pytest
 
 import tensorcast as tc
 from tensorcast.cluster import LocalCluster
+from tensorcast.errors import NotFound, Unavailable
 from tensorcast.records import ArtifactInfo, TensorMeta
 from tensorcast.tensors import digest_bytes
 from tensorcast.testing import running_cluster
@@ -114,3 +115,16 @@ def test_an_unchecked_honest_put_reads_back_and_is_trusted_once_checked(cluster:
             assert np.array_equal(got, x)
         assert mismatches(cluster, "w0") == before
         client.delete(art.id)
+
+
+def test_a_same_host_lookup_names_no_place_of_a_lie(cluster: LocalCluster) -> None:
+    """A lookup by a caller on the liar's host (the gateway holds the lie, unchecked) names no places: the read
+    asks, the check runs there and fails, and the caller gets a typed error, never the liar's bytes."""
+    x = _data(11, 2 * MiB)
+    before = mismatches(cluster, "w0")
+    bad = lie(cluster.workers["w0"].address, x)
+    with tc.connect(cluster.workers["w0"].address) as client:
+        with pytest.raises((NotFound, Unavailable)):  # its only copy is condemned: nothing left to read
+            got = client.artifact(bad.id).tensor(like="numpy")
+            assert np.array_equal(got, x), "the liar's bytes were read"
+        assert mismatches(cluster, "w0") == before + 1

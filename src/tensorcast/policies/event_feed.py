@@ -42,10 +42,6 @@ class EventFeed:
         self._subs: dict[str, tuple[str, EventSubscriber]] = {}  # source -> (endpoint, subscriber)
         self._failing: set[str] = set()  # homes whose stream could not be followed (logged once)
 
-    def __len__(self) -> int:
-        """Streams followed."""
-        return len(self._subs)
-
     def streams(self) -> list[str]:
         """The sources whose streams are followed (``"instance:ID"``, ``"worker:ID"``)."""
         return list(self._subs)

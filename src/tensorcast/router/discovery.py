@@ -18,8 +18,6 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import msgspec
-
 from tensorcast.config import Config, default_host_id
 from tensorcast.records import InstanceInfo, WorkerInfo
 from tensorcast.router.choice import BackendLoad
@@ -87,10 +85,7 @@ class Discovery:
         streams it can reach (``EventFeed.follow_workers``)."""
         self.address, self.token, self.engine = address, token, engine
         self.adds_backends = adds_backends
-        self.config = Config.load()
-        if host_id:
-            self.config = msgspec.structs.replace(
-                self.config, client=msgspec.structs.replace(self.config.client, host_id=host_id))
+        self.config = Config.load(overrides={"client.host_id": host_id} if host_id else None)
         self.host_id = self.config.client.host_id or default_host_id()
         self._client: Any = None
 

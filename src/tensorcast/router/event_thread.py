@@ -30,8 +30,7 @@ class EventThread:
     def __init__(self, feed: EventFeed, wait_s: float = 0.05) -> None:
         self.feed = feed
         self.wait_s = wait_s
-        self._workers: list[Any] | None = None  # handed over by follow(), taken by the thread
-        self._host_id: str | None = None
+        self._handed: tuple[list[Any], str | None] | None = None  # (workers, host id): from follow(), taken here
         self._handover = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tensorcast-router-events", daemon=True)
@@ -43,17 +42,17 @@ class EventThread:
         """The pool's workers now: the thread follows their shard homes' streams from its next turn (those this
         host, ``host_id``, can reach: ``EventFeed.follow_workers``)."""
         with self._handover:
-            self._workers, self._host_id = list(workers), host_id
+            self._handed = list(workers), host_id
 
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
                 with self._handover:
-                    workers, self._workers = self._workers, None
+                    handed, self._handed = self._handed, None
                 try:
-                    if workers is not None:
-                        self.feed.follow_workers(workers, self._host_id)
-                    if not len(self.feed):
+                    if handed is not None:
+                        self.feed.follow_workers(*handed)
+                    if not self.feed.streams():
                         self._stop.wait(self.wait_s)  # nothing to follow yet
                     else:
                         self.feed.pump(self.wait_s)
