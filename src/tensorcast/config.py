@@ -69,6 +69,10 @@ class GSConfig(msgspec.Struct, frozen=True, kw_only=True):
     worker_liveness_timeout: float = 5.0
     # How often expired caller leases are turned into deletions.
     lease_reap_interval: float = 0.5
+    # Read leases (gs.read_leases): how long a gateway holding an artifact's memory copy may answer look-ups
+    # of its id itself, sparing same-host readers the trip to the store. A delete revokes them before it
+    # returns; one holder that cannot be told holds the delete up for at most this long. 0: off.
+    read_lease_seconds: float = 2.0
     # How long the store remembers a deleted artifact (why it is gone; that a restarting worker must drop
     # its copy rather than bring it back).
     tombstone_ttl: float = 7 * 24 * 3600.0

@@ -232,6 +232,24 @@ def test_delete_turns_replicas_into_drops_until_acknowledged(make: Callable[[], 
     assert run(b.heartbeat("w1", inc1, STATS, 6.0, ())) == (True, ())
 
 
+def test_read_leases_are_granted_only_while_the_artifact_is_recorded(make: Callable[[], MetadataBackend]) -> None:
+    """A grant checks the record in the same transaction: once a delete removed it, no grant lands (so a delete
+    that read the leases after removing the record has seen every one that can be used)."""
+    b = make()
+    assert not run(b.grant_read(A, "w0", 10.0))  # unknown artifact
+    run(b.commit_artifact(artifact(A), "w0", None, None, 1.0))
+    assert run(b.grant_read(A, "w0", 10.0)) and run(b.grant_read(A, "w1", 5.0))
+    assert run(b.grant_read(A, "w0", 12.0))  # renewed: replaces the earlier end
+    assert sorted(run(b.reads_of(A, 4.0))) == [("w0", 12.0), ("w1", 5.0)]
+    assert run(b.reads_of(A, 5.0)) == [("w0", 12.0)]  # ended leases are not listed
+    assert run(b.reads_of(B, 0.0)) == []
+    run(b.delete_artifact(A, 6.0))
+    assert not run(b.grant_read(A, "w2", 20.0))
+    assert run(b.reads_of(A, 6.0)) == [("w0", 12.0)]  # still there to be revoked...
+    run(b.end_reads(A))
+    assert run(b.reads_of(A, 6.0)) == []  # ...and forgotten once it was
+
+
 def test_replicas_and_restarts(make: Callable[[], MetadataBackend]) -> None:
     b = make()
     run(b.register_worker(worker("w0"), 1.0))

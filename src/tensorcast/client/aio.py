@@ -198,9 +198,9 @@ class AsyncClient:
         it): the gateway is then not asked for its places (naming them makes a segment unfit for recycling)."""
         ctx = self.caller.context(timeout)
         by_id = ARTIFACT_ID_RE.match(key_or_id) is not None
-        # Places asked for unless this client keeps the gateway's already (naming them costs the gateway time).
-        kept = by_id and self.reader.kept.holds(key_or_id, self.caller.server_id())
-        want = to_read and self.locality.shared_memory and self.reader.kept.max_entries > 0 and not kept
+        # Places asked for even when kept already: a gateway answering an id under a read lease (``gs.
+        # read_leases``) does so only to a caller asking for them, without asking the store.
+        want = to_read and self.locality.shared_memory and self.reader.kept.max_entries > 0
         reply = await self.caller.call(GetArtifact(key_or_id=key_or_id, map=want), ctx)
         if reply.segments and len(reply.segments) == len(reply.artifact.tensors):  # its first read: no call
             self.reader.kept.remember(reply.artifact.id, reply.mapped_by, [t.name for t in reply.artifact.tensors],

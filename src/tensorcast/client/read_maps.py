@@ -66,11 +66,6 @@ class ReadMaps:
             self._places.move_to_end((artifact_id, worker_id))
             return [places[n] for n in names]
 
-    def holds(self, artifact_id: str, worker_id: str) -> bool:
-        """Whether places of the artifact on that worker are kept (some of its tensors' at least)."""
-        with self._lock:
-            return (artifact_id, worker_id) in self._places
-
     def forget(self, artifact_id: str, worker_id: str | None = None) -> None:
         """Drop the places of an artifact (on one worker, or on all: it was deleted)."""
         with self._lock:

@@ -18,6 +18,7 @@ from tensorcast import clock
 from tensorcast.config import Config
 from tensorcast.errors import InvalidArgument, NotFound, TensorCastError, clip
 from tensorcast.gs.backend import ArtifactCommit, ArtifactRow, MetadataBackend, Unbound
+from tensorcast.gs.read_leases import ReadLeases
 from tensorcast.gs.refs import live, renew_outcome
 from tensorcast.limits import check_ttl
 from tensorcast.records import ArtifactInfo, ReplicaInfo, WorkerInfo
@@ -82,10 +83,13 @@ class ArtifactService:
     """``workers(ids)``: those workers (every one with None), each marked alive or not as of now."""
 
     def __init__(self, backend: MetadataBackend, config: Config,
-                 workers: Callable[[Collection[str] | None], Awaitable[dict[str, WorkerInfo]]]) -> None:
+                 workers: Callable[[Collection[str] | None], Awaitable[dict[str, WorkerInfo]]],
+                 reads: ReadLeases | None = None) -> None:
         self.backend = backend
         self.config = config
         self.workers = workers
+        # Gateways' read leases: whatever removes or releases a reference takes them back before it answers.
+        self.reads = reads or ReadLeases(backend, 0.0, None, workers)
 
     async def resolve(self, key_or_id: str) -> str:
         """The artifact id a live key names, or the id itself; ``NotFound`` saying why otherwise."""
@@ -113,6 +117,7 @@ class ArtifactService:
         """An artifact whose bytes are gone (its last replica evicted or lost): a miss from now on, not an
         entry that lists without a replica."""
         await self.backend.delete_artifact(artifact_id, clock.time(), reason)
+        await self.reads.revoke(artifact_id, removed=True)
         log.info("artifact %s is gone: %s", artifact_id, reason)
 
     async def _row(self, artifact_id: str) -> ArtifactRow:
@@ -230,6 +235,7 @@ class ArtifactService:
                 raise await self.gone(msg.key_or_id, f"no artifact with key {clip(msg.key_or_id)}")
             done = unbound
         log.debug("deleted %s (artifact %s, removed: %s)", msg.key_or_id, aid, done.removed)
+        await self.reads.revoke(aid, done.removed)
         return _deleted(aid, done, await self.workers(done.holders))
 
     async def _leased(self, artifact_id: str, key: str | None, verb: str) -> None:
@@ -263,6 +269,7 @@ class ArtifactService:
         done = await self.backend.unbind(msg.artifact_id, msg.key, clock.time(), "its lease was released")
         if done is None:
             raise NotFound(f"{_ref_name(msg.artifact_id, msg.key)}: released meanwhile")
+        await self.reads.revoke(msg.artifact_id, done.removed)
         return _deleted(msg.artifact_id, done, await self.workers(done.holders))
 
     async def reap_expired(self, now: float) -> None:
@@ -271,4 +278,5 @@ class ArtifactService:
         for aid, key in await self.backend.expired_references(now):
             done = await self.backend.unbind(aid, key, now, EXPIRED, expired_only=True)
             if done is not None and done.removed:
+                await self.reads.revoke(aid, removed=True)
                 log.info("lease of artifact %s expired", aid)

@@ -194,6 +194,21 @@ class MetadataBackend(abc.ABC):
         tombstone (of the id and of its keys) remembers why. Returns holder ids."""
 
     @abc.abstractmethod
+    async def grant_read(self, artifact_id: str, worker_id: str, until: float) -> bool:
+        """Record that ``worker_id`` may answer look-ups of the artifact itself until ``until`` (replacing its
+        earlier lease), atomically with checking that the artifact is recorded; False (nothing recorded) if it
+        is not. A grant that loses a race with a delete is refused, so every lease a delete can miss is one
+        it reads afterwards (``gs.read_leases``)."""
+
+    @abc.abstractmethod
+    async def reads_of(self, artifact_id: str, now: float) -> list[tuple[str, float]]:
+        """(worker, until) of the artifact's read leases that have not ended by ``now``."""
+
+    @abc.abstractmethod
+    async def end_reads(self, artifact_id: str) -> None:
+        """Forget the artifact's read leases (it is deleted and its holders were told, or theirs ended)."""
+
+    @abc.abstractmethod
     async def tombstone(self, key_or_id: str) -> tuple[str, str] | None:
         """(artifact id, reason) of a deleted artifact by id, or of a key by the key (unbound, or its
         artifact deleted); None if there is none."""

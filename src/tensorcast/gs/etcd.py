@@ -24,6 +24,7 @@ Layout (``P`` = the prefix)::
     P dw/{worker}/{art}   a drop the worker owes
     P le/{expiry}/{art}   anonymous caller leases by expiry;  P kl/{expiry}/{art}/{key}  leased key bindings
                           by expiry (the reaper's range scans)
+    P rl/{art}/{worker}   the end of a gateway's read lease on the artifact (gs.read_leases)
     P t/{art}, tk/{key}   tombstones;  P s/{shard}  shard leases;  P pi/{key}  the page-index benchmark
     P gsp/{address}       a live global-store process (its metrics URL), under its own etcd lease
     P v/references        set once records from before key references were converted

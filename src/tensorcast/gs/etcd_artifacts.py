@@ -256,6 +256,24 @@ class EtcdArtifacts(EtcdArtifactReads):
                 self._index_key(tx, aid, k, b.expiry, None)
             tx.delete(self._k("ka", aid, k))
 
+    # ----------------------------------------------------------------- read leases (gs.read_leases)
+    async def grant_read(self, artifact_id: str, worker_id: str, until: float) -> bool:
+        async def decide(tx: Txn) -> bool:
+            if await tx.get(self._k("a", artifact_id)) is None:  # a delete meanwhile fails the compare
+                return False
+            tx.put(self._k("rl", artifact_id, worker_id), repr(until).encode())
+            return True
+
+        return await self.etcd.atomically(decide)
+
+    async def reads_of(self, artifact_id: str, now: float) -> list[tuple[str, float]]:
+        base = self._k("rl", artifact_id, "")
+        held = [(kv.key[len(base):].decode(), float(kv.value)) for kv in await self.etcd.prefix(base)]
+        return [(w, until) for w, until in held if until > now]
+
+    async def end_reads(self, artifact_id: str) -> None:
+        await self.etcd.delete_prefix(self._k("rl", artifact_id, ""))
+
     # ----------------------------------------------------------------- records from before key references
     async def convert_legacy(self) -> int:
         """Convert every record written before keys were references (``gs.refs.legacy``: its keys inherit its

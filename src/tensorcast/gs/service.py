@@ -23,18 +23,20 @@ import msgspec
 
 from tensorcast import clock
 from tensorcast.config import Config
-from tensorcast.credentials import check_bind
+from tensorcast.credentials import WORKER, allows, check_bind
 from tensorcast.errors import InvalidArgument, NotFound
 from tensorcast.gs.artifacts import ArtifactService
 from tensorcast.gs.backend import MetadataBackend
 from tensorcast.gs.goals import under_replicated
 from tensorcast.gs.observe import GSGauges, gs_routes
 from tensorcast.gs.page_index import PageIndex
+from tensorcast.gs.read_leases import ReadLeases
 from tensorcast.gs.sqlite import SqliteBackend
 from tensorcast.kv.leases import LeaseFeed, LeaseRecord, grant, release, renew
 from tensorcast.obs import metrics, tracing
 from tensorcast.obs.http import HttpServer
 from tensorcast.records import ArtifactInfo, InstanceInfo, ShardLease, WorkerInfo
+from tensorcast.wire.caller import Caller
 from tensorcast.wire.kv_messages import (
     AcquireShards,
     GSStats,
@@ -84,10 +86,12 @@ log = logging.getLogger("tensorcast.gs")
 
 
 class GlobalStore:
-    def __init__(self, backend: MetadataBackend, config: Config) -> None:
+    def __init__(self, backend: MetadataBackend, config: Config, caller: Caller | None = None) -> None:
+        """``caller``: how this store reaches workers (to revoke read leases; without one it grants none)."""
         self.backend = backend
         self.config = config
-        self.artifacts = ArtifactService(backend, config, self._workers)
+        self.reads = ReadLeases(backend, config.gs.read_lease_seconds, caller, self._workers)
+        self.artifacts = ArtifactService(backend, config, self._workers, self.reads)
         self.page_index = PageIndex(backend, config.gs)
         # Requests served, by message type: lets tests prove which paths touch the GS.
         self.request_counts: collections.Counter[str] = collections.Counter()
@@ -169,7 +173,11 @@ class GlobalStore:
         return await self.artifacts.commit_group(msg)
 
     async def get_artifact(self, msg: GetArtifact, req: Request) -> ArtifactReply:
-        return await self.artifacts.get(msg)
+        reply = await self.artifacts.get(msg)
+        if msg.read_lease and req.peer is not None and req.conn is not None and allows(req.conn.role, WORKER):
+            granted = await self.reads.grant(reply.artifact, req.peer.peer_id)
+            reply = msgspec.structs.replace(reply, read_lease_seconds=granted)
+        return reply
 
     async def list_artifacts(self, msg: ListArtifacts, req: Request) -> ArtifactList:
         return await self.artifacts.list(msg, await self._workers())
@@ -351,7 +359,8 @@ async def run_global_store(config: Config, data_dir: Path, ready_file: Path | No
     else:
         backend = SqliteBackend(data_dir / "gs.sqlite3", config.gs.sqlite_synchronous, config.gs.sqlite_max_bytes)
     await backend.open()
-    gs = GlobalStore(backend, config)
+    workers = Caller(config.wire, token=config.token, peer_id="gs", host_id="", tls=config.tls)
+    gs = GlobalStore(backend, config, workers)
     server = RpcServer(gs.registry, config.wire, token=config.token, server_id="gs", host_id="", roles=("gs",),
                        tls=config.tls)
     address = await server.start(config.gs.host, config.gs.port)
@@ -382,4 +391,5 @@ async def run_global_store(config: Config, data_dir: Path, ready_file: Path | No
         if source is not None:
             metrics.remove_source(source)
         await server.close()
+        await workers.close()
         await backend.close()

@@ -216,6 +216,23 @@ class SqliteArtifacts(MetadataBackend):
                        [(k, artifact_id, reason, now) for k in keys])
         return holders
 
+    async def grant_read(self, artifact_id: str, worker_id: str, until: float) -> bool:
+        # Not waiting for an fsync: a lease outlives a crash of this process (the WAL keeps it); after a power
+        # loss the store could forget one, and its holder answer a deleted id until it ends.
+        with self._tx(durable=False) as db:
+            if db.execute("SELECT 1 FROM artifacts WHERE artifact_id=?", (artifact_id,)).fetchone() is None:
+                return False
+            db.execute("INSERT OR REPLACE INTO read_leases VALUES (?,?,?)", (artifact_id, worker_id, until))
+        return True
+
+    async def reads_of(self, artifact_id: str, now: float) -> list[tuple[str, float]]:
+        return [(str(r[0]), float(r[1])) for r in self.db.execute(
+            "SELECT worker_id, until FROM read_leases WHERE artifact_id=? AND until > ?", (artifact_id, now))]
+
+    async def end_reads(self, artifact_id: str) -> None:
+        with self._tx(durable=False) as db:
+            db.execute("DELETE FROM read_leases WHERE artifact_id=?", (artifact_id,))
+
     async def tombstone(self, key_or_id: str) -> tuple[str, str] | None:
         row = self.db.execute("SELECT artifact_id, reason FROM tombstones WHERE artifact_id=?", (key_or_id,)).fetchone()
         if row is None:

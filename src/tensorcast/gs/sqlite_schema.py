@@ -85,6 +85,12 @@ CREATE TABLE IF NOT EXISTS drops (
     worker_id TEXT NOT NULL,
     PRIMARY KEY (artifact_id, worker_id)
 );
+CREATE TABLE IF NOT EXISTS read_leases (
+    artifact_id TEXT NOT NULL,
+    worker_id TEXT NOT NULL,
+    until REAL NOT NULL,
+    PRIMARY KEY (artifact_id, worker_id)
+);
 CREATE TABLE IF NOT EXISTS tombstones (
     artifact_id TEXT PRIMARY KEY,
     reason TEXT NOT NULL,

@@ -75,11 +75,6 @@ class Caller:
             self._channels[address] = ch
         return ch
 
-    def server_id(self) -> str:
-        """The server id of the default peer in use, when this caller has connected to it ("" else)."""
-        ch = self._channels.get(self.address)
-        return ch.welcome.server_id if ch is not None and ch.welcome is not None else ""
-
     async def connect(self, address: str | None = None) -> Welcome:
         """Open (or reuse) the connection to ``address`` (default: the default peer) and return its
         handshake reply."""

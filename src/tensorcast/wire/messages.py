@@ -73,6 +73,7 @@ from tensorcast.wire.metadata_messages import (
     ListArtifacts,
     ReleaseLease,
     RenewLease,
+    RevokeReads,
 )
 from tensorcast.wire.plan_messages import (
     InstanceCall,
@@ -105,8 +106,8 @@ __all__ = ["Ack", "AddReplica", "ArtifactList", "ArtifactReply", "Challenge", "C
            "MAX_REPORTED_READS", "MESSAGE_MODULES", "MapTensors", "Mapped", "Msg", "PROTOCOL_VERSION", "PlanResult",
            "Prefetch", "Prefetched", "Proof", "PutAbort", "PutBegin", "PutCommit", "PutData", "PutDone", "PutPlan",
            "ReadCount", "RegisterCheckpoint", "RegisterInstance", "RegisterWorker", "Registered", "ReleaseLease",
-           "RemoveReplica", "RenewLease", "ReportReads", "Request", "RunPlan", "UnderReplicated", "Unpin", "Welcome",
-           "WorkerList"]
+           "RemoveReplica", "RenewLease", "ReportReads", "RevokeReads", "Request", "RunPlan", "UnderReplicated",
+           "Unpin", "Welcome", "WorkerList"]
 
 # Every module whose Msg subclasses travel on the wire (a message defined anywhere else is not decodable).
 MESSAGE_MODULES: tuple[ModuleType, ...] = (session_messages, metadata_messages, artifact_messages,

@@ -2,7 +2,8 @@
 global store answers; gateways forward).
 
 Owns: ``ArtifactReply`` (the reply of every request that returns one artifact's record), ``GetArtifact``,
-``ListArtifacts``, ``DeleteArtifact``, ``RenewLease`` and ``ReleaseLease`` with their replies. Does not own:
+``ListArtifacts``, ``DeleteArtifact``, ``RenewLease`` and ``ReleaseLease`` with their replies, and ``RevokeReads``
+(the store to a gateway answering look-ups under a read lease: ``gs.read_leases``). Does not own:
 moving bytes (``wire.artifact_messages``), the workers' bookkeeping with the store
 (``wire.cluster_messages``), or the tables derived from the messages (``wire.protocol``).
 """
@@ -13,6 +14,7 @@ from typing import ClassVar
 
 from tensorcast.records import ArtifactInfo, ReplicaInfo, SegmentRef
 from tensorcast.wire.message_base import Msg, Request
+from tensorcast.wire.session_messages import Ack
 
 # --------------------------------------------------------------------------- metadata (GS; gateways forward)
 
@@ -25,6 +27,9 @@ class ArtifactReply(Msg):
     # memory, in the order of ``artifact.tensors`` (as ``Mapped.segments``: None, read it instead); () if not.
     segments: tuple[SegmentRef | None, ...] = ()
     mapped_by: str = ""
+    # GetArtifact with ``read_lease``, granted: for this long from the request, the asking worker may answer
+    # look-ups of this id itself (0: not granted).
+    read_lease_seconds: float = 0.0
 
 
 class GetArtifact(Request[ArtifactReply]):
@@ -34,6 +39,9 @@ class GetArtifact(Request[ArtifactReply]):
     idempotent: ClassVar[bool] = True
     key_or_id: str
     map: bool = False
+    # Set by a gateway holding the artifact's checked memory copy (a worker's credential, an id): the store
+    # grants it a read lease, under which it answers this id's later look-ups itself (``gs.read_leases``).
+    read_lease: bool = False
 
 
 class ListArtifacts(Request["ArtifactList"]):
@@ -81,3 +89,10 @@ class ReleaseLease(Request[Deleted]):
 
     artifact_id: str
     key: str | None = None
+
+
+class RevokeReads(Request[Ack]):
+    """Store -> a gateway holding read leases on these artifacts (deleted, released or expired): stop answering
+    their look-ups yourself now; the next one asks the store."""
+
+    artifact_ids: tuple[str, ...]

@@ -66,6 +66,7 @@ from tensorcast.wire.messages import (
     RenewLease,
     ReportReads,
     Request,
+    RevokeReads,
     RunPlan,
     Unpin,
 )
@@ -127,7 +128,7 @@ REQUIRED_ROLE: dict[type, str] = {
     PageIndexPut: CLIENT,
     # the cluster's own bookkeeping
     RegisterWorker: WORKER, Heartbeat: WORKER, CommitArtifact: WORKER, CommitArtifacts: WORKER, AddReplica: WORKER,
-    RemoveReplica: WORKER,
+    RemoveReplica: WORKER, RevokeReads: WORKER,
     DropArtifact: WORKER, AcquireShards: WORKER, RenewShards: WORKER, ReleaseShards: WORKER, KVHandoff: WORKER,
     KVReplicate: WORKER, KVShardsReleased: WORKER, RegisterInstance: WORKER, InstanceHeartbeat: WORKER,
 }
