@@ -3,6 +3,7 @@ and streams, verified chunk checksums, corrupted chunks detected, typed errors."
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -149,6 +150,60 @@ def test_tcp_fetch_ends_by_its_deadline_however_slowly_bytes_trickle() -> None:
         stop.set()
         tr.close()
         sender.join(timeout=5)
+        listener.close()
+
+
+def _cutting_server(cut: int, payload: bytes) -> tuple[socket.socket, threading.Thread]:
+    """A data server (no credential) that closes its first ``cut`` connections at once, before their hello
+    (as a server flooded with silent sockets closes the oldest unauthenticated ones), and serves the next."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        for _ in range(cut):
+            conn, _ = listener.accept()
+            conn.close()
+        conn, _ = listener.accept()
+        with conn, contextlib.suppress(Unavailable):  # the give-up test's last connection says nothing
+            recv_frame(conn, 1 << 16)  # DataHello
+            send_frame(conn, RESPONSE, DataReply(total=0, chunk_bytes=0))
+            recv_frame(conn, 1 << 16)  # DataRequest
+            send_frame(conn, RESPONSE, DataReply(total=len(payload), chunk_bytes=len(payload), tier="memory"))
+            conn.sendall(CHECKSUM.pack(xxhash.xxh3_64_intdigest(payload)) + payload)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return listener, thread
+
+
+@pytest.mark.parametrize("cut", [1, 2])
+def test_tcp_connects_again_when_the_server_closes_it_before_the_handshake(cut: int) -> None:
+    payload = bytes(range(200))
+    listener, server = _cutting_server(cut, payload)
+    tr = make_transport("tcp", WireConfig(), token=None, max_streams=1)
+    host, port = listener.getsockname()[:2]
+    try:
+        dest = bytearray(len(payload))
+        tr.fetch(f"{host}:{port}", DataRequest(artifact_id="a", name="x"), memoryview(dest), deadline=time.time() + 10)
+        assert bytes(dest) == payload
+    finally:
+        tr.close()
+        server.join(timeout=5)
+        listener.close()
+
+
+def test_tcp_gives_up_on_a_server_that_closes_every_connection_before_the_handshake() -> None:
+    listener, server = _cutting_server(3, b"x")
+    tr = make_transport("tcp", WireConfig(), token=None, max_streams=1)
+    host, port = listener.getsockname()[:2]
+    try:
+        with pytest.raises(Unavailable, match="handshake"):
+            tr.fetch(f"{host}:{port}", DataRequest(artifact_id="a", name="x"), memoryview(bytearray(1)),
+                     deadline=time.time() + 10)
+    finally:
+        with socket.create_connection((host, port)):  # let the fake server's last accept return
+            pass
+        tr.close()
+        server.join(timeout=5)
         listener.close()
 
 

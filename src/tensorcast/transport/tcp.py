@@ -30,7 +30,7 @@ from tensorcast.credentials import Keyring
 from tensorcast.errors import DeadlineExceeded, Unavailable, error_from_code
 from tensorcast.tls import client_context, handshake_error, server_hostname
 from tensorcast.transport.base import FetchStats, SourceOpener, split_ranges
-from tensorcast.transport.tcp_frames import CHECKSUM, recv_exact, recv_frame, send_frame
+from tensorcast.transport.tcp_frames import CHECKSUM, PeerClosed, recv_exact, recv_frame, send_frame
 from tensorcast.transport.tcp_server import TcpDataServer
 from tensorcast.wire.handshake import ClientHandshake
 from tensorcast.wire.messages import PROTOCOL_VERSION, Challenge, DataHello, DataReply, DataRequest, Proof
@@ -38,6 +38,9 @@ from tensorcast.wire.protocol import ERROR, REQUEST
 from tensorcast.wire.rpc import parse_address
 
 __all__ = ["TcpTransport"]
+
+# Connections opened for one fetch when the server closes them before authenticating us.
+_HANDSHAKE_TRIES = 3
 
 
 @dataclass
@@ -80,6 +83,19 @@ class TcpTransport:
             return conns.pop() if conns else None
 
     def _connect(self, address: str, deadline: float | None) -> socket.socket:
+        """A new authenticated connection. One the server closes before authenticating us is opened again
+        (``_HANDSHAKE_TRIES`` in all, within the deadline): under a flood of silent sockets the server closes the
+        oldest unauthenticated connections to make room (``transport.max_unauthenticated``), and an honest one
+        whose hello had not left yet can be among them."""
+        for attempt in range(1, _HANDSHAKE_TRIES + 1):
+            try:
+                return self._connect_once(address, deadline)
+            except _HandshakeCut:
+                if attempt == _HANDSHAKE_TRIES or (deadline is not None and time.time() >= deadline):
+                    raise
+        raise AssertionError("unreachable")
+
+    def _connect_once(self, address: str, deadline: float | None) -> socket.socket:
         host, port = parse_address(address)
         timeout = self.config.connect_timeout if deadline is None else max(0.001, deadline - time.time())
         try:
@@ -93,9 +109,12 @@ class TcpTransport:
         try:
             sock = self._secure(sock, address, host, until)
             self._handshake(sock, address, until)
-        except OSError as exc:
+        except TimeoutError as exc:
             sock.close()
             raise Unavailable(f"data plane at {address}: handshake failed: {exc}") from None
+        except (OSError, PeerClosed) as exc:
+            sock.close()
+            raise _HandshakeCut(f"data plane at {address}: handshake failed: {exc}") from None
         except BaseException:
             sock.close()
             raise
@@ -231,6 +250,10 @@ class TcpTransport:
                 self._release(address, sock)
             else:
                 sock.close()
+
+
+class _HandshakeCut(Unavailable):
+    """The server closed a new connection before it authenticated us (tried again: ``TcpTransport._connect``)."""
 
 
 class _StaleConnection(Exception):

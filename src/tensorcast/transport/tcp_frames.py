@@ -19,7 +19,11 @@ from tensorcast.wire.connection import encode_envelope, error_reply
 from tensorcast.wire.frames import HEADER, pack_header, parse_header
 from tensorcast.wire.protocol import ERROR, Envelope
 
-__all__ = ["CHECKSUM", "decode_frame", "recv_exact", "recv_frame", "send_error", "send_frame"]
+__all__ = ["CHECKSUM", "PeerClosed", "decode_frame", "recv_exact", "recv_frame", "send_error", "send_frame"]
+
+class PeerClosed(Unavailable):
+    """The peer closed the connection before every byte expected arrived."""
+
 
 CHECKSUM = struct.Struct(">Q")  # the xxh3-64 of a chunk, sent before it
 
@@ -37,7 +41,7 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = N
             sock.settimeout(left)
         got = sock.recv_into(view[pos:])
         if got == 0:
-            raise Unavailable("data connection closed by peer mid-transfer")
+            raise PeerClosed("data connection closed by peer mid-transfer")
         pos += got
 
 
