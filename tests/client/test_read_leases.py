@@ -1,9 +1,9 @@
 """Read leases, with real processes (``gs.read_leases``, ``worker.held_reads``): the gateway holding an
 artifact's checked memory copy answers its host's look-ups of the id without the global store, and whatever
 deletes the artifact takes that back before it returns: a look-up through the holder right after a delete from
-another host says it is gone; a holder that cannot be told (SIGSTOP) holds the delete up for at most one lease
-and answers nothing from it when it wakes; a global-store restart forgets no lease; a leased artifact (which can
-end by time alone) gets none."""
+another host says it is gone (by id or by its last key); a holder that cannot be told (SIGSTOP) holds the delete up
+for at most one lease and answers nothing from it when it wakes; a revocation names its holder; a global-store
+restart forgets no lease; a leased artifact (which can end by time alone) gets none."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import tensorcast as tc
 from tensorcast.errors import NotFound
 from tensorcast.testing import running_cluster
 from tensorcast.wire.kv_messages import GSStats
+from tensorcast.wire.messages import RevokeReads
 
 LEASE = 2.0
 # No idle verification: the test's own first read checks the bytes (what lets the holder name its places).
@@ -113,10 +114,46 @@ def test_a_stopped_holder_holds_a_delete_up_one_lease_at_most(cluster: tc.LocalC
         near.artifact(art.id)
 
 
-def test_leases_outlive_a_global_store_restart(cluster: tc.LocalCluster, near: tc.Client, far: tc.Client) -> None:
-    art, _ = _leased(near, 30)
+def test_deleting_its_last_key_revokes_too(near: tc.Client, far: tc.Client) -> None:
+    data = np.random.default_rng(40).integers(0, 255, (64, 1024), dtype=np.uint8)
+    art = near.put(data, key="leases/only-key")
+    assert np.array_equal(near.artifact(art.id).tensor(like="numpy"), data)
     near.artifact(art.id)
-    cluster.restart_global_store()
-    far.delete(art.id)
+    far.delete("leases/only-key")  # its last reference: the artifact goes with it
     with pytest.raises(NotFound):
         near.artifact(art.id)
+
+
+def test_a_revocation_is_taken_only_by_the_holder_it_names(cluster: tc.LocalCluster, near: tc.Client) -> None:
+    """A worker now at a holder's address that is not the holder (a restart under another id) refuses it, and the
+    store waits the lease out instead; the holder itself stops answering at once."""
+    art, _ = _leased(near, 50)
+    near.artifact(art.id)
+    holder = cluster.worker_ids[0]
+    with pytest.raises(NotFound):
+        near._run(near.aio.caller.call(RevokeReads(artifact_ids=(art.id,), worker_id="someone-else")))
+    before = _gs_lookups(cluster)
+    near.artifact(art.id)
+    assert _gs_lookups(cluster) == before  # still answered by the holder
+    near._run(near.aio.caller.call(RevokeReads(artifact_ids=(art.id,), worker_id=holder)))
+    near.artifact(art.id)
+    assert _gs_lookups(cluster) == before + 1  # asked the store
+    near.delete(art.id)
+
+
+def test_leases_outlive_a_global_store_restart() -> None:
+    """A lease long enough to outlast the restart: the holder still answers without the new store process, and a
+    delete there revokes it (the lease was on disk, not in the old process's memory)."""
+    with running_cluster(workers=2, hosts=2, config={**CONFIG, "gs.read_lease_seconds": 30.0}) as cluster, \
+            _client(cluster, 0) as near, _client(cluster, 1) as far:
+        art, _ = _leased(near, 30)
+        near.artifact(art.id)
+        cluster.restart_global_store()
+        before = _gs_lookups(cluster)
+        near.artifact(art.id)
+        assert _gs_lookups(cluster) == before  # the holder answered: its lease is still on
+        t0 = time.monotonic()
+        far.delete(art.id)
+        assert time.monotonic() - t0 < 10.0  # told, not waited out (30 s)
+        with pytest.raises(NotFound):
+            near.artifact(art.id)

@@ -246,8 +246,10 @@ def test_read_leases_are_granted_only_while_the_artifact_is_recorded(make: Calla
     run(b.delete_artifact(A, 6.0))
     assert not run(b.grant_read(A, "w2", 20.0))
     assert run(b.reads_of(A, 6.0)) == [("w0", 12.0)]  # still there to be revoked...
-    run(b.end_reads(A))
-    assert run(b.reads_of(A, 6.0)) == []  # ...and forgotten once it was
+    run(b.commit_artifact(artifact(A), "w1", None, None, 7.0))  # put again meanwhile, and leased anew
+    assert run(b.grant_read(A, "w1", 30.0))
+    run(b.end_reads(A, [("w0", 12.0), ("w1", 5.0)]))
+    assert run(b.reads_of(A, 6.0)) == [("w1", 30.0)]  # ...forgotten once it was; the new lease is kept
 
 
 def test_replicas_and_restarts(make: Callable[[], MetadataBackend]) -> None:

@@ -227,6 +227,7 @@ class ArtifactService:
         aid = await self.resolve(msg.key_or_id)
         if ARTIFACT_ID_RE.match(msg.key_or_id):
             if await self.backend.get_artifact(aid) is None:
+                await self.reads.revoke(aid, removed=True)  # a delete again after one cut short: finish it
                 raise NotFound(f"no artifact {msg.key_or_id}")
             done = Unbound(True, tuple(await self.backend.delete_artifact(aid, clock.time(), "deleted")))
         else:

@@ -205,8 +205,9 @@ class MetadataBackend(abc.ABC):
         """(worker, until) of the artifact's read leases that have not ended by ``now``."""
 
     @abc.abstractmethod
-    async def end_reads(self, artifact_id: str) -> None:
-        """Forget the artifact's read leases (it is deleted and its holders were told, or theirs ended)."""
+    async def end_reads(self, artifact_id: str, leases: Sequence[tuple[str, float]]) -> None:
+        """Forget these (worker, until) read leases of the artifact (it is deleted and their holders were told,
+        or theirs ended); one renewed since (another ``until``: the artifact was put again) is kept."""
 
     @abc.abstractmethod
     async def tombstone(self, key_or_id: str) -> tuple[str, str] | None:

@@ -12,6 +12,7 @@ or shard leases (``gs.etcd``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from tensorcast.gs import etcd_goals
@@ -271,8 +272,16 @@ class EtcdArtifacts(EtcdArtifactReads):
         held = [(kv.key[len(base):].decode(), float(kv.value)) for kv in await self.etcd.prefix(base)]
         return [(w, until) for w, until in held if until > now]
 
-    async def end_reads(self, artifact_id: str) -> None:
-        await self.etcd.delete_prefix(self._k("rl", artifact_id, ""))
+    async def end_reads(self, artifact_id: str, leases: Sequence[tuple[str, float]]) -> None:
+        async def ended(tx: Txn, batch: Sequence[tuple[str, float]]) -> None:
+            for w, until in batch:
+                key = self._k("rl", artifact_id, w)
+                raw = await tx.get(key)  # a grant meanwhile changes it: this runs again and keeps it
+                if raw is not None and float(raw) == until:
+                    tx.delete(key)
+
+        for i in range(0, len(leases), _KEY_BATCH):
+            await self.etcd.atomically(functools.partial(ended, batch=leases[i : i + _KEY_BATCH]))
 
     # ----------------------------------------------------------------- records from before key references
     async def convert_legacy(self) -> int:

@@ -34,6 +34,8 @@ from tensorcast.wire.messages import RevokeReads
 __all__ = ["ReadLeases"]
 
 log = logging.getLogger("tensorcast.gs")
+# The least time a revocation is given to reach a holder whose lease has (by this store's clock) ended already.
+_TELL_AT_LEAST = 0.5
 
 
 class ReadLeases:
@@ -52,31 +54,44 @@ class ReadLeases:
         leased rather than system-owned, the worker is not registered, or the artifact went meanwhile)."""
         if self.seconds <= 0 or info.owner != "system" or not await self.workers({worker_id}):
             return 0.0
-        granted = await self.backend.grant_read(info.id, worker_id, clock.time() + self.seconds)
-        return self.seconds if granted else 0.0
+        if not await self.backend.grant_read(info.id, worker_id, clock.time() + self.seconds):
+            return 0.0
+        # Its last permanent reference may have gone meanwhile (a revocation that read the leases before this
+        # grant landed missed it): then the lease is not handed out (its record is revoked with the artifact).
+        row = await self.backend.get_artifact(info.id)
+        if row is None or row.refs.ownership(clock.time())[0] != "system":
+            return 0.0
+        return self.seconds
 
     async def revoke(self, artifact_id: str, removed: bool) -> None:
         """Take back every lease on the artifact: once this returns, no holder answers for it. ``removed``: the
-        artifact is gone (no grant can follow: its leases are forgotten too)."""
-        if self.seconds <= 0 and self.caller is None:
+        artifact is gone (no grant can follow: its leases are forgotten too). Runs to its end even when the
+        request that started it is cancelled (its deadline passed), so a delete's revocation is never cut
+        short after the delete committed."""
+        if self.caller is None:
             return
-        held = await self.backend.reads_of(artifact_id, clock.time())
-        if held:
-            workers = await self.workers({w for w, _ in held})
-            await asyncio.gather(*(self._tell(workers.get(w), w, artifact_id, until) for w, until in held))
+        await asyncio.shield(asyncio.ensure_future(self._revoke(artifact_id, removed)))
+
+    async def _revoke(self, artifact_id: str, removed: bool) -> None:
+        # Leases that ended by this store's clock a lease ago are still told: another store process that
+        # granted one may read its clock a little behind this one's.
+        held = await self.backend.reads_of(artifact_id, clock.time() - self.seconds)
+        if not held:
+            return
+        workers = await self.workers({w for w, _ in held})
+        await asyncio.gather(*(self._tell(workers.get(w), w, artifact_id, until) for w, until in held))
         if removed:
-            await self.backend.end_reads(artifact_id)
+            await self.backend.end_reads(artifact_id, held)
 
     async def _tell(self, worker: WorkerInfo | None, worker_id: str, artifact_id: str, until: float) -> None:
         """Tell one holder; if it cannot be told by the time its lease ends, wait for that end."""
-        left = until - clock.time()
-        if left <= 0:
-            return
         try:
             if worker is None or not worker.address or self.caller is None:
                 raise ConnectionError("no address")
-            await self.caller.call(RevokeReads(artifact_ids=(artifact_id,)), CallContext(deadline=until),
-                                   address=worker.address)
+            # Named: a worker now at that address that is not the holder refuses it, and the lease is waited out.
+            deadline = max(until, clock.time() + _TELL_AT_LEAST)
+            await self.caller.call(RevokeReads(artifact_ids=(artifact_id,), worker_id=worker_id),
+                                   CallContext(deadline=deadline), address=worker.address)
             return
         except (TimeoutError, TensorCastError, OSError) as exc:
             log.info("could not revoke worker %s's read lease on %s (%s): waiting %.2fs for it to end", worker_id,

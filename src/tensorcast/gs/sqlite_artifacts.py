@@ -229,9 +229,10 @@ class SqliteArtifacts(MetadataBackend):
         return [(str(r[0]), float(r[1])) for r in self.db.execute(
             "SELECT worker_id, until FROM read_leases WHERE artifact_id=? AND until > ?", (artifact_id, now))]
 
-    async def end_reads(self, artifact_id: str) -> None:
+    async def end_reads(self, artifact_id: str, leases: Sequence[tuple[str, float]]) -> None:
         with self._tx(durable=False) as db:
-            db.execute("DELETE FROM read_leases WHERE artifact_id=?", (artifact_id,))
+            db.executemany("DELETE FROM read_leases WHERE artifact_id=? AND worker_id=? AND until=?",
+                           [(artifact_id, w, until) for w, until in leases])
 
     async def tombstone(self, key_or_id: str) -> tuple[str, str] | None:
         row = self.db.execute("SELECT artifact_id, reason FROM tombstones WHERE artifact_id=?", (key_or_id,)).fetchone()

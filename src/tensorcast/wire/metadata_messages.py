@@ -93,6 +93,8 @@ class ReleaseLease(Request[Deleted]):
 
 class RevokeReads(Request[Ack]):
     """Store -> a gateway holding read leases on these artifacts (deleted, released or expired): stop answering
-    their look-ups yourself now; the next one asks the store."""
+    their look-ups yourself now; the next one asks the store. ``worker_id``: the holder (another worker that now
+    answers at its address refuses it)."""
 
     artifact_ids: tuple[str, ...]
+    worker_id: str = ""

@@ -19,7 +19,7 @@ import msgspec
 
 from tensorcast import clock
 from tensorcast.context import CallContext
-from tensorcast.errors import TensorCastError
+from tensorcast.errors import NotFound, TensorCastError, clip
 from tensorcast.plans.executor import PlanExecutor
 from tensorcast.records import ArtifactInfo, SegmentRef
 from tensorcast.tensors import ARTIFACT_ID_RE
@@ -91,6 +91,8 @@ class GatewayRole:
         return reply
 
     async def revoke_reads(self, msg: RevokeReads, req: Request) -> Ack:
+        if msg.worker_id != self.parts.worker_id:  # meant for a worker that was at this address before
+            raise NotFound(f"this is worker {self.parts.worker_id}, not {clip(msg.worker_id)}")
         self.held.revoke(msg.artifact_ids)
         return Ack()
 

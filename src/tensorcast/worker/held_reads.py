@@ -20,6 +20,7 @@ __all__ = ["MARGIN", "HeldReads"]
 
 # The share of a lease a holder does not use: the store's wait for an unreachable holder is the whole lease.
 MARGIN = 0.1
+_REMEMBER = 30.0
 
 
 class HeldReads:
@@ -65,6 +66,7 @@ class HeldReads:
             self._held.pop(aid, None)
             self._revoked[aid] = now
             self._revoked.move_to_end(aid)
-        # A revocation older than the longest lease voids no grant still in flight: forget it.
-        while self._revoked and next(iter(self._revoked.values())) < now - self._longest - 1.0:
+        # A revocation older than the longest lease voids no grant still in flight: forget it (kept at least
+        # ``_REMEMBER`` seconds: a store may grant longer leases than this worker was told to expect).
+        while self._revoked and next(iter(self._revoked.values())) < now - max(self._longest, _REMEMBER) - 1.0:
             self._revoked.popitem(last=False)
