@@ -20,20 +20,21 @@ from tensorcast.wire.kv_messages import GSStats
 from tensorcast.wire.messages import RevokeReads
 
 LEASE = 2.0
+TOKEN = "read-leases-secret"  # the store authenticates to the holders it revokes
 # No idle verification: the test's own first read checks the bytes (what lets the holder name its places).
 CONFIG = {"gs.read_lease_seconds": LEASE, "worker.verify_idle_bytes": 0}
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tc.LocalCluster]:
-    with running_cluster(workers=2, hosts=2, config=CONFIG) as c:
+    with running_cluster(workers=2, hosts=2, config=CONFIG, token=TOKEN) as c:
         yield c
 
 
 def _client(cluster: tc.LocalCluster, index: int) -> tc.Client:
     """A caller on host ``index``, through that host's worker."""
     wid = cluster.worker_ids[index]
-    c = tc.connect(cluster.workers[wid].address,
+    c = tc.connect(cluster.workers[wid].address, token=cluster.token,
                    config=tc.Config.from_flat({"client.host_id": cluster.host_id_of(index)}))
     assert c.aio.caller.address == cluster.workers[wid].address
     return c
@@ -53,7 +54,7 @@ def far(cluster: tc.LocalCluster) -> Iterator[tc.Client]:
 
 def _gs_lookups(cluster: tc.LocalCluster) -> int:
     """``GetArtifact`` requests the global store has served."""
-    with tc.connect(cluster.gs_address) as gs:
+    with tc.connect(cluster.gs_address, token=cluster.token) as gs:
         return gs._run(gs.aio.caller.call(GSStats())).requests.get("GetArtifact", 0)
 
 
@@ -144,7 +145,8 @@ def test_a_revocation_is_taken_only_by_the_holder_it_names(cluster: tc.LocalClus
 def test_leases_outlive_a_global_store_restart() -> None:
     """A lease long enough to outlast the restart: the holder still answers without the new store process, and a
     delete there revokes it (the lease was on disk, not in the old process's memory)."""
-    with running_cluster(workers=2, hosts=2, config={**CONFIG, "gs.read_lease_seconds": 30.0}) as cluster, \
+    long_lease = {**CONFIG, "gs.read_lease_seconds": 30.0}
+    with running_cluster(workers=2, hosts=2, config=long_lease, token=TOKEN) as cluster, \
             _client(cluster, 0) as near, _client(cluster, 1) as far:
         art, _ = _leased(near, 30)
         near.artifact(art.id)
