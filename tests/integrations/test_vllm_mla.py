@@ -18,6 +18,9 @@ from tensorcast.testing import running_cluster
 from tensorcast.testing.vllm_engine import EngineProcess, tiny_mla_dir
 
 BLOCK = 16  # vLLM's CPU MLA backend's only block size
+# vLLM prefers its AMX MLA backend where the CPU has AMX, and that one takes 16- or 8-bit weights only; the
+# reference CPU backend runs this float32 model on any x86 or Arm host.
+MLA_BACKEND = "CPU_MLA"
 OFF = {"tensorcast": {"load": False, "save": False}}
 
 
@@ -28,9 +31,9 @@ def test_mla_pages_computed_by_one_instance_are_loaded_by_another(tmp_path: Path
     assert layout.page_bytes == 2 * BLOCK * 576 * 4  # half of what K and V of the same width would be
     with running_cluster(workers=2, hosts=2) as cluster, \
             EngineProcess(model, address=cluster.address, host_id=cluster.host_id_of(0), single_process=True,
-                          log_path=tmp_path / "a.log") as a, \
+                          log_path=tmp_path / "a.log", attention_backend=MLA_BACKEND) as a, \
             EngineProcess(model, address=cluster.address, host_id=cluster.host_id_of(1), single_process=True,
-                          log_path=tmp_path / "b.log") as b:
+                          log_path=tmp_path / "b.log", attention_backend=MLA_BACKEND) as b:
         shared = [(i * 37) % 500 + 2 for i in range(6 * BLOCK)]
         second = [*shared, *range(300, 321)]
         reference = b.generate(second, 8, OFF)  # computed in full, nothing stored

@@ -93,18 +93,20 @@ class EngineProcess:
     that several engines start at the same time. ``single_process``: vLLM's engine core and its worker run
     in this one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor), ~1 GiB less memory
     per engine than vLLM's default three processes. ``kv_events``: a ZeroMQ endpoint vLLM publishes its KV
-    events on (``kv_events_config``)."""
+    events on (``kv_events_config``). ``attention_backend``: vLLM's attention backend by name (vLLM's choice
+    when None)."""
 
     def __init__(self, model_dir: Path, *, address: str, host_id: str, kv_role: str | None = "kv_both",
                  extra: dict[str, Any] | None = None, startup_timeout: float = 600.0,
                  env: dict[str, str] | None = None, log_path: Path | None = None,
                  connector: str = "TensorCastConnector", enable_prefix_caching: bool = False,
                  max_model_len: int = 4096, dtype: str = "float32", log_stats: bool = False,
-                 single_process: bool = False, kv_events: str | None = None, wait: bool = True) -> None:
+                 single_process: bool = False, kv_events: str | None = None, wait: bool = True,
+                 attention_backend: str | None = None) -> None:
         options = {"kv_role": kv_role, "extra": extra or {}, "connector": connector,
                    "enable_prefix_caching": enable_prefix_caching, "max_model_len": max_model_len,
                    "dtype": dtype, "log_stats": log_stats, "single_process": single_process,
-                   "kv_events": kv_events}
+                   "kv_events": kv_events, "attention_backend": attention_backend}
         child_env = {**os.environ, "TENSORCAST_ADDRESS": address, "TENSORCAST_CLIENT_HOST_ID": host_id,
                      "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **(env or {})}
         self.log_path = log_path
@@ -223,7 +225,8 @@ def _serve(model_dir: str, options: dict[str, Any]) -> None:
               max_model_len=int(options.get("max_model_len", 4096)), enforce_eager=True,
               enable_prefix_caching=bool(options.get("enable_prefix_caching", False)), kv_transfer_config=kv,
               block_size=32, disable_log_stats=not options.get("log_stats", False),
-              **executor)
+              **executor, **({"attention_backend": options["attention_backend"]}
+                             if options.get("attention_backend") else {}))
     answer("READY")
     for line in sys.stdin:
         req = json.loads(line)
