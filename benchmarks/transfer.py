@@ -12,7 +12,8 @@ Measured in one run:
 3. a tensor-parallel view (rank 0 of 4, dim 0 and dim 1) read from another host vs reading the whole tensor
    and slicing it locally.
 4. same-host ``tensor()`` of 64 MiB..(4 GiB): must stay flat (mapped, not copied); best of 5 lookups and reads,
-   and the median first read (a lookup and ``tensor()`` by a caller that never read it).
+   and the median first read (a lookup and ``tensor()`` by a caller that never read it: the lookup answered by
+   the caller's gateway under the read lease an earlier lookup took, ``gs.read_leases``).
 
 With ``--tls``, instead: what TLS costs on the data plane, against the plain-text path in the same run. Two
 clusters alike but for TLS (both with a token): prefetch w0 -> w1 of 1 MiB..1 GiB, 1 and 4 streams, the two
