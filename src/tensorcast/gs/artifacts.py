@@ -84,12 +84,12 @@ class ArtifactService:
 
     def __init__(self, backend: MetadataBackend, config: Config,
                  workers: Callable[[Collection[str] | None], Awaitable[dict[str, WorkerInfo]]],
-                 reads: ReadLeases | None = None) -> None:
+                 reads: ReadLeases) -> None:
         self.backend = backend
         self.config = config
         self.workers = workers
         # Gateways' read leases: whatever removes or releases a reference takes them back before it answers.
-        self.reads = reads or ReadLeases(backend, 0.0, None, workers)
+        self.reads = reads
 
     async def resolve(self, key_or_id: str) -> str:
         """The artifact id a live key names, or the id itself; ``NotFound`` saying why otherwise."""

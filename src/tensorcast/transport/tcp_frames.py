@@ -21,6 +21,7 @@ from tensorcast.wire.protocol import ERROR, Envelope
 
 __all__ = ["CHECKSUM", "PeerClosed", "decode_frame", "recv_exact", "recv_frame", "send_error", "send_frame"]
 
+
 class PeerClosed(Unavailable):
     """The peer closed the connection before every byte expected arrived."""
 

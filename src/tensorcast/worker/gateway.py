@@ -110,7 +110,6 @@ class GatewayRole:
 
     async def delete(self, msg: DeleteArtifact | ReleaseLease, req: Request) -> Deleted:
         reply = await self.parts.gs.call(msg, req.ctx)
-        self.held.revoke((reply.artifact_id,))  # the store revoked it too (before it answered)
         if reply.removed:  # free our copy now; other holders at their next heartbeat
             self.storage.drop(reply.artifact_id)
         return reply
