@@ -26,6 +26,8 @@ NO_TWIN = {
     (AsyncArtifact, "kept_tensors"): "already synchronous: the sync Artifact's tensor() and tensor_dict() call it on "
                                      "the caller's thread before they hop to the client's loop",
     (AsyncView, "kept_tensors"): "already synchronous: the sync View's tensor() and tensor_dict() call it first",
+    (AsyncClient, "lookup_request"): "already synchronous: the sync lookup() sends it on the caller's thread",
+    (AsyncClient, "looked_up"): "already synchronous: the sync lookup() makes its handle with it",
 }
 PAIRS = [(AsyncClient, Client), (AsyncArtifact, Artifact), (AsyncView, View), (AsyncKV, KV)]
 

@@ -46,6 +46,7 @@ from tensorcast.wire.caller import Caller
 from tensorcast.wire.connection import ConnectionLost, NotSent
 from tensorcast.wire.kv_messages import GSStats, ListShards, ShardTable
 from tensorcast.wire.messages import (
+    ArtifactReply,
     DeleteArtifact,
     GetArtifact,
     InstanceCall,
@@ -196,15 +197,25 @@ class AsyncClient:
     async def lookup(self, key_or_id: str, *, timeout: float | None = None, to_read: bool = True) -> AsyncArtifact:
         """``artifact``; ``to_read=False`` for a handle that will not be read (to unpin, release or prefetch
         it): the gateway is then not asked for its places (naming them makes a segment unfit for recycling)."""
-        ctx = self.caller.context(timeout)
-        by_id = ARTIFACT_ID_RE.match(key_or_id) is not None
+        msg, ctx = self.lookup_request(key_or_id, timeout=timeout, to_read=to_read)
+        return self.looked_up(key_or_id, await self.caller.call(msg, ctx))
+
+    def lookup_request(self, key_or_id: str, *, timeout: float | None = None, ctx: CallContext | None = None,
+                       to_read: bool = True) -> tuple[GetArtifact, CallContext]:
+        """``lookup``'s request and its context, without sending it (a synchronous client sends it on the
+        caller's thread: ``client.thread_calls``). Any thread."""
         # Places asked for even when kept already: a gateway answering an id under a read lease (``gs.
         # read_leases``) does so only to a caller asking for them, without asking the store.
         want = to_read and self.locality.shared_memory and self.reader.kept.max_entries > 0
-        reply = await self.caller.call(GetArtifact(key_or_id=key_or_id, map=want), ctx)
+        return GetArtifact(key_or_id=key_or_id, map=want), self.caller.context(timeout, ctx)
+
+    def looked_up(self, key_or_id: str, reply: ArtifactReply) -> AsyncArtifact:
+        """The handle ``lookup`` returns for ``reply`` (the places it names kept for the first read). Any
+        thread."""
         if reply.segments and len(reply.segments) == len(reply.artifact.tensors):  # its first read: no call
             self.reader.kept.remember(reply.artifact.id, reply.mapped_by, [t.name for t in reply.artifact.tensors],
                                       reply.segments)
+        by_id = ARTIFACT_ID_RE.match(key_or_id) is not None
         return AsyncArtifact(self, reply.artifact, None if by_id else key_or_id)
 
     async def ls(self, prefix: str = "", *, limit: int | None = None) -> list[AsyncArtifact]:

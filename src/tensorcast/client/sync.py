@@ -22,6 +22,7 @@ from tensorcast.client.loop import LoopThread
 from tensorcast.client.operation import Operation
 from tensorcast.client.sync_handles import Artifact, View
 from tensorcast.client.sync_ops import KV, Operations
+from tensorcast.client.thread_calls import ThreadCalls
 from tensorcast.client.weights_sync import Binding, WeightPublisher
 from tensorcast.config import Config
 from tensorcast.context import CallContext
@@ -30,7 +31,7 @@ from tensorcast.plans.builder import Plan, PlanOutcome
 from tensorcast.records import InstanceInfo, Placement, WorkerInfo
 from tensorcast.views import TP, TPRules
 from tensorcast.wire.kv_messages import ShardTable
-from tensorcast.wire.messages import InstanceReply, Prefetched, RunPlan
+from tensorcast.wire.messages import GetArtifact, InstanceReply, Prefetched, RunPlan
 
 __all__ = ["KV", "Artifact", "Client", "Operations", "View", "connect", "get_client", "init"]
 
@@ -46,6 +47,7 @@ class Client:
         self.aio = AsyncClient(address, token, config=config)
         self.address = self.aio.address
         self._closed = False
+        self._threads = ThreadCalls(self.aio.caller, enabled=self.aio.config.client.thread_lookups)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._submit(coro).result()
@@ -78,11 +80,21 @@ class Client:
                                                        timeout=timeout)))
 
     def artifact(self, key_or_id: str, *, timeout: float | None = None) -> Artifact:
-        return self._wrap(self._run(self.aio.artifact(key_or_id, timeout=timeout)))
+        return self.lookup(key_or_id, timeout=timeout)
 
     def lookup(self, key_or_id: str, *, timeout: float | None = None, to_read: bool = True) -> Artifact:
-        """``artifact``; ``to_read=False``: a handle that will not be read (see ``AsyncClient.lookup``)."""
-        return self._wrap(self._run(self.aio.lookup(key_or_id, timeout=timeout, to_read=to_read)))
+        """``artifact``; ``to_read=False``: a handle that will not be read (see ``AsyncClient.lookup``). Sent on
+        the caller's thread (``client.thread_calls``), through the client's loop when that cannot be."""
+        if self._closed:
+            raise InvalidArgument("client is closed")
+        msg, ctx = self.aio.lookup_request(key_or_id, timeout=timeout, to_read=to_read)
+        reply = self._threads.call(msg, ctx)
+        if reply is not None:
+            return self._wrap(self.aio.looked_up(key_or_id, reply))
+        return self._wrap(self._run(self._lookup_on_loop(key_or_id, msg, ctx)))
+
+    async def _lookup_on_loop(self, key_or_id: str, msg: GetArtifact, ctx: CallContext) -> AsyncArtifact:
+        return self.aio.looked_up(key_or_id, await self.aio.caller.call(msg, ctx))
 
     def ls(self, prefix: str = "", *, limit: int | None = None) -> list[Artifact]:
         """One handle per key under ``prefix`` (with none: every key, then artifacts without a key), or the
@@ -155,6 +167,7 @@ class Client:
 
     def close(self) -> None:
         if not self._closed:
+            self._threads.close()
             self._run(self.aio.close())
             self._closed = True
             self._loop.stop()

@@ -1,0 +1,92 @@
+"""Calls a synchronous client makes on the caller's own thread, without its event loop.
+
+Owns: ``ThreadCalls``: a blocking connection per calling thread (``wire.blocking.BlockingChannel``) to the
+gateway the client's ``Caller`` uses now, opened on that thread's first call and again after the gateway
+changed, closed with the client or when its thread ends. A call either returns the reply, raises the typed error
+the gateway answered, or returns None when it should go the event loop's way instead (this way is off, the
+client is closing, the process forked, or the gateway could not be reached over this connection: the loop's
+caller then fails over to the next gateway as it always does). Only requests that may be sent twice go this
+way (a lookup), since one whose connection broke is sent again through the loop.
+
+Why: a synchronous call handed to the loop thread wakes that thread, which wakes the caller again when the
+reply is in: two wake-ups, each as dear as the round trip itself on a busy host. Does not own: which calls
+go this way (``client.sync``) or what they mean (``client.aio``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import TypeVar
+
+from tensorcast.context import CallContext
+from tensorcast.wire.blocking import BlockingChannel
+from tensorcast.wire.caller import Caller
+from tensorcast.wire.frame_parts import ConnectionLost, NotSent
+from tensorcast.wire.messages import Request
+from tensorcast.wire.protocol import retry_safe
+
+__all__ = ["ThreadCalls"]
+
+R = TypeVar("R")
+
+
+class _Held:
+    """One thread's channel; closed when the thread ends (its thread-local storage goes)."""
+
+    __slots__ = ("__weakref__", "channel")
+
+    def __init__(self, channel: BlockingChannel) -> None:
+        self.channel = channel
+
+    def __del__(self) -> None:
+        self.channel.close()
+
+
+class ThreadCalls:
+    def __init__(self, caller: Caller, *, enabled: bool = True) -> None:
+        self.caller = caller
+        self.enabled = enabled
+        self._pid = os.getpid()
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._held: weakref.WeakSet[_Held] = weakref.WeakSet()  # every thread's, to close with the client
+        self._closed = False
+
+    def call(self, msg: Request[R], ctx: CallContext) -> R | None:
+        """``msg``'s reply, sent on this thread; None: send it through the event loop instead."""
+        if not self.enabled or self._closed or os.getpid() != self._pid or not retry_safe(msg):
+            return None  # (a forked child must not use its parent's sockets: their replies are the parent's)
+        address = self.caller.address
+        if not address:
+            return None
+        held: _Held | None = getattr(self._local, "held", None)
+        if held is None or held.channel.address != address:
+            if held is not None:
+                held.channel.close()
+            held = _Held(BlockingChannel(address, self.caller.config, token=self.caller.token,
+                                         peer_id=self.caller.peer_id, host_id=self.caller.host_id,
+                                         tls=self.caller.tls))
+            with self._lock:
+                if self._closed:
+                    return None
+                self._held.add(held)
+            self._local.held = held
+        try:
+            return held.channel.call(msg, ctx)
+        except (NotSent, ConnectionLost):
+            return None  # the loop's caller fails over (and says so); this thread's connection opens again
+
+    def connections(self) -> int:
+        """Threads holding an open connection now."""
+        with self._lock:
+            return sum(1 for h in self._held if h.channel.connected)
+
+    def close(self) -> None:
+        """Close every thread's connection; later calls go through the loop (which says the client is closed)."""
+        with self._lock:
+            self._closed = True
+            held = list(self._held)
+        for h in held:
+            h.channel.close()

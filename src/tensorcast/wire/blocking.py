@@ -1,0 +1,241 @@
+"""Request/response RPC on the calling thread: one blocking connection to one server, for replies without payload.
+
+Owns: ``BlockingChannel``, the synchronous twin of ``wire.channel.RpcChannel`` for a thread that would otherwise
+hand each call to an event loop on another thread and wait for it to come back (two thread wake-ups, each as
+dear as the round trip itself on a busy host): opening the connection (TCP, TLS when ``tls.enabled``), the
+caller's handshake (``wire.handshake``, the same proofs), one call at a time, each bounded by its context's
+deadline, the reply checked against the type the request declares, and typed errors as the server reported
+them. A call that could not be sent raises ``NotSent`` and one whose connection broke ``ConnectionLost``, as
+``RpcChannel`` does, so a caller can go the event loop's way instead (with its fail-over). Frames are parsed by
+the same sans-IO ``wire.frame_reader`` with the same limits; a reply carrying a payload is refused (the calls
+made here have none). Not thread-safe: one per thread. Does not own: which calls go this way, or which thread
+holds which channel (``client.thread_calls``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import socket
+import ssl
+import time
+from typing import Any, TypeVar, cast
+
+from tensorcast.config import TLSConfig, WireConfig
+from tensorcast.context import CallContext
+from tensorcast.credentials import Keyring
+from tensorcast.errors import (
+    DeadlineExceeded,
+    InternalError,
+    InvalidArgument,
+    TensorCastError,
+    Unavailable,
+    error_from_code,
+)
+from tensorcast.obs import metrics, tracing
+from tensorcast.tls import client_context, handshake_error, server_hostname
+from tensorcast.wire.codec import decode_envelope, decode_message
+from tensorcast.wire.frame_parts import ConnectionLost, NotSent, encode_envelope
+from tensorcast.wire.frame_reader import Body, FrameReader
+from tensorcast.wire.frames import pack_header
+from tensorcast.wire.handshake import ClientHandshake
+from tensorcast.wire.messages import PROTOCOL_VERSION, Challenge, ErrorReply, Hello, Proof, Request, Welcome
+from tensorcast.wire.protocol import ERROR, REQUEST
+from tensorcast.wire.rpc import parse_address
+from tensorcast.wire.shared import ReceiveBudget
+from tensorcast.wire.sockets import detect_dead_peer
+
+__all__ = ["BlockingChannel"]
+
+R = TypeVar("R")
+
+_STAGING = 64 * 1024  # replies of a lookup are a few KiB; larger bodies are read into a buffer of their own
+
+
+class BlockingChannel:
+    def __init__(self, address: str, config: WireConfig, *, token: str | None, peer_id: str = "",
+                 host_id: str = "", tls: TLSConfig | None = None) -> None:
+        self.address = address
+        self.config = config
+        self.keyring = Keyring.from_token(token)
+        self.peer_id, self.host_id = peer_id, host_id
+        self.tls = tls
+        self.welcome: Welcome | None = None
+        self._sock: socket.socket | ssl.SSLSocket | None = None
+        self._reader: FrameReader | None = None
+        self._ids = itertools.count(1)
+        self._budget = ReceiveBudget(config.receive_budget_bytes)
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    def call(self, msg: Request[R], ctx: CallContext) -> R:
+        """Send ``msg`` and return its reply, of the type the request declares; the typed error the server
+        reported, ``DeadlineExceeded`` past ``ctx``'s deadline, ``NotSent`` / ``ConnectionLost`` when the server
+        could not be reached (the connection is closed then, and opened again by the next call)."""
+        method = type(msg).__name__
+        ctx.check(method)
+        started = time.perf_counter()
+        outcome = "ok"
+        try:
+            with tracing.span(method, ctx.trace_id, kind="client", attributes={"peer": self.address}):
+                if self._sock is None:
+                    self._connect(ctx)
+                try:
+                    reply, kind = self._roundtrip(msg, ctx)
+                except _Unsent as exc:
+                    raise NotSent(f"cannot send to {self.address}: {exc.args[0]}") from None
+                return self._checked(msg, reply, kind, ctx)
+        except TensorCastError as exc:
+            outcome = exc.code
+            raise
+        finally:
+            roles = self.welcome.roles if self.welcome is not None else ()
+            metrics.rpc_sent(method, "gs" if "gs" in roles else "worker", outcome, time.perf_counter() - started)
+
+    def _checked(self, msg: Request[R], reply: Any, kind: int, ctx: CallContext) -> R:
+        """The reply as the request declares it, or the typed error the server sent."""
+        if kind == ERROR:
+            if isinstance(reply, ErrorReply):
+                raise error_from_code(reply.code, reply.message, ctx.trace_id)
+            raise InternalError("malformed error reply", trace_id=ctx.trace_id)
+        expect = type(msg).reply_type()
+        if not isinstance(reply, expect):
+            raise InternalError(f"{self.address} answered {type(msg).__name__} with {type(reply).__name__}, "
+                                f"expected {expect.__name__}", trace_id=ctx.trace_id)
+        return cast(R, reply)
+
+    def close(self) -> None:
+        sock, self._sock, self._reader, self.welcome = self._sock, None, None, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    # ------------------------------------------------------------------ connecting
+
+    def _connect(self, ctx: CallContext) -> None:
+        """Open the connection and handshake, within the handshake timeout and ``ctx``'s deadline."""
+        limit = CallContext(deadline=time.time() + self.config.handshake_timeout, trace_id=ctx.trace_id)
+        if ctx.deadline is not None and ctx.deadline < (limit.deadline or 0):
+            limit = ctx
+        host, port = parse_address(self.address)
+        left = min(self.config.connect_timeout, max(limit.remaining() or 0.0, 0.001))
+        try:
+            raw = socket.create_connection((host, port), timeout=left)
+        except TimeoutError:
+            if limit is ctx:
+                raise DeadlineExceeded(f"connecting to {self.address}: deadline exceeded",
+                                       trace_id=ctx.trace_id) from None
+            raise NotSent(f"cannot connect to {self.address}: timed out") from None
+        except OSError as exc:
+            raise NotSent(f"cannot connect to {self.address}: {exc}") from None
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.config.dead_peer_timeout > 0:
+            detect_dead_peer(raw, self.config.dead_peer_timeout)
+        sock: socket.socket | ssl.SSLSocket = raw
+        tls = client_context(self.tls) if self.tls is not None else None
+        if tls is not None and self.tls is not None:
+            try:
+                sock = tls.wrap_socket(raw, server_hostname=server_hostname(self.tls, host))
+            except (ssl.SSLError, OSError) as exc:
+                raw.close()
+                raise handshake_error(self.address, exc) from None
+        self._sock = sock
+        # Until the handshake is done: small frames only, as the server holds us to.
+        self._reader = FrameReader(4096, self.config.max_handshake_bytes, self._budget, payloads=False)
+        try:
+            self.welcome = self._handshake(limit)
+        except (_Unsent, ConnectionLost) as exc:
+            self.close()
+            raise NotSent(f"{self.address} closed the connection during the handshake ({exc})") from None
+        except DeadlineExceeded:
+            self.close()
+            if limit is ctx:
+                raise
+            raise NotSent(f"{self.address} did not complete the handshake in time") from None
+        except BaseException:
+            self.close()
+            raise
+        self._reader.max_body = self.config.max_frame_bytes
+        self._reader.grow(_STAGING)
+
+    def _handshake(self, limit: CallContext) -> Welcome:
+        hs = ClientHandshake(self.keyring, self.peer_id, "rpc")
+        hello = Hello(protocol_version=PROTOCOL_VERSION, role=hs.role, nonce=hs.nonce, peer_id=self.peer_id,
+                      host_id=self.host_id)
+        reply, kind = self._roundtrip(hello, limit)
+        if kind != ERROR and isinstance(reply, Challenge):
+            proof = hs.challenged(reply, self.address)
+            reply, kind = self._roundtrip(Proof(proof=proof), limit)
+        elif kind != ERROR and isinstance(reply, Welcome):
+            hs.accepted(self.address)
+        if kind == ERROR and isinstance(reply, ErrorReply):
+            raise error_from_code(reply.code, reply.message, limit.trace_id)
+        if not isinstance(reply, Welcome):
+            raise InvalidArgument(f"unexpected handshake reply {type(reply).__name__}")
+        return reply
+
+    # ------------------------------------------------------------------ one exchange
+
+    def _roundtrip(self, msg: Any, ctx: CallContext) -> tuple[Any, int]:
+        """Write ``msg``'s frame and read frames until its reply (message, envelope kind). Raises ``_Unsent``
+        if nothing left this side; once it did, a broken connection is ``ConnectionLost``."""
+        sock, reader = self._sock, self._reader
+        assert sock is not None and reader is not None
+        request_id = next(self._ids)
+        body = encode_envelope(request_id, REQUEST, ctx.trace_id, ctx.deadline, msg, tracing.current_span_id())
+        self._timeout(sock, ctx, type(msg).__name__)
+        try:
+            sock.sendall(pack_header(len(body), 0) + body)
+        except TimeoutError:
+            self.close()
+            raise DeadlineExceeded(f"{type(msg).__name__} to {self.address}: deadline exceeded",
+                                   trace_id=ctx.trace_id) from None
+        except OSError as exc:
+            self.close()
+            raise _Unsent(str(exc)) from None
+        try:
+            while True:
+                event = reader.next_event()
+                if event is None:
+                    self._timeout(sock, ctx, type(msg).__name__)
+                    buf = reader.get_buffer()
+                    n = sock.recv_into(buf)
+                    if n == 0:
+                        raise ConnectionLost(f"{self.address} closed the connection")
+                    reader.buffer_updated(n)
+                    continue
+                assert isinstance(event, Body)  # payloads are refused by the reader (Unauthenticated)
+                env = decode_envelope(event.body)
+                if env.request_id == request_id or (env.request_id == 0 and env.kind == ERROR):
+                    if env.request_id == 0:
+                        self.close()  # the server failed the connection: it is closing it
+                    return decode_message(env.body), env.kind
+        except TimeoutError:
+            self.close()
+            raise DeadlineExceeded(f"{type(msg).__name__} to {self.address}: deadline exceeded",
+                                   trace_id=ctx.trace_id) from None
+        except ssl.SSLError as exc:
+            self.close()
+            raise handshake_error(self.address, exc) from None
+        except OSError:
+            self.close()
+            raise ConnectionLost(f"connection to {self.address} lost") from None
+        except TensorCastError as exc:  # a frame this side cannot take (too large, malformed, a payload)
+            self.close()
+            if isinstance(exc, Unavailable | DeadlineExceeded):  # lost, or out of time between two reads
+                raise
+            raise InternalError(f"{self.address} answered {type(msg).__name__} with a frame this channel cannot "
+                                f"take: {exc.message}", trace_id=ctx.trace_id) from None
+
+    def _timeout(self, sock: socket.socket, ctx: CallContext, method: str) -> None:
+        left = ctx.remaining()
+        if left is not None and left <= 0:
+            self.close()
+            raise DeadlineExceeded(f"{method} to {self.address}: deadline exceeded", trace_id=ctx.trace_id)
+        sock.settimeout(left)
+
+
+class _Unsent(Exception):
+    """The request's bytes did not leave (the connection was found closed when writing)."""

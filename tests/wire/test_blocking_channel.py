@@ -1,0 +1,219 @@
+"""The blocking channel (a call on the caller's own thread) against a real RPC server, and against hostile ones:
+the same handshake and proofs as the event-loop channel, typed errors as the server raised them, deadlines that
+end a call and leave the next one working, and servers that close, stall or send frames it must not take
+(a body of a gigabyte before authentication, a payload) answered with a typed error and nothing allocated."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tensorcast.client.loop import LoopThread
+from tensorcast.config import WireConfig
+from tensorcast.context import CallContext
+from tensorcast.credentials import Keyring
+from tensorcast.errors import DeadlineExceeded, InternalError, NotFound, TensorCastError, Unauthenticated
+from tensorcast.wire.blocking import BlockingChannel
+from tensorcast.wire.cluster_messages import ListUnderReplicated, ListWorkers, WorkerList
+from tensorcast.wire.frame_parts import ConnectionLost, NotSent, encode_envelope
+from tensorcast.wire.frames import pack_header
+from tensorcast.wire.messages import PROTOCOL_VERSION, GetArtifact, Welcome
+from tensorcast.wire.protocol import RESPONSE
+from tensorcast.wire.rpc import HandlerRegistry, Request, RpcServer
+
+SECRET = "blocking-channel-secret"
+
+
+def ctx(seconds: float = 5.0) -> CallContext:
+    return CallContext(deadline=time.time() + seconds)
+
+
+@pytest.fixture
+def loop() -> Iterator[LoopThread]:
+    lt = LoopThread("test-server")
+    yield lt
+    lt.stop()
+
+
+def serve(loop: LoopThread, token: str | None, *, slow: float = 0.0) -> tuple[str, RpcServer]:
+    registry = HandlerRegistry()
+    calls = {"n": 0}
+
+    async def workers(msg: ListWorkers, req: Request) -> WorkerList:
+        calls["n"] += 1
+        if slow:
+            await asyncio.sleep(slow)
+        return WorkerList(workers=())
+
+    async def missing(msg: GetArtifact, req: Request) -> Any:
+        raise NotFound(f"no artifact {msg.key_or_id!r}")
+
+    async def wrong(msg: ListUnderReplicated, req: Request) -> Any:
+        return WorkerList(workers=())  # not the UnderReplicated the request declares
+
+    registry.register(ListWorkers, workers)
+    registry.register(GetArtifact, missing)
+    registry.register(ListUnderReplicated, wrong)
+    server = RpcServer(registry, WireConfig(), token=token, server_id="s", host_id="h")
+
+    async def start() -> str:
+        return await server.start("127.0.0.1", 0)
+
+    return loop.run(start()), server
+
+
+def test_calls_with_a_credential_and_typed_errors_as_the_server_raised_them(loop: LoopThread) -> None:
+    address, server = serve(loop, SECRET)
+    client = Keyring.from_token(SECRET)
+    assert client is not None
+    ch = BlockingChannel(address, WireConfig(), token=client.credential("client"), peer_id="t")
+    try:
+        for _ in range(3):  # one connection, many calls
+            assert isinstance(ch.call(ListWorkers(), ctx()), WorkerList)
+        assert ch.welcome is not None and ch.welcome.server_id == "s"
+        with pytest.raises(NotFound, match="no artifact 'x'"):
+            ch.call(GetArtifact(key_or_id="x"), ctx())
+        with pytest.raises(InternalError, match="expected UnderReplicated"):
+            ch.call(ListUnderReplicated(), ctx())
+        assert isinstance(ch.call(ListWorkers(), ctx()), WorkerList)  # the connection serves on
+    finally:
+        ch.close()
+        loop.run(server.close())
+
+
+def test_a_server_of_another_cluster_or_no_credential_is_refused(loop: LoopThread) -> None:
+    address, server = serve(loop, SECRET)
+    try:
+        other = BlockingChannel(address, WireConfig(), token="another-secret")
+        with pytest.raises(Unauthenticated, match="could not prove"):
+            other.call(ListWorkers(), ctx())
+        assert not other.connected
+        none = BlockingChannel(address, WireConfig(), token=None)
+        with pytest.raises(Unauthenticated, match="needs a credential"):
+            none.call(ListWorkers(), ctx())
+        assert not none.connected
+    finally:
+        loop.run(server.close())
+
+
+def test_a_deadline_ends_the_call_and_the_next_one_works(loop: LoopThread) -> None:
+    address, server = serve(loop, None, slow=30.0)
+    ch = BlockingChannel(address, WireConfig(), token=None)
+    try:
+        with pytest.raises(NotFound):
+            ch.call(GetArtifact(key_or_id="x"), ctx())  # connected
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            ch.call(ListWorkers(), ctx(0.3))  # its handler takes 30 s
+        assert time.monotonic() - t0 < 10  # ended by its deadline, not by the server's reply
+        assert not ch.connected  # a reply may still come on it: that connection is not reused
+        with pytest.raises(NotFound):
+            ch.call(GetArtifact(key_or_id="x"), ctx())
+        with pytest.raises(DeadlineExceeded):
+            ch.call(GetArtifact(key_or_id="x"), CallContext(deadline=time.time() - 1))
+    finally:
+        ch.close()
+        loop.run(server.close())
+
+
+def test_a_server_that_is_gone_or_restarts_says_not_sent_or_lost(loop: LoopThread) -> None:
+    address, server = serve(loop, None)
+    ch = BlockingChannel(address, WireConfig(), token=None)
+    ch.call(ListWorkers(), ctx())
+    loop.run(server.close())
+    with pytest.raises((NotSent, ConnectionLost)):  # the old connection: closed by the server
+        ch.call(ListWorkers(), ctx())
+    with pytest.raises(NotSent):  # nobody listens there any more
+        ch.call(ListWorkers(), ctx())
+
+
+class _Hostile:
+    """A server that answers each frame a connection sends with the next of ``replies`` (raw bytes; an empty
+    one closes the connection), and stays silent once they run out."""
+
+    def __init__(self, *replies: bytes) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.replies = replies
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            for reply in self.replies:
+                try:
+                    conn.recv(65536)
+                    if not reply:
+                        conn.close()
+                        break
+                    conn.sendall(reply)
+                except OSError:
+                    break
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+def _frame(message: Any, request_id: int = 1, payload: bytes = b"") -> bytes:
+    body = encode_envelope(request_id, RESPONSE, "", None, message)
+    return pack_header(len(body), len(payload)) + body + payload
+
+
+@pytest.mark.parametrize(("reply", "error", "why"), [
+    (b"", NotSent, "closed the connection during the handshake"),
+    (pack_header(1 << 30, 0), InternalError, "exceeds the limit"),  # a 1 GiB body before authentication
+    (b"GET / HTTP/1.1\r\n\r\n" * 4, InternalError, "bad magic"),
+    (_frame(WorkerList(workers=()), payload=b"x" * 64), InternalError, "a payload"),
+])
+def test_hostile_servers_get_a_typed_error_and_no_memory(reply: bytes, error: type[TensorCastError],
+                                                        why: str) -> None:
+    hostile = _Hostile(reply)
+    ch = BlockingChannel(hostile.address, WireConfig(), token=None)
+    try:
+        with pytest.raises(error, match=why):
+            ch.call(ListWorkers(), ctx())
+        assert not ch.connected
+        assert ch._budget.held == 0  # nothing held for what the server announced
+    finally:
+        hostile.close()
+
+
+def test_a_server_that_never_answers_the_handshake_is_given_up_on_in_time() -> None:
+    hostile = _Hostile(b"TC")  # half a header, then silence
+    ch = BlockingChannel(hostile.address, WireConfig(handshake_timeout=0.3), token=None)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(NotSent, match="in time"):
+            ch.call(ListWorkers(), ctx())
+        assert time.monotonic() - t0 < 3
+    finally:
+        hostile.close()
+
+
+def test_after_the_handshake_a_payload_or_a_stalled_reply_ends_only_that_connection() -> None:
+    welcome = _frame(Welcome(protocol_version=PROTOCOL_VERSION, server_id="h", host_id="h"))
+    for second, error in [(_frame(WorkerList(workers=()), request_id=2, payload=b"x" * 64), InternalError),
+                          (pack_header(100, 0) + b"\x00" * 10, DeadlineExceeded)]:
+        hostile = _Hostile(welcome, second)
+        ch = BlockingChannel(hostile.address, WireConfig(), token=None)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(error):
+                ch.call(ListWorkers(), ctx(0.5))
+            assert time.monotonic() - t0 < 3
+            assert not ch.connected and ch._budget.held == 0
+        finally:
+            hostile.close()
