@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import gc
 import os
+import socket
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 
 import tensorcast as tc
+from tensorcast.client import thread_calls
 from tensorcast.cluster import LocalCluster
 from tensorcast.errors import NotFound
 from tensorcast.testing import running_cluster
@@ -125,7 +128,9 @@ def test_a_forked_child_never_uses_its_parents_connections(cluster: LocalCluster
         client.artifact(art.id)  # this thread holds a connection now
         msg, ctx = client.aio.lookup_request(art.id, timeout=5)
         read, write = os.pipe()
-        pid = os.fork()
+        with warnings.catch_warnings():  # forking a process with threads: what this test is about
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
         if pid == 0:
             try:
                 os.write(write, b"none" if client._threads.call(msg, ctx) is None else b"used")
@@ -147,4 +152,63 @@ def test_turned_off_every_lookup_goes_through_the_loop(cluster: LocalCluster) ->
         hops = LoopHops(client)
         client.artifact(art.id)
         assert hops.n == 1 and client._threads.connections() == 0
+        client.delete(art.id)
+
+
+def test_a_gateway_refusing_new_connections_is_tried_this_way_once_per_back_off(
+        cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gateway that takes the loop's connection but closes new ones (at its connection limit) costs one
+    failed connection per back-off, not one per lookup; lookups are answered through the loop meanwhile."""
+    with _connect(cluster) as client:
+        art = client.put({"x": np.zeros(8)})
+        closer = socket.create_server(("127.0.0.1", 0))  # accepts and closes: a gateway refusing connections
+        accepted: list[int] = []
+
+        def refuse() -> None:
+            while True:
+                try:
+                    conn, _ = closer.accept()
+                except OSError:
+                    return
+                accepted.append(1)
+                conn.close()
+
+        threading.Thread(target=refuse, daemon=True).start()
+        threads = client._threads
+        real = threads.caller.address
+        now = [1000.0]
+        monkeypatch.setattr(thread_calls.time, "monotonic", lambda: now[0])
+        msg, ctx = client.aio.lookup_request(art.id, timeout=10)
+        try:
+            threads.caller.address = f"127.0.0.1:{closer.getsockname()[1]}"
+            assert threads.call(msg, ctx) is None and len(accepted) == 1
+            for _ in range(5):
+                assert threads.call(msg, ctx) is None
+            assert len(accepted) == 1, "tried again within its back-off"
+            now[0] += thread_calls.BACKOFF_S + 0.01
+            assert threads.call(msg, ctx) is None and len(accepted) == 2
+            now[0] += thread_calls.BACKOFF_S + 0.01  # the back-off doubled: not yet
+            assert threads.call(msg, ctx) is None and len(accepted) == 2
+        finally:
+            threads.caller.address = real
+            closer.close()
+        assert threads.call(msg, ctx) is not None  # another gateway: this way again
+
+
+def test_a_lookup_on_the_clients_own_loop_thread_is_refused_as_before(cluster: LocalCluster) -> None:
+    with _connect(cluster) as client:
+        art = client.put({"x": np.zeros(8)})
+        got: list[BaseException] = []
+        done = threading.Event()
+
+        def on_loop() -> None:
+            try:
+                client.artifact(art.id)
+            except BaseException as exc:
+                got.append(exc)
+            done.set()
+
+        client._loop.loop.call_soon_threadsafe(on_loop)
+        assert done.wait(10)
+        assert len(got) == 1 and isinstance(got[0], RuntimeError) and "own event loop" in str(got[0])
         client.delete(art.id)

@@ -6,6 +6,7 @@ end a call and leave the next one working, and servers that close, stall or send
 from __future__ import annotations
 
 import asyncio
+import errno
 import socket
 import threading
 import time
@@ -19,13 +20,14 @@ from tensorcast.config import WireConfig
 from tensorcast.context import CallContext
 from tensorcast.credentials import Keyring
 from tensorcast.errors import DeadlineExceeded, InternalError, NotFound, TensorCastError, Unauthenticated
-from tensorcast.wire.blocking import BlockingChannel
+from tensorcast.wire.blocking import BlockingChannel, _out_of_time
 from tensorcast.wire.cluster_messages import ListUnderReplicated, ListWorkers, WorkerList
 from tensorcast.wire.frame_parts import ConnectionLost, NotSent, encode_envelope
 from tensorcast.wire.frames import pack_header
 from tensorcast.wire.messages import PROTOCOL_VERSION, GetArtifact, Welcome
-from tensorcast.wire.protocol import RESPONSE
+from tensorcast.wire.protocol import ERROR, RESPONSE
 from tensorcast.wire.rpc import HandlerRegistry, Request, RpcServer
+from tensorcast.wire.shared import ReceiveBudget
 
 SECRET = "blocking-channel-secret"
 
@@ -173,7 +175,7 @@ def _frame(message: Any, request_id: int = 1, payload: bytes = b"") -> bytes:
 
 
 @pytest.mark.parametrize(("reply", "error", "why"), [
-    (b"", NotSent, "closed the connection during the handshake"),
+    (b"", NotSent, r"no handshake with .* closed the connection"),
     (pack_header(1 << 30, 0), InternalError, "exceeds the limit"),  # a 1 GiB body before authentication
     (b"GET / HTTP/1.1\r\n\r\n" * 4, InternalError, "bad magic"),
     (_frame(WorkerList(workers=()), payload=b"x" * 64), InternalError, "a payload"),
@@ -196,7 +198,7 @@ def test_a_server_that_never_answers_the_handshake_is_given_up_on_in_time() -> N
     ch = BlockingChannel(hostile.address, WireConfig(handshake_timeout=0.3), token=None)
     try:
         t0 = time.monotonic()
-        with pytest.raises(NotSent, match="in time"):
+        with pytest.raises(NotSent, match=r"no handshake with .* deadline exceeded"):
             ch.call(ListWorkers(), ctx())
         assert time.monotonic() - t0 < 3
     finally:
@@ -205,15 +207,70 @@ def test_a_server_that_never_answers_the_handshake_is_given_up_on_in_time() -> N
 
 def test_after_the_handshake_a_payload_or_a_stalled_reply_ends_only_that_connection() -> None:
     welcome = _frame(Welcome(protocol_version=PROTOCOL_VERSION, server_id="h", host_id="h"))
-    for second, error in [(_frame(WorkerList(workers=()), request_id=2, payload=b"x" * 64), InternalError),
-                          (pack_header(100, 0) + b"\x00" * 10, DeadlineExceeded)]:
+    cases = [(_frame(WorkerList(workers=()), request_id=2, payload=b"x" * 64), InternalError, 10.0),
+             (pack_header(100, 0) + b"\x00" * 10, DeadlineExceeded, 1.0),
+             (pack_header(1 << 20, 0) + b"\x00" * 1000, DeadlineExceeded, 1.0)]  # a large body, cut short
+    for second, error, seconds in cases:
         hostile = _Hostile(welcome, second)
-        ch = BlockingChannel(hostile.address, WireConfig(), token=None)
+        budget = ReceiveBudget(1 << 30)
+        ch = BlockingChannel(hostile.address, WireConfig(), token=None, budget=budget)
         try:
             t0 = time.monotonic()
             with pytest.raises(error):
-                ch.call(ListWorkers(), ctx(0.5))
-            assert time.monotonic() - t0 < 3
-            assert not ch.connected and ch._budget.held == 0
+                ch.call(ListWorkers(), ctx(seconds))
+            assert time.monotonic() - t0 < seconds + 5
+            assert not ch.connected and budget.held == 0  # what the reader held for the body is given back
         finally:
             hostile.close()
+
+
+@pytest.mark.parametrize("request_id", [1, 0])
+@pytest.mark.parametrize("token", [None, SECRET])
+def test_an_error_frame_never_completes_the_handshake_whatever_it_carries(token: str | None,
+                                                                         request_id: int) -> None:
+    """An impostor answering ``Hello`` with an error frame whose body is a ``Welcome`` is not let in."""
+    body = encode_envelope(request_id, ERROR, "", None,
+                           Welcome(protocol_version=PROTOCOL_VERSION, server_id="x", host_id="x"))
+    hostile = _Hostile(pack_header(len(body), 0) + body)
+    ch = BlockingChannel(hostile.address, WireConfig(), token=token)
+    try:
+        with pytest.raises(InternalError, match="malformed error"):
+            ch.call(ListWorkers(), ctx())
+        assert not ch.connected and ch.welcome is None
+    finally:
+        hostile.close()
+
+
+def test_the_kernel_giving_up_on_a_peer_is_a_lost_connection_not_a_deadline() -> None:
+    assert _out_of_time(TimeoutError("timed out"))  # the socket's own timeout: the call's deadline
+    assert not _out_of_time(TimeoutError(errno.ETIMEDOUT, "Connection timed out"))  # keepalive, TCP_USER_TIMEOUT
+    assert not _out_of_time(ConnectionResetError(errno.ECONNRESET, "reset"))
+
+
+def test_abort_from_another_thread_ends_a_call_in_flight_and_any_later_one(loop: LoopThread) -> None:
+    address, server = serve(loop, None, slow=30.0)
+    ch = BlockingChannel(address, WireConfig(), token=None)
+    got: list[BaseException] = []
+
+    def slow_call() -> None:
+        try:
+            ch.call(ListWorkers(), ctx(60))
+        except BaseException as exc:
+            got.append(exc)
+
+    try:
+        with pytest.raises(NotFound):
+            ch.call(GetArtifact(key_or_id="x"), ctx())  # connected
+        t = threading.Thread(target=slow_call)
+        t.start()
+        time.sleep(0.3)  # (if the call has not started yet, abort closes the idle connection: same outcome)
+        ch.abort()
+        t.join(10)
+        assert not t.is_alive() and len(got) == 1 and isinstance(got[0], ConnectionLost | NotSent), got
+        assert not ch.connected
+        with pytest.raises(NotSent, match="closed with its client"):
+            ch.call(GetArtifact(key_or_id="x"), ctx())
+        assert not ch.connected
+    finally:
+        ch.close()
+        loop.run(server.close())

@@ -88,7 +88,8 @@ class Client:
         if self._closed:
             raise InvalidArgument("client is closed")
         msg, ctx = self.aio.lookup_request(key_or_id, timeout=timeout, to_read=to_read)
-        reply = self._threads.call(msg, ctx)
+        # (On the client's own loop thread, the loop's way says that a synchronous call cannot be made there.)
+        reply = None if threading.current_thread() is self._loop.thread else self._threads.call(msg, ctx)
         if reply is not None:
             return self._wrap(self.aio.looked_up(key_or_id, reply))
         return self._wrap(self._run(self._lookup_on_loop(key_or_id, msg, ctx)))

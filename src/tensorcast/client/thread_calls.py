@@ -1,22 +1,27 @@
 """Calls a synchronous client makes on the caller's own thread, without its event loop.
 
-Owns: ``ThreadCalls``: a blocking connection per calling thread (``wire.blocking.BlockingChannel``) to the
-gateway the client's ``Caller`` uses now, opened on that thread's first call and again after the gateway
-changed, closed with the client or when its thread ends. A call either returns the reply, raises the typed error
-the gateway answered, or returns None when it should go the event loop's way instead (this way is off, the
-client is closing, the process forked, or the gateway could not be reached over this connection: the loop's
-caller then fails over to the next gateway as it always does). Only requests that may be sent twice go this
-way (a lookup), since one whose connection broke is sent again through the loop.
+Owns: ``ThreadCalls``: a blocking connection per calling thread (``wire.blocking.BlockingChannel``, charged to
+the client's receive budget) to the gateway the client's ``Caller`` uses now, opened on that thread's first
+call and again after the gateway changed, closed with the client or when its thread ends. A call either
+returns the reply, raises the typed error the gateway answered, or returns None when it should go the event
+loop's way instead: this way is off, the client is closing, the process forked, or the gateway could not be
+reached over such a connection (the loop's caller then fails over to the next gateway as it always does).
+After such a failure no thread tries that gateway this way for a while (``BACKOFF_S``, doubled on each failure
+up to ``MAX_BACKOFF_S``): a gateway that refuses new connections (at its connection limit) or is down costs
+its callers one failed connection per back-off, not one per lookup. Only requests that may be sent twice go
+this way (a lookup), since one whose connection broke is sent again through the loop.
 
 Why: a synchronous call handed to the loop thread wakes that thread, which wakes the caller again when the
-reply is in: two wake-ups, each as dear as the round trip itself on a busy host. Does not own: which calls
-go this way (``client.sync``) or what they mean (``client.aio``).
+reply is in: two wake-ups, each as dear as the round trip itself on a busy host. What it costs: a connection
+to the gateway per thread that looks something up (held while the thread lives), beside the loop's own. Does
+not own: which calls go this way (``client.sync``) or what they mean (``client.aio``).
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 from typing import TypeVar
 
@@ -27,9 +32,12 @@ from tensorcast.wire.frame_parts import ConnectionLost, NotSent
 from tensorcast.wire.messages import Request
 from tensorcast.wire.protocol import retry_safe
 
-__all__ = ["ThreadCalls"]
+__all__ = ["BACKOFF_S", "MAX_BACKOFF_S", "ThreadCalls"]
 
 R = TypeVar("R")
+
+BACKOFF_S = 1.0
+MAX_BACKOFF_S = 30.0
 
 
 class _Held:
@@ -53,13 +61,16 @@ class ThreadCalls:
         self._lock = threading.Lock()
         self._held: weakref.WeakSet[_Held] = weakref.WeakSet()  # every thread's, to close with the client
         self._closed = False
+        self._avoid: tuple[str, float] = ("", 0.0)  # a gateway not tried this way until then (monotonic)
+        self._backoff = BACKOFF_S
 
     def call(self, msg: Request[R], ctx: CallContext) -> R | None:
         """``msg``'s reply, sent on this thread; None: send it through the event loop instead."""
         if not self.enabled or self._closed or os.getpid() != self._pid or not retry_safe(msg):
             return None  # (a forked child must not use its parent's sockets: their replies are the parent's)
         address = self.caller.address
-        if not address:
+        avoid, until = self._avoid
+        if not address or (address == avoid and time.monotonic() < until):
             return None
         held: _Held | None = getattr(self._local, "held", None)
         if held is None or held.channel.address != address:
@@ -67,16 +78,23 @@ class ThreadCalls:
                 held.channel.close()
             held = _Held(BlockingChannel(address, self.caller.config, token=self.caller.token,
                                          peer_id=self.caller.peer_id, host_id=self.caller.host_id,
-                                         tls=self.caller.tls))
+                                         tls=self.caller.tls, budget=self.caller.budget))
             with self._lock:
                 if self._closed:
                     return None
                 self._held.add(held)
             self._local.held = held
         try:
-            return held.channel.call(msg, ctx)
+            reply = held.channel.call(msg, ctx)
         except (NotSent, ConnectionLost):
-            return None  # the loop's caller fails over (and says so); this thread's connection opens again
+            with self._lock:  # the loop's caller fails over (and says so); this way waits a while
+                self._avoid = (address, time.monotonic() + self._backoff)
+                self._backoff = min(self._backoff * 2, MAX_BACKOFF_S)
+            return None
+        if self._backoff != BACKOFF_S:
+            with self._lock:
+                self._backoff = BACKOFF_S
+        return reply
 
     def connections(self) -> int:
         """Threads holding an open connection now."""
@@ -84,9 +102,10 @@ class ThreadCalls:
             return sum(1 for h in self._held if h.channel.connected)
 
     def close(self) -> None:
-        """Close every thread's connection; later calls go through the loop (which says the client is closed)."""
+        """No call goes this way any more; every thread's connection is closed (one mid-call is shut down and
+        its call goes through the loop, which says the client is closed)."""
         with self._lock:
             self._closed = True
             held = list(self._held)
         for h in held:
-            h.channel.close()
+            h.channel.abort()

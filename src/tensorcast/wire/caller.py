@@ -52,6 +52,7 @@ class Caller:
         self.address = self.defaults[0] if self.defaults else ""  # the default peer in use now
         self._channels: dict[str, RpcChannel] = {}
         self._shared = WireState(config)  # one receive budget and fault injector for all its connections
+        self.budget = self._shared.budget  # (shared with the blocking connections of ``client.thread_calls``)
 
     def context(self, timeout: float | None = None, ctx: CallContext | None = None) -> CallContext:
         """``ctx`` (or a fresh context) with a deadline: ``timeout`` from now, else the default timeout,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import select
+import threading
 
 from tensorcast.config import WireConfig
 from tensorcast.errors import ResourceExhausted
@@ -43,15 +44,18 @@ class ReceiveBudget:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.held = 0
+        self._lock = threading.Lock()  # a synchronous client's threads share it with its event loop
 
     def take(self, nbytes: int) -> None:
-        if self.held + nbytes > self.limit:
-            raise ResourceExhausted(f"receive buffers full: {nbytes} more bytes would exceed "
-                                    f"wire.receive_budget_bytes ({self.limit}); retry")
-        self.held += nbytes
+        with self._lock:
+            if self.held + nbytes > self.limit:
+                raise ResourceExhausted(f"receive buffers full: {nbytes} more bytes would exceed "
+                                        f"wire.receive_budget_bytes ({self.limit}); retry")
+            self.held += nbytes
 
     def give(self, nbytes: int) -> None:
-        self.held -= nbytes
+        with self._lock:
+            self.held -= nbytes
 
 
 class WireState:
