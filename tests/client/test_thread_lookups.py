@@ -155,10 +155,9 @@ def test_turned_off_every_lookup_goes_through_the_loop(cluster: LocalCluster) ->
         client.delete(art.id)
 
 
-def test_a_gateway_refusing_new_connections_is_tried_this_way_once_per_back_off(
-        cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A gateway that takes the loop's connection but closes new ones (at its connection limit) costs one
-    failed connection per back-off, not one per lookup; lookups are answered through the loop meanwhile."""
+def test_a_gateway_refusing_new_connections_is_tried_this_way_once_per_back_off(cluster: LocalCluster) -> None:
+    """A gateway that closes new connections (at its connection limit) costs one failed connection per
+    back-off, doubling while it keeps refusing, not one per lookup; lookups go through the loop meanwhile."""
     with _connect(cluster) as client:
         art = client.put({"x": np.zeros(8)})
         closer = socket.create_server(("127.0.0.1", 0))  # accepts and closes: a gateway refusing connections
@@ -174,13 +173,13 @@ def test_a_gateway_refusing_new_connections_is_tried_this_way_once_per_back_off(
                 conn.close()
 
         threading.Thread(target=refuse, daemon=True).start()
-        threads = client._threads
-        real = threads.caller.address
         now = [1000.0]
-        monkeypatch.setattr(thread_calls.time, "monotonic", lambda: now[0])
+        caller = client.aio.caller
+        threads = thread_calls.ThreadCalls(caller, clock=lambda: now[0])
+        real = caller.address
         msg, ctx = client.aio.lookup_request(art.id, timeout=10)
         try:
-            threads.caller.address = f"127.0.0.1:{closer.getsockname()[1]}"
+            caller.address = f"127.0.0.1:{closer.getsockname()[1]}"
             assert threads.call(msg, ctx) is None and len(accepted) == 1
             for _ in range(5):
                 assert threads.call(msg, ctx) is None
@@ -189,10 +188,16 @@ def test_a_gateway_refusing_new_connections_is_tried_this_way_once_per_back_off(
             assert threads.call(msg, ctx) is None and len(accepted) == 2
             now[0] += thread_calls.BACKOFF_S + 0.01  # the back-off doubled: not yet
             assert threads.call(msg, ctx) is None and len(accepted) == 2
+            now[0] += thread_calls.BACKOFF_S
+            assert threads.call(msg, ctx) is None and len(accepted) == 3
         finally:
-            threads.caller.address = real
+            caller.address = real
             closer.close()
-        assert threads.call(msg, ctx) is not None  # another gateway: this way again
+            threads.close()
+        threads = thread_calls.ThreadCalls(caller, clock=lambda: now[0])
+        assert threads.call(msg, ctx) is not None  # the gateway in use: this way
+        threads.close()
+        client.delete(art.id)
 
 
 def test_a_lookup_on_the_clients_own_loop_thread_is_refused_as_before(cluster: LocalCluster) -> None:

@@ -6,9 +6,10 @@ call and again after the gateway changed, closed with the client or when its thr
 returns the reply, raises the typed error the gateway answered, or returns None when it should go the event
 loop's way instead: this way is off, the client is closing, the process forked, or the gateway could not be
 reached over such a connection (the loop's caller then fails over to the next gateway as it always does).
-After such a failure no thread tries that gateway this way for a while (``BACKOFF_S``, doubled on each failure
-up to ``MAX_BACKOFF_S``): a gateway that refuses new connections (at its connection limit) or is down costs
-its callers one failed connection per back-off, not one per lookup. Only requests that may be sent twice go
+After such a failure no thread without a working connection to that gateway tries it this way for a while
+(``BACKOFF_S``, doubled on each failure in a row up to ``MAX_BACKOFF_S``, forgotten on a success): a gateway
+that refuses new connections (at its connection limit) or is down costs its callers one failed connection per
+back-off, not one per lookup. Only requests that may be sent twice go
 this way (a lookup), since one whose connection broke is sent again through the loop.
 
 Why: a synchronous call handed to the loop thread wakes that thread, which wakes the caller again when the
@@ -23,6 +24,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import TypeVar
 
 from tensorcast.context import CallContext
@@ -53,26 +55,29 @@ class _Held:
 
 
 class ThreadCalls:
-    def __init__(self, caller: Caller, *, enabled: bool = True) -> None:
+    def __init__(self, caller: Caller, *, enabled: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
         self.caller = caller
         self.enabled = enabled
+        self.clock = clock
         self._pid = os.getpid()
         self._local = threading.local()
         self._lock = threading.Lock()
         self._held: weakref.WeakSet[_Held] = weakref.WeakSet()  # every thread's, to close with the client
         self._closed = False
-        self._avoid: tuple[str, float] = ("", 0.0)  # a gateway not tried this way until then (monotonic)
-        self._backoff = BACKOFF_S
+        self._avoid: dict[str, tuple[float, float]] = {}  # gateway -> (not tried this way until, back-off)
 
     def call(self, msg: Request[R], ctx: CallContext) -> R | None:
         """``msg``'s reply, sent on this thread; None: send it through the event loop instead."""
         if not self.enabled or self._closed or os.getpid() != self._pid or not retry_safe(msg):
             return None  # (a forked child must not use its parent's sockets: their replies are the parent's)
         address = self.caller.address
-        avoid, until = self._avoid
-        if not address or (address == avoid and time.monotonic() < until):
+        if not address:
             return None
         held: _Held | None = getattr(self._local, "held", None)
+        mine = held is not None and held.channel.address == address and held.channel.connected
+        avoided = self._avoid.get(address)
+        if avoided is not None and not mine and self.clock() < avoided[0]:
+            return None  # (a thread whose connection to it works goes on using it)
         if held is None or held.channel.address != address:
             if held is not None:
                 held.channel.close()
@@ -88,12 +93,13 @@ class ThreadCalls:
             reply = held.channel.call(msg, ctx)
         except (NotSent, ConnectionLost):
             with self._lock:  # the loop's caller fails over (and says so); this way waits a while
-                self._avoid = (address, time.monotonic() + self._backoff)
-                self._backoff = min(self._backoff * 2, MAX_BACKOFF_S)
+                if not self._closed:
+                    backoff = BACKOFF_S if avoided is None else min(avoided[1] * 2, MAX_BACKOFF_S)
+                    self._avoid[address] = (self.clock() + backoff, backoff)
             return None
-        if self._backoff != BACKOFF_S:
+        if avoided is not None and not mine:  # a new connection worked: the gateway takes them again
             with self._lock:
-                self._backoff = BACKOFF_S
+                self._avoid.pop(address, None)
         return reply
 
     def connections(self) -> int:

@@ -46,7 +46,7 @@ from tensorcast.wire.handshake import ClientHandshake
 from tensorcast.wire.messages import PROTOCOL_VERSION, Challenge, ErrorReply, Hello, Proof, Request, Welcome
 from tensorcast.wire.protocol import ERROR, REQUEST
 from tensorcast.wire.rpc import parse_address
-from tensorcast.wire.shared import ReceiveBudget
+from tensorcast.wire.shared import BudgetFull, ReceiveBudget
 from tensorcast.wire.sockets import detect_dead_peer
 
 __all__ = ["BlockingChannel"]
@@ -86,22 +86,30 @@ class BlockingChannel:
         outcome = "ok"
         try:
             with self._busy, tracing.span(method, ctx.trace_id, kind="client", attributes={"peer": self.address}):
-                if self._aborted:
-                    raise NotSent(f"the connection to {self.address} was closed with its client")
                 try:
-                    if self._sock is None:
-                        self._connect(ctx)
-                    reply, kind = self._roundtrip(msg, ctx)
+                    if not self._aborted:
+                        if self._sock is None:
+                            self._connect(ctx)
+                        reply, kind = self._roundtrip(msg, ctx)
+                    if self._aborted:  # before the call, or while it ran: no reply after the client closed
+                        raise NotSent(f"the connection to {self.address} was closed with its client")
                 except _Unsent as exc:
                     raise NotSent(f"cannot send to {self.address}: {exc.args[0]}") from None
                 finally:
-                    if self._aborted:  # aborted meanwhile (it may have connected): nobody else would close it
+                    if self._aborted:
                         self.close()
                 return self._checked(msg, reply, kind, ctx)
         except TensorCastError as exc:
             outcome = exc.code
             raise
         finally:
+            # ``abort`` raises the flag, then tries the lock: if it found the lock held by this call, this
+            # side closes what it opened.
+            if self._aborted and self._busy.acquire(blocking=False):
+                try:
+                    self.close()
+                finally:
+                    self._busy.release()
             roles = self.welcome.roles if self.welcome is not None else ()
             metrics.rpc_sent(method, "gs" if "gs" in roles else "worker", outcome, time.perf_counter() - started)
 
@@ -158,20 +166,11 @@ class BlockingChannel:
             raw = socket.create_connection((host, port), timeout=left)
         except OSError as exc:  # refused, unreachable, timed out
             raise NotSent(f"cannot connect to {self.address}: {exc}") from None
-        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if self.config.dead_peer_timeout > 0:
-            detect_dead_peer(raw, self.config.dead_peer_timeout)
-        sock = raw
-        tls = client_context(self.tls) if self.tls is not None else None
-        if tls is not None and self.tls is not None:
-            try:
-                sock = tls.wrap_socket(raw, server_hostname=server_hostname(self.tls, host))
-            except ssl.SSLError as exc:  # a certificate that does not verify, a peer without TLS
-                raw.close()
-                raise handshake_error(self.address, exc) from None
-            except OSError as exc:  # timed out, reset: as unreachable as a refused connection
-                raw.close()
-                raise NotSent(f"TLS handshake with {self.address} failed: {exc}") from None
+        try:
+            sock = self._secured(raw, host)
+        except BaseException:
+            raw.close()
+            raise
         self._sock = sock
         # Until the handshake is done: small frames only, as the server holds us to.
         self._reader = FrameReader(4096, self.config.max_handshake_bytes, self._budget, payloads=False)
@@ -185,6 +184,23 @@ class BlockingChannel:
             raise
         self._reader.max_body = self.config.max_frame_bytes
         self._reader.grow(_STAGING)
+
+    def _secured(self, raw: socket.socket, host: str) -> socket.socket:
+        """``raw`` with its options set, and TLS over it when configured."""
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.config.dead_peer_timeout > 0:
+            detect_dead_peer(raw, self.config.dead_peer_timeout)
+        tls = client_context(self.tls) if self.tls is not None else None
+        if tls is None or self.tls is None:
+            return raw
+        try:
+            return tls.wrap_socket(raw, server_hostname=server_hostname(self.tls, host))
+        except (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError) as exc:  # the server cut it
+            raise NotSent(f"TLS handshake with {self.address} cut short: {exc}") from None
+        except ssl.SSLError as exc:  # a certificate that does not verify, a peer without TLS
+            raise handshake_error(self.address, exc) from None
+        except OSError as exc:  # timed out, reset: as unreachable as a refused connection
+            raise NotSent(f"TLS handshake with {self.address} failed: {exc}") from None
 
     def _handshake(self, limit: CallContext) -> Welcome:
         hs = ClientHandshake(self.keyring, self.peer_id, "rpc")
@@ -256,6 +272,8 @@ class BlockingChannel:
             self.close()
             if isinstance(exc, Unavailable | DeadlineExceeded):  # lost, or out of time between two reads
                 raise
+            if isinstance(exc, BudgetFull):  # the process's receive buffers are full: the loop's way
+                raise ConnectionLost(f"reply from {self.address} not taken: {exc.message}") from None
             raise InternalError(f"{self.address} answered {method} with a frame this channel cannot take: "
                                 f"{exc.message}", trace_id=ctx.trace_id) from None
         except BaseException:

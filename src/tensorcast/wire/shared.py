@@ -16,7 +16,7 @@ from tensorcast.config import WireConfig
 from tensorcast.errors import ResourceExhausted
 from tensorcast.log import RateLimitedLog
 
-__all__ = ["PayloadFaults", "ReceiveBudget", "WireState", "has_bytes_waiting"]
+__all__ = ["BudgetFull", "PayloadFaults", "ReceiveBudget", "WireState", "has_bytes_waiting"]
 
 log = logging.getLogger("tensorcast.wire")
 
@@ -36,6 +36,10 @@ class PayloadFaults:
 
 
 
+class BudgetFull(ResourceExhausted):
+    """The process's receive buffers are full (not the peer's fault: another connection holds them)."""
+
+
 class ReceiveBudget:
     """Bytes all connections of one process hold in frame bodies and payloads still arriving into fresh
     buffers (``wire.receive_budget_bytes``): many peers announcing large frames cannot make the process
@@ -48,14 +52,17 @@ class ReceiveBudget:
 
     def take(self, nbytes: int) -> None:
         with self._lock:
-            if self.held + nbytes > self.limit:
-                raise ResourceExhausted(f"receive buffers full: {nbytes} more bytes would exceed "
-                                        f"wire.receive_budget_bytes ({self.limit}); retry")
-            self.held += nbytes
+            taken = self.held + nbytes <= self.limit
+            if taken:
+                self.held += nbytes
+        if not taken:
+            raise BudgetFull(f"receive buffers full: {nbytes} more bytes would exceed "
+                                    f"wire.receive_budget_bytes ({self.limit}); retry")
 
     def give(self, nbytes: int) -> None:
-        with self._lock:
-            self.held -= nbytes
+        if nbytes:  # (a reader closed between frames gives nothing back: no lock, e.g. from a finalizer)
+            with self._lock:
+                self.held -= nbytes
 
 
 class WireState:
