@@ -34,16 +34,15 @@ from tensorcast.errors import (
     InvalidArgument,
     TensorCastError,
     Unavailable,
-    error_from_code,
 )
 from tensorcast.obs import metrics, tracing
 from tensorcast.tls import client_context, handshake_error, server_hostname
 from tensorcast.wire.codec import decode_envelope, decode_message
-from tensorcast.wire.frame_parts import ConnectionLost, NotSent, encode_envelope
+from tensorcast.wire.frame_parts import ConnectionLost, NotSent, checked_reply, encode_envelope, reported_error
 from tensorcast.wire.frame_reader import Body, FrameReader
 from tensorcast.wire.frames import pack_header
 from tensorcast.wire.handshake import ClientHandshake
-from tensorcast.wire.messages import PROTOCOL_VERSION, Challenge, ErrorReply, Hello, Proof, Request, Welcome
+from tensorcast.wire.messages import PROTOCOL_VERSION, Challenge, Hello, Proof, Request, Welcome
 from tensorcast.wire.protocol import ERROR, REQUEST
 from tensorcast.wire.rpc import parse_address
 from tensorcast.wire.shared import BudgetFull, ReceiveBudget
@@ -98,7 +97,9 @@ class BlockingChannel:
                 finally:
                     if self._aborted:
                         self.close()
-                return self._checked(msg, reply, kind, ctx)
+                if kind == ERROR:
+                    raise reported_error(reply, ctx.trace_id)
+                return cast(R, checked_reply(msg, reply, self.address, ctx.trace_id))
         except TensorCastError as exc:
             outcome = exc.code
             raise
@@ -112,18 +113,6 @@ class BlockingChannel:
                     self._busy.release()
             roles = self.welcome.roles if self.welcome is not None else ()
             metrics.rpc_sent(method, "gs" if "gs" in roles else "worker", outcome, time.perf_counter() - started)
-
-    def _checked(self, msg: Request[R], reply: Any, kind: int, ctx: CallContext) -> R:
-        """The reply as the request declares it, or the typed error the server sent."""
-        if kind == ERROR:
-            if isinstance(reply, ErrorReply):
-                raise error_from_code(reply.code, reply.message, ctx.trace_id)
-            raise InternalError("malformed error reply", trace_id=ctx.trace_id)
-        expect = type(msg).reply_type()
-        if not isinstance(reply, expect):
-            raise InternalError(f"{self.address} answered {type(msg).__name__} with {type(reply).__name__}, "
-                                f"expected {expect.__name__}", trace_id=ctx.trace_id)
-        return cast(R, reply)
 
     def close(self) -> None:
         """Close the connection (the calling thread's, or one no call uses), giving back what its reader held."""
@@ -219,9 +208,7 @@ class BlockingChannel:
         """One handshake exchange; any error frame ends the handshake (whatever its body claims to be)."""
         reply, kind = self._roundtrip(msg, limit)
         if kind == ERROR:
-            if isinstance(reply, ErrorReply):
-                raise error_from_code(reply.code, reply.message, limit.trace_id)
-            raise InternalError(f"{self.address} answered the handshake with a malformed error")
+            raise reported_error(reply, limit.trace_id)
         return reply
 
     # ------------------------------------------------------------------ one exchange
@@ -240,8 +227,7 @@ class BlockingChannel:
         except OSError as exc:  # (TimeoutError included)
             self.close()
             if _out_of_time(exc):
-                raise DeadlineExceeded(f"{method} to {self.address}: deadline exceeded", trace_id=ctx.trace_id) \
-                    from None
+                raise self._late(method, ctx) from None
             raise _Unsent(str(exc)) from None
         except BaseException:
             self.close()
@@ -265,8 +251,7 @@ class BlockingChannel:
         except OSError as exc:  # closed, reset, TLS torn down, the kernel gave up on the peer; or out of time
             self.close()
             if _out_of_time(exc):
-                raise DeadlineExceeded(f"{method} to {self.address}: deadline exceeded", trace_id=ctx.trace_id) \
-                    from None
+                raise self._late(method, ctx) from None
             raise ConnectionLost(f"connection to {self.address} lost: {exc}") from None
         except TensorCastError as exc:  # a frame this side cannot take (too large, malformed, a payload)
             self.close()
@@ -283,8 +268,11 @@ class BlockingChannel:
     def _timeout(self, sock: socket.socket, ctx: CallContext, method: str) -> None:
         left = ctx.remaining()
         if left is not None and left <= 0:
-            raise DeadlineExceeded(f"{method} to {self.address}: deadline exceeded", trace_id=ctx.trace_id)
+            raise self._late(method, ctx)
         sock.settimeout(left)
+
+    def _late(self, method: str, ctx: CallContext) -> DeadlineExceeded:
+        return DeadlineExceeded(f"{method} to {self.address}: deadline exceeded", trace_id=ctx.trace_id)
 
 
 def _out_of_time(exc: OSError) -> bool:

@@ -19,9 +19,10 @@ from typing import Any, TypeVar, cast
 
 from tensorcast.config import TLSConfig, WireConfig
 from tensorcast.context import CallContext
-from tensorcast.errors import InternalError, InvalidArgument
+from tensorcast.errors import InvalidArgument
 from tensorcast.wire.channel import RpcChannel
 from tensorcast.wire.connection import Sink
+from tensorcast.wire.frame_parts import checked_reply
 from tensorcast.wire.messages import Request, Welcome
 from tensorcast.wire.protocol import retry_safe
 from tensorcast.wire.rpc import ConnectionLost, NotSent, ReplySink
@@ -91,15 +92,10 @@ class Caller:
         take it can be reached, and ``InternalError`` for a reply of the wrong type. With ``address`` the
         call goes there and nowhere else."""
         ctx = ctx or self.context()
-        expect = type(msg).reply_type()
 
         async def send(target: str) -> R:
             frame = await self._channel(target).call(msg, ctx, payload=payload, sink=sink)
-            reply = frame.message
-            if not isinstance(reply, expect):
-                raise InternalError(f"{target} answered {type(msg).__name__} with {type(reply).__name__}, "
-                                    f"expected {expect.__name__}", trace_id=frame.envelope.trace_id)
-            return cast(R, reply)
+            return cast(R, checked_reply(msg, frame.message, target, frame.envelope.trace_id))
 
         if address is not None:
             return await send(address)

@@ -18,10 +18,11 @@ from typing import Any
 from tensorcast.config import TLSConfig, WireConfig
 from tensorcast.context import CallContext
 from tensorcast.credentials import Keyring
-from tensorcast.errors import DeadlineExceeded, InternalError, InvalidArgument, TensorCastError, error_from_code
+from tensorcast.errors import DeadlineExceeded, InvalidArgument, TensorCastError, error_from_code
 from tensorcast.obs import metrics, tracing
 from tensorcast.tls import client_context, handshake_error, server_hostname
 from tensorcast.wire.connection import Connection, ConnectionLost, Frame, NotSent, Sink, encode_envelope
+from tensorcast.wire.frame_parts import reported_error
 from tensorcast.wire.handshake import ClientHandshake
 from tensorcast.wire.messages import PROTOCOL_VERSION, Challenge, ErrorReply, Hello, Proof, Welcome
 from tensorcast.wire.protocol import ERROR, REQUEST, Envelope
@@ -185,10 +186,7 @@ class RpcChannel:
         finally:
             self._pending.pop(request_id, None)
         if frame.envelope.kind == ERROR:
-            err = frame.message
-            if isinstance(err, ErrorReply):
-                raise error_from_code(err.code, err.message, ctx.trace_id)
-            raise InternalError("malformed error reply", trace_id=ctx.trace_id)
+            raise reported_error(frame.message, ctx.trace_id)
         if frame.error is not None:
             raise frame.error
         await verify_payload(frame)

@@ -12,12 +12,12 @@ from typing import Any
 
 import msgspec
 
-from tensorcast.errors import InvalidArgument, TensorCastError, Unavailable
+from tensorcast.errors import InternalError, InvalidArgument, TensorCastError, Unavailable, error_from_code
 from tensorcast.wire.messages import ErrorReply
 from tensorcast.wire.protocol import Envelope
 
-__all__ = ["ConnectionLost", "Frame", "Landing", "NotSent", "Sink", "encode_envelope", "error_reply",
-           "payload_views"]
+__all__ = ["ConnectionLost", "Frame", "Landing", "NotSent", "Sink", "checked_reply", "encode_envelope", "error_reply",
+           "payload_views", "reported_error"]
 
 _ENCODER = msgspec.msgpack.Encoder()
 
@@ -40,6 +40,23 @@ _MAX_ERROR_CHARS = 2000
 def error_reply(exc: TensorCastError) -> ErrorReply:
     message = exc.message if len(exc.message) <= _MAX_ERROR_CHARS else exc.message[:_MAX_ERROR_CHARS] + "..."
     return ErrorReply(code=exc.code, message=message, retryable=exc.retryable)
+
+
+def reported_error(message: Any, trace_id: str = "") -> TensorCastError:
+    """What an error frame's body says went wrong, as its typed error (``InternalError`` for a body that is no
+    ``ErrorReply``, whatever it claims to be)."""
+    if isinstance(message, ErrorReply):
+        return error_from_code(message.code, message.message, trace_id)
+    return InternalError("malformed error reply", trace_id=trace_id)
+
+
+def checked_reply(request: Any, reply: Any, peer: str, trace_id: str = "") -> Any:
+    """``reply`` if it is of the type ``request`` declares; ``InternalError`` naming ``peer`` otherwise."""
+    expect = type(request).reply_type()
+    if not isinstance(reply, expect):
+        raise InternalError(f"{peer} answered {type(request).__name__} with {type(reply).__name__}, expected "
+                            f"{expect.__name__}", trace_id=trace_id)
+    return reply
 
 
 # A payload destination: one buffer, or several filled in order (scatter), e.g. KV page slots.

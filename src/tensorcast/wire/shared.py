@@ -57,7 +57,7 @@ class ReceiveBudget:
                 self.held += nbytes
         if not taken:
             raise BudgetFull(f"receive buffers full: {nbytes} more bytes would exceed "
-                                    f"wire.receive_budget_bytes ({self.limit}); retry")
+                             f"wire.receive_budget_bytes ({self.limit}); retry")
 
     def give(self, nbytes: int) -> None:
         if nbytes:  # (a reader closed between frames gives nothing back: no lock, e.g. from a finalizer)
